@@ -1,0 +1,107 @@
+"""Find a checkpoint on disk (or in the Hugging Face hub) and read its config and tensors.
+
+Everything here is format-agnostic: the target and draft loaders decide what the tensors mean.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used; the message names the file and field at fault."""
+
+
+def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
+    """A local directory as is, otherwise a hub id fetched through the local cache.
+
+    ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself: a cached snapshot is used and
+    nothing is downloaded.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"--{role} {path}: expected a checkpoint directory, got a file")
+    text = str(name_or_path)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"--{role} {text}: no such directory (and not a hub id 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                            "*.txt", "*.jinja"]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise CheckpointError(f"--{role} {text}: not a local directory and the hub download "
+                              f"failed ({type(err).__name__}: {err})") from None
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (every checkpoint needs a config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at the top level")
+    return config
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files: the shards named by ``model.safetensors.index.json``, else every
+    ``*.safetensors`` file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map'") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard(s) that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights found")
+    return files
+
+
+def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(directory):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
+                tensors[key] = f.get_tensor(name)
+    return tensors
+
+
+def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype):
+    """``factory()`` built without allocating weights, then given the checkpoint's tensors (cast to
+    ``dtype``; integer tables such as ``d2t`` keep theirs). Missing tensors are an error naming
+    them; ``tensors`` must hold exactly the module's state."""
+    with torch.device("meta"):
+        module = factory()
+    expected = module.state_dict()
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"{directory}: missing tensor(s) {shown}")
+    state = {}
+    for name, meta in expected.items():
+        tensor = tensors[name]
+        if tensor.shape != meta.shape:
+            raise CheckpointError(f"{directory}: tensor {name} has shape {list(tensor.shape)}, "
+                                  f"expected {list(meta.shape)} from config.json")
+        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    module.load_state_dict(state, assign=True)
+    return module.eval()

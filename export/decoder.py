@@ -1,0 +1,190 @@
+"""The pre-norm Llama / Qwen3 decoder layer shared by the target and the DSpark draft.
+
+Parameter names follow the Hugging Face checkpoints (``self_attn.q_proj``, ``mlp.gate_proj``, ...)
+so that a checkpoint's tensors load with ``load_state_dict`` and nothing is renamed by hand.
+The attention pattern is ``plugins.block_attention``: causal for the target, non-causal for the
+draft block over its context K/V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.block_attention import block_attention
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shapes and numerics of a decoder stack; RoPE is resolved to numbers at load time so that
+    nothing downstream needs the checkpoint's ``transformers`` config."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head; Llama does not
+    rope_inv_freq: tuple[float, ...]
+    rope_attention_scaling: float
+
+    @classmethod
+    def from_hf(cls, config, *, qk_norm: bool, num_layers: int | None = None) -> "DecoderConfig":
+        """Read a ``transformers`` Llama/Qwen3 config (``PretrainedConfig``)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq, scaling = rope_parameters(config, head_dim)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
+        return cls(
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers if num_layers is None else num_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            rope_inv_freq=tuple(inv_freq.tolist()),
+            rope_attention_scaling=float(scaling),
+        )
+
+
+def rope_parameters(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scaling for the config's RoPE type, computed by
+    ``transformers`` itself for every scaled type (linear, yarn, llama3, longrope, ...)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        # float32 exactly as transformers computes it, so positions far out rotate identically
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' changes the frequencies with the sequence length, "
+                         "which a fixed engine cannot follow; not supported")
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported "
+                         f"(expected default or one of {sorted(ROPE_INIT_FUNCTIONS)})")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq, scaling
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)``, accumulated in fp32 whatever the model dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style (rotate-half) rotary embedding at absolute positions."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.inv_freq = config.rope_inv_freq  # a tuple, not a buffer: checkpoints never carry it
+        self.scaling = config.rope_attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [B, S]`` -> cos, sin ``[B, 1, S, head_dim]`` for broadcasting over heads."""
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """The projections of one attention layer; the attention pattern is the caller's."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        """``[B, S, count*D]`` -> ``[B, count, S, D]``."""
+        return x.unflatten(-1, (count, self.head_dim)).transpose(1, 2)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.num_heads)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        return apply_rotary(q, cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (normed, rotated) and V (neither) heads of ``x``: ``[B, Hkv, S, D]`` each."""
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        return apply_rotary(k, cos, sin), self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S, D]`` attention output -> ``[B, S, hidden]``."""
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer whose attention is ``block_attention`` over a fixed-capacity cache:
+    causal for the target, non-causal for the draft block."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, start, causal: bool):
+        """``h [B, S, hidden]`` at cache rows ``start + i``; returns ``h`` and the updated caches."""
+        x = self.input_layernorm(h)
+        attn = self.self_attn
+        k, v = attn.key_value(x, cos, sin)
+        o, k_cache, v_cache = block_attention(attn.query(x, cos, sin), k, v, k_cache, v_cache,
+                                              start, causal=causal, scale=attn.scale)
+        h = h + attn.output(o)
+        return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache

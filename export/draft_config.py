@@ -1,0 +1,193 @@
+"""The DSpark draft's configuration: native DeepSpec and Speculators configs, translated to one
+dataclass and checked against the target.
+
+Conventions (``../shared/docs/dspark-spec.md`` §2, §3.2):
+
+- ``target_layer_ids`` uses the **DeepSpec convention**: id ``t`` taps the raw residual stream
+  *after* target decoder layer ``t`` (0-based); ``-1`` taps the embedding output. Speculators'
+  ``aux_hidden_state_layer_ids`` are vLLM capture ids (the input of layer ``a``), so ``t = a - 1``.
+- ``layout`` is ``anchor-first`` (block ``[anchor, MASK...]``, row ``j`` predicts position
+  ``p_anchor + j + 1``, ``block_size`` drafts) or ``bonus-anchor`` (same block, row 0 is not
+  sampled, row ``j`` predicts ``p_anchor + j``, ``block_size - 1`` drafts). Both draft the
+  positions ``p_anchor + 1 ... p_anchor + k``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import CheckpointError, read_config
+from .decoder import DecoderConfig
+
+ANCHOR_FIRST = "anchor-first"
+BONUS_ANCHOR = "bonus-anchor"
+LAYOUTS = (ANCHOR_FIRST, BONUS_ANCHOR)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    source_format: str                  # "native" (DeepSpec) or "speculators"
+    decoder: DecoderConfig
+    vocab_size: int                     # V: rows of embed_tokens and markov_w1 (indexed by target ids)
+    draft_vocab_size: int               # V_d: rows of lm_head and markov_w2
+    target_layer_ids: tuple[int, ...]   # DeepSpec convention, ascending
+    target_hidden_size: int
+    block_size: int                     # trained block width (slots, anchor included)
+    layout: str
+    mask_token_id: int
+    markov_rank: int
+    default_k: int | None               # Speculators' speculative_tokens, if the config names one
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one block can propose: every slot (anchor-first) or every slot but the anchor's."""
+        return self.block_size if self.layout == ANCHOR_FIRST else self.block_size - 1
+
+    @property
+    def first_draft_row(self) -> int:
+        """Block row that holds the first draft's logits."""
+        return 0 if self.layout == ANCHOR_FIRST else 1
+
+
+def load_draft_config(directory: Path, target_num_layers: int, target_hidden_size: int) -> DraftConfig:
+    raw = read_config(directory)
+    path = directory / "config.json"
+    if "speculators_model_type" in raw:
+        config = _from_speculators(raw, path, target_hidden_size)
+    elif "Qwen3DSparkModel" in (raw.get("architectures") or []):
+        config = _from_native(raw, path, target_hidden_size)
+    else:
+        raise CheckpointError(
+            f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] (native "
+            f"DeepSpec) or speculators_model_type 'dspark' (Speculators), got architectures "
+            f"{raw.get('architectures')}")
+    _check_taps(config, path, target_num_layers)
+    return config
+
+
+def resolve_k(config: DraftConfig, k: int | None) -> int:
+    """Drafts per step: the trained number by default; fewer run the full block and keep the
+    first ``k`` proposals (spec §7); more are refused because rows past the block were never
+    trained."""
+    if k is None:
+        k = config.default_k if config.default_k is not None else config.max_drafts
+    if k < 1:
+        raise ValueError(f"--k {k}: expected at least 1 draft per step")
+    if k > config.max_drafts:
+        raise ValueError(f"--k {k}: the draft was trained with block_size {config.block_size} "
+                         f"({config.layout}) and proposes at most {config.max_drafts} per step")
+    return k
+
+
+def _require(raw: dict, key: str, path: Path, what: str):
+    if key not in raw:
+        raise CheckpointError(f"{path}: missing field '{key}' ({what})")
+    return raw[key]
+
+
+def _int_field(raw: dict, key: str, path: Path, what: str, minimum: int, default=None) -> int:
+    value = raw.get(key, default) if default is not None else _require(raw, key, path, what)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointError(f"{path}: field '{key}' = {value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _decoder(backbone: dict, path: Path, field: str) -> tuple[DecoderConfig, int]:
+    from transformers import AutoConfig
+
+    model_type = backbone.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise CheckpointError(f"{path}: {field}model_type {model_type!r}: only qwen3 DSpark "
+                              f"backbones are supported")
+    clean = {k: v for k, v in backbone.items() if k not in ("model_type", "architectures")}
+    try:
+        hf = AutoConfig.for_model("qwen3", **clean)
+        decoder = DecoderConfig.from_hf(hf, qk_norm=True)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: {field or 'config'} cannot be read as a Qwen3 config "
+                              f"({err})") from None
+    return decoder, hf.vocab_size
+
+
+def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") -> int:
+    head_type = raw.get("markov_head_type", type_default)
+    if head_type != "vanilla":
+        raise CheckpointError(f"{path}: markov_head_type {head_type!r}: only 'vanilla' is "
+                              f"supported at inference (as in vLLM)")
+    rank = raw.get("markov_rank", rank_default)
+    if not isinstance(rank, int) or rank < 1:
+        raise CheckpointError(f"{path}: markov_rank {rank!r}: expected an integer >= 1 "
+                              f"(markov_rank 0 is a plain DFlash draft, which is not supported)")
+    return rank
+
+
+def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
+    decoder, vocab = _decoder(raw, path, "")
+    taps = _require(raw, "target_layer_ids", path, "DeepSpec tap layers")
+    bonus = raw.get("dspark_bonus_anchor", not raw.get("sample_from_anchor", True))
+    return DraftConfig(
+        source_format="native",
+        decoder=decoder,
+        vocab_size=vocab,
+        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        target_layer_ids=_taps(taps, path, "target_layer_ids", shift=0),
+        target_hidden_size=raw.get("target_hidden_size") or target_hidden_size,
+        block_size=_int_field(raw, "block_size", path, "trained block width", 2),
+        layout=BONUS_ANCHOR if bonus else ANCHOR_FIRST,
+        mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
+        markov_rank=_markov(raw, path),
+        default_k=None,
+    )
+
+
+def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
+    kind = raw["speculators_model_type"]
+    if kind != "dspark":
+        raise CheckpointError(f"{path}: speculators_model_type {kind!r}: expected 'dspark'")
+    backbone_key = next((k for k in ("transformer_layer_config", "transformer_config") if k in raw), None)
+    if backbone_key is None:
+        raise CheckpointError(f"{path}: must provide transformer_layer_config or transformer_config")
+    if not isinstance(raw[backbone_key], dict):
+        raise CheckpointError(f"{path}: '{backbone_key}' must be a dictionary")
+    decoder, vocab = _decoder(raw[backbone_key], path, f"{backbone_key}.")
+    try:
+        method = raw["speculators_config"]["proposal_methods"][0]
+        default_k = method["speculative_tokens"]
+    except (KeyError, IndexError, TypeError):
+        raise CheckpointError(f"{path}: invalid speculators config structure: expected "
+                              f"speculators_config.proposal_methods[0].speculative_tokens") from None
+    taps = _require(raw, "aux_hidden_state_layer_ids", path, "vLLM capture layer ids")
+    return DraftConfig(
+        source_format="speculators",
+        decoder=decoder,
+        vocab_size=vocab,
+        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        target_layer_ids=_taps(taps, path, "aux_hidden_state_layer_ids", shift=-1),
+        target_hidden_size=raw.get("target_hidden_size") or target_hidden_size,
+        block_size=_int_field(raw, "block_size", path, "trained block width", 2, default=8),
+        layout=ANCHOR_FIRST if raw.get("sample_from_anchor", True) else BONUS_ANCHOR,
+        mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
+        markov_rank=_markov(raw, path, rank_default=256),
+        default_k=default_k,
+    )
+
+
+def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
+    """Ascending DeepSpec-convention tap ids (concatenation order is ascending layer order)."""
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise CheckpointError(f"{path}: field '{field}' = {ids!r}: expected a non-empty list of ints")
+    if len(set(ids)) != len(ids):
+        raise CheckpointError(f"{path}: field '{field}' = {ids}: repeats a layer")
+    return tuple(sorted(i + shift for i in ids))
+
+
+def _check_taps(config: DraftConfig, path: Path, target_num_layers: int) -> None:
+    field = "target_layer_ids" if config.source_format == "native" else "aux_hidden_state_layer_ids"
+    shift = 0 if config.source_format == "native" else 1
+    last = target_num_layers - 2  # the final layer's output is only seen normed in HF; DeepSpec refuses it
+    for tap in config.target_layer_ids:
+        if not -1 <= tap <= last:
+            raise CheckpointError(
+                f"{path}: field '{field}' names layer {tap + shift}, outside the target's "
+                f"{target_num_layers} layers (allowed {-1 + shift}..{last + shift} in this field's "
+                f"convention; the final layer cannot be tapped)")

@@ -1,0 +1,192 @@
+"""``DraftStep``: one DSpark proposal — context K/V update, non-causal block forward, base logits,
+and the Markov sampler unrolled ``k`` times — as one module with flat tensors in and out.
+
+Semantics follow ``../shared/docs/dspark-spec.md`` §3-§5.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plugins.d2t_gather import d2t_gather
+
+from .checkpoint import CheckpointError, build_module, load_tensors, resolve
+from .decoder import DecoderLayer, RMSNorm, Rotary
+from .draft_config import DraftConfig, load_draft_config, resolve_k
+from .target_config import TargetConfig
+from .target_model import TargetStep
+
+
+class MarkovHead(nn.Module):
+    """Low-rank logit bias ``markov_w2 @ markov_w1[prev]`` from the previous *target* token."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+
+class DraftStep(nn.Module):
+    """Inputs:
+
+    - ``ctx_aux [B, Sc, T*H_t]``: target aux rows verified since the last call (padded per row),
+    - ``ctx_start [B]``: the draft cache's valid length, where those rows are written,
+    - ``ctx_count [B]``: how many of the ``Sc`` rows are real; the anchor sits at
+      ``p_anchor = ctx_start + ctx_count``,
+    - ``anchor [B]``: the target's last emitted token (at ``p_anchor``),
+    - ``temperature [B]`` (> 0) and ``noise [B, k, V_d]``: drafts are
+      ``argmax(z / temperature + noise)``; zero noise gives greedy drafts, Gumbel noise samples,
+    - caches ``[L, B, Hkv, C, D]``.
+
+    Outputs: ``tokens [B, k]`` (target ids), ``q [B, k, V_target]`` (the distribution each draft
+    was drawn from, zero outside the draft vocabulary), the updated caches. Cache rows at and past
+    ``p_anchor`` hold the block's scratch K/V; the next call's context rows overwrite them.
+    """
+
+    def __init__(self, config: DraftConfig, target_vocab_size: int, k: int):
+        super().__init__()
+        d = config.decoder
+        self.config, self.k = config, k
+        self.target_vocab_size = target_vocab_size
+        taps = len(config.target_layer_ids)
+        self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+        self.fc = nn.Linear(taps * config.target_hidden_size, d.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = nn.Linear(d.hidden_size, config.draft_vocab_size, bias=False)
+        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.rotary = Rotary(d)
+
+    def forward(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, k_cache, v_cache):
+        k_cache, v_cache = self.write_context(ctx_aux, ctx_start, k_cache, v_cache)
+        base, k_cache, v_cache = self.block_logits(anchor, ctx_start + ctx_count, k_cache, v_cache)
+        first = self.config.first_draft_row
+        tokens, q = self.sample(base[:, first:first + self.k], anchor, temperature, noise)
+        return tokens, q, k_cache, v_cache
+
+    def write_context(self, ctx_aux, ctx_start, k_cache, v_cache):
+        """``hidden_norm(fc(aux))`` -> each layer's ``k_proj``/``k_norm``/RoPE and ``v_proj``,
+        written at rows ``ctx_start + i``. Context rows bypass the layers' ``input_layernorm``."""
+        rows = ctx_aux.shape[1]
+        positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
+        context = self.hidden_norm(self.fc(ctx_aux))
+        cos, sin = self.rotary.cos_sin(positions, context.dtype)
+        batch, _, kv_heads, _, head_dim = k_cache.shape
+        index = positions[:, None, :, None].expand(batch, kv_heads, rows, head_dim)
+        new_k, new_v = [], []
+        for layer_index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(context, cos, sin)
+            new_k.append(k_cache[layer_index].scatter(2, index, k))
+            new_v.append(v_cache[layer_index].scatter(2, index, v))
+        return torch.stack(new_k), torch.stack(new_v)
+
+    def block_logits(self, anchor, anchor_pos, k_cache, v_cache):
+        """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
+        ``anchor_pos + j``, every slot attending to all context rows and to every block slot."""
+        block = self.config.block_size
+        ids = torch.full((anchor.shape[0], block), self.config.mask_token_id,
+                         dtype=anchor.dtype, device=anchor.device)
+        ids[:, 0] = anchor
+        positions = anchor_pos[:, None] + torch.arange(block, device=anchor.device)
+        h = self.embed_tokens(ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        new_k, new_v = [], []
+        for index, layer in enumerate(self.layers):
+            h, k, v = layer(h, cos, sin, k_cache[index], v_cache[index], anchor_pos, causal=False)
+            new_k.append(k)
+            new_v.append(v)
+        return self.lm_head(self.norm(h)), torch.stack(new_k), torch.stack(new_v)
+
+    def sample(self, base, anchor, temperature, noise):
+        """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
+        then the target id emitted at row ``i - 1``), is scaled by the temperature, and draws
+        ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row."""
+        w1 = self.markov_head.markov_w1.weight
+        w2 = self.markov_head.markov_w2.weight
+        target_columns = torch.arange(w2.shape[0], device=w2.device) + self.d2t
+        row = w1[anchor]
+        tokens, probs = [], []
+        for i in range(self.k):
+            z = (base[:, i] + row @ w2.T).float() / temperature[:, None]
+            q = base.new_zeros(base.shape[0], self.target_vocab_size, dtype=torch.float32)
+            probs.append(q.index_copy(1, target_columns, torch.softmax(z, dim=-1)))
+            token, row = d2t_gather(z + noise[:, i], self.d2t, w1)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def empty_cache(self, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.config.decoder
+        shape = (d.num_layers, batch, d.num_kv_heads, capacity, d.head_dim)
+        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
+               dtype: torch.dtype = torch.float32) -> DraftStep:
+    """Load a native or Speculators DSpark draft for ``target`` (spec §1.3, §7): ``embed_tokens``
+    and ``lm_head`` are shared from the target when the draft has none; ``t2d`` is ignored; the
+    confidence head is not used for proposals."""
+    directory = resolve(path, "draft")
+    tc: TargetConfig = target.config
+    config = load_draft_config(directory, tc.decoder.num_layers, tc.decoder.hidden_size)
+    k = resolve_k(config, k)
+    tensors = {name: t for name, t in load_tensors(directory).items()
+               if not name.startswith("confidence_head.") and name != "t2d"}
+    where = f"{directory}/config.json"
+
+    if config.decoder.hidden_size != tc.decoder.hidden_size and not {"embed_tokens.weight", "lm_head.weight"} <= tensors.keys():
+        raise CheckpointError(f"{directory}: the draft's hidden_size {config.decoder.hidden_size} "
+                              f"differs from the target's {tc.decoder.hidden_size}, so it must ship "
+                              f"its own embed_tokens.weight and lm_head.weight")
+    if config.vocab_size > tc.vocab_size and "embed_tokens.weight" not in tensors:
+        raise CheckpointError(f"{where}: vocab_size {config.vocab_size} is larger than the target's "
+                              f"{tc.vocab_size}; such a draft must include embed_tokens.weight")
+    if config.vocab_size < tc.vocab_size:
+        raise CheckpointError(f"{where}: vocab_size {config.vocab_size} is smaller than the target's "
+                              f"{tc.vocab_size}; markov_w1 needs a row for every target token id")
+    reduced = config.draft_vocab_size < tc.vocab_size
+    if reduced and "lm_head.weight" not in tensors:
+        raise CheckpointError(f"{directory}: reduced-vocabulary draft (draft_vocab_size "
+                              f"{config.draft_vocab_size} < target vocab {tc.vocab_size}) must include "
+                              f"lm_head.weight; the target's lm_head cannot be shared")
+    if reduced and "d2t" not in tensors:
+        raise CheckpointError(f"{directory}: reduced-vocabulary draft (draft_vocab_size "
+                              f"{config.draft_vocab_size}) must include a d2t tensor mapping draft ids "
+                              f"to target ids")
+    fc = tensors.get("fc.weight")
+    expected_fc = len(config.target_layer_ids) * config.target_hidden_size
+    if fc is not None and (fc.ndim != 2 or fc.shape[1] != expected_fc):
+        raise CheckpointError(f"{directory}: fc.weight has input width {list(fc.shape)[1:]} but "
+                              f"{len(config.target_layer_ids)} taps x target hidden size "
+                              f"{config.target_hidden_size} = {expected_fc} (config.json "
+                              f"target_layer_ids / aux_hidden_state_layer_ids)")
+
+    tensors.setdefault("embed_tokens.weight", target.embed_tokens.weight.detach())
+    tensors.setdefault("lm_head.weight", target.lm_head.weight.detach())
+    if "d2t" in tensors:
+        _check_d2t(tensors["d2t"], config.draft_vocab_size, tc.vocab_size, directory)
+        tensors["d2t"] = tensors["d2t"].long()
+    else:
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    if config.draft_vocab_size > tc.vocab_size:
+        # A padded draft vocabulary: ids past the target's can never be verified, so drop them.
+        config = replace(config, draft_vocab_size=tc.vocab_size)
+        for name in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
+            tensors[name] = tensors[name][:tc.vocab_size]
+    return build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
+
+
+def _check_d2t(d2t: torch.Tensor, draft_vocab: int, target_vocab: int, directory: Path) -> None:
+    if d2t.dtype not in (torch.int64, torch.int32) or d2t.shape != (draft_vocab,):
+        raise CheckpointError(f"{directory}: d2t must be an integer tensor of shape [{draft_vocab}] "
+                              f"(offsets), got {d2t.dtype} {list(d2t.shape)}")
+    mapped = torch.arange(draft_vocab) + d2t.long()
+    if mapped.min() < 0 or mapped.max() >= target_vocab:
+        raise CheckpointError(f"{directory}: d2t maps draft ids outside the target vocabulary "
+                              f"[0, {target_vocab}) (d2t holds offsets: target = draft + d2t[draft])")
+

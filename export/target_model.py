@@ -1,0 +1,74 @@
+"""``TargetStep``: one forward of the target LLM over fixed-capacity KV caches.
+
+The same module serves prefill chunks and verification (``S = k + 1`` rows): flat tensors in and
+out, no ``transformers`` cache objects, so it exports to ONNX as it is.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, build_module, load_tensors, resolve
+from .decoder import DecoderLayer, RMSNorm, Rotary
+from .target_config import TargetConfig, load_target_config
+
+
+class TargetStep(nn.Module):
+    """``input_ids [B, S]``, ``start [B]`` (each row's valid cache length, where its block is
+    written; positions are ``start + i``), caches ``[L, B, Hkv, C, D]`` ->
+
+    - ``logits [B, S, V]``,
+    - ``aux [B, S, T*H]``: the raw residual stream after each tap layer (DeepSpec convention,
+      ``-1`` = embeddings), concatenated in ascending layer order, which is the draft's input;
+    - the updated caches.
+    """
+
+    def __init__(self, config: TargetConfig, taps: Sequence[int] = ()):
+        super().__init__()
+        d = config.decoder
+        self.config = config
+        self.taps = tuple(sorted(taps))
+        self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(d)
+
+    def forward(self, input_ids, start, k_cache, v_cache):
+        positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        aux = [h] if -1 in self.taps else []
+        new_k, new_v = [], []
+        for index, layer in enumerate(self.layers):
+            h, k, v = layer(h, cos, sin, k_cache[index], v_cache[index], start, causal=True)
+            new_k.append(k)
+            new_v.append(v)
+            if index in self.taps:
+                aux.append(h)
+        logits = self.lm_head(self.norm(h))
+        aux = torch.cat(aux, dim=-1) if aux else h.new_zeros(*h.shape[:2], 0)
+        return logits, aux, torch.stack(new_k), torch.stack(new_v)
+
+    def empty_cache(self, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.config.decoder
+        shape = (d.num_layers, batch, d.num_kv_heads, capacity, d.head_dim)
+        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
+                role: str = "target") -> TargetStep:
+    directory = resolve(path, role)
+    config = load_target_config(directory)
+    tensors = load_tensors(directory, strip_prefix="model.")
+    if "lm_head.weight" not in tensors:
+        if not config.tie_word_embeddings:
+            raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
+                                  f"(config.json: tie_word_embeddings is false)")
+        tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
+    tensors = {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")}
+    return build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
