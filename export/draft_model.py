@@ -76,7 +76,7 @@ class DraftStep(nn.Module):
         positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
         context = self.hidden_norm(self.fc(ctx_aux))
         cos, sin = self.rotary.cos_sin(positions, context.dtype)
-        batch, _, kv_heads, _, head_dim = k_cache.shape
+        _, batch, kv_heads, _, head_dim = k_cache.shape
         index = positions[:, None, :, None].expand(batch, kv_heads, rows, head_dim)
         new_k, new_v = [], []
         for layer_index, layer in enumerate(self.layers):

@@ -1,0 +1,176 @@
+"""Tiny target / draft pairs in the real on-disk layouts, for tests and the quick start.
+
+The target is a ``transformers`` Qwen3 or Llama model saved with ``save_pretrained`` (plus a
+character-level tokenizer with a chat template); the draft is a DSpark checkpoint in the native
+DeepSpec or the Speculators layout. Weights are random with randomised norm weights (HF initialises
+norms to 1, which would hide a miswired norm) and a wide enough spread that greedy choices are not
+near-ties.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR
+
+SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
+CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "qwen3"                 # qwen3 (untied embeddings) or llama (tied)
+    draft_format: str = "native"        # native or speculators
+    draft_vocab: int | None = None      # < target vocab gives a reduced vocabulary with d2t
+    layout: str = ANCHOR_FIRST
+    block_size: int = 4
+    taps: tuple[int, ...] = (0, 2)      # DeepSpec convention
+    seed: int = 0
+
+
+def make_tiny(out: Path, spec: TinySpec = TinySpec()) -> tuple[Path, Path]:
+    """Write ``out/target`` and ``out/draft``; returns their paths."""
+    torch.manual_seed(spec.seed)
+    target_dir, draft_dir = out / "target", out / "draft"
+    target_config = _write_target(target_dir, spec)
+    _write_draft(draft_dir, target_config, spec)
+    return target_dir, draft_dir
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="<eos>", mask_token="<mask>", pad_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[3:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _write_target(directory: Path, spec: TinySpec) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = _tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0,
+                  bos_token_id=None, initializer_range=0.25)
+    if spec.arch == "qwen3":
+        config = AutoConfig.for_model("qwen3", tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                      **common)
+    elif spec.arch == "llama":
+        config = AutoConfig.for_model("llama", tie_word_embeddings=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                                      **common)
+    else:
+        raise ValueError(f"--arch {spec.arch!r}: expected qwen3 or llama")
+    model = AutoModelForCausalLM.from_config(config).float()
+    _randomise_norms(model)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())
+
+
+def _randomise_norms(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+
+
+def _write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
+    if spec.layout not in (ANCHOR_FIRST, BONUS_ANCHOR):
+        raise ValueError(f"--layout {spec.layout!r}: expected {ANCHOR_FIRST} or {BONUS_ANCHOR}")
+    vocab, hidden = target["vocab_size"], target["hidden_size"]
+    draft_vocab = spec.draft_vocab or vocab
+    if not len(SPECIALS) <= draft_vocab <= vocab:
+        raise ValueError(f"--draft-vocab {draft_vocab}: expected {len(SPECIALS)}..{vocab} "
+                         f"(the special tokens up to the whole target vocabulary)")
+    backbone = {key: target[key] for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "eos_token_id")}
+    backbone.update(model_type="qwen3", num_hidden_layers=1, attention_bias=False,
+                    tie_word_embeddings=False, layer_types=["full_attention"], hidden_act="silu")
+    markov_rank, mask_token_id = 8, SPECIALS.index("<mask>")
+    dspark = dict(block_size=spec.block_size, mask_token_id=mask_token_id, markov_rank=markov_rank,
+                  markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=True)
+    if draft_vocab < vocab:
+        dspark["draft_vocab_size"] = draft_vocab
+    drafts = spec.block_size if spec.layout == ANCHOR_FIRST else spec.block_size - 1
+
+    if spec.draft_format == "native":
+        config = copy.deepcopy(target) | backbone | dspark
+        config.update(architectures=["Qwen3DSparkModel"], num_target_layers=target["num_hidden_layers"],
+                      target_layer_ids=list(spec.taps), num_anchors=64)
+        if spec.layout == BONUS_ANCHOR:
+            config["dspark_bonus_anchor"] = True
+    elif spec.draft_format == "speculators":
+        config = dict(speculators_model_type="dspark", architectures=["DSparkSpeculator"],
+                      transformer_layer_config=backbone,
+                      aux_hidden_state_layer_ids=[t + 1 for t in spec.taps],  # vLLM capture ids
+                      target_hidden_size=hidden, sample_from_anchor=spec.layout == ANCHOR_FIRST,
+                      speculators_config={"proposal_methods": [{"proposal_type": "dspark",
+                                                                "speculative_tokens": drafts}],
+                                          "verifier": {"name_or_path": "tiny-target"}},
+                      **dspark)
+    else:
+        raise ValueError(f"--draft-format {spec.draft_format!r}: expected native or speculators")
+
+    tensors = _draft_tensors(hidden, len(spec.taps), target["intermediate_size"],
+                             target["num_attention_heads"], target["num_key_value_heads"],
+                             target["head_dim"], vocab, draft_vocab, markov_rank)
+    if spec.draft_format == "speculators":
+        # Speculators exports carry their own embedding: exercise loading it rather than sharing.
+        tensors["embed_tokens.weight"] = torch.randn(vocab, hidden) * 0.25
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _draft_tensors(hidden, taps, intermediate, heads, kv_heads, head_dim, vocab, draft_vocab, rank):
+    def linear(out_features, in_features):
+        return torch.randn(out_features, in_features) * in_features ** -0.5
+
+    def norm(size):
+        return torch.rand(size) + 0.5
+
+    t = {"fc.weight": linear(hidden, taps * hidden), "hidden_norm.weight": norm(hidden),
+         "norm.weight": norm(hidden),
+         "markov_head.markov_w1.weight": torch.randn(vocab, rank),
+         "markov_head.markov_w2.weight": linear(draft_vocab, rank),
+         "confidence_head.proj.weight": linear(1, hidden + rank),
+         "confidence_head.proj.bias": torch.zeros(1)}
+    layer = "layers.0."
+    t |= {layer + "input_layernorm.weight": norm(hidden),
+          layer + "post_attention_layernorm.weight": norm(hidden),
+          layer + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+          layer + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+          layer + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+          layer + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+          layer + "self_attn.q_norm.weight": norm(head_dim),
+          layer + "self_attn.k_norm.weight": norm(head_dim),
+          layer + "mlp.gate_proj.weight": linear(intermediate, hidden),
+          layer + "mlp.up_proj.weight": linear(intermediate, hidden),
+          layer + "mlp.down_proj.weight": linear(hidden, intermediate)}
+    if draft_vocab < vocab:
+        # keep the special tokens, then a random subset; d2t holds offsets (target = draft + d2t)
+        rest = torch.randperm(vocab - len(SPECIALS))[: draft_vocab - len(SPECIALS)] + len(SPECIALS)
+        kept = torch.cat([torch.arange(len(SPECIALS)), rest.sort().values])[:draft_vocab]
+        t["lm_head.weight"] = linear(draft_vocab, hidden)
+        t["d2t"] = kept - torch.arange(draft_vocab)
+        t["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+    return t

@@ -1,0 +1,31 @@
+"""Speculation statistics: tau and per-position acceptance."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    k: int
+    steps: int = 0                     # verify steps, summed over sequences
+    accepted_tokens: int = 0           # accepted drafts, summed
+    accepted_at: list[int] = field(default_factory=list)   # [i]: steps that accepted draft i+1
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.k
+
+    def record(self, accepted: int) -> None:
+        self.steps += 1
+        self.accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify step, the correction / bonus token counted (1.0 .. k + 1)."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of verify steps whose draft ``i + 1`` was accepted."""
+        return [n / self.steps if self.steps else 0.0 for n in self.accepted_at]

@@ -1,0 +1,47 @@
+"""Verification: how many of the ``k`` drafts the target accepts, and the token it emits after them.
+
+Row ``j`` of the target's verify logits predicts the token after ``[anchor, d_1 .. d_j]``. Every
+rule returns ``accepted [B]`` (``a`` in ``0..k``) and ``emitted [B, k + 1]`` whose first ``a + 1``
+entries are the accepted drafts followed by the correction (or, when ``a == k``, bonus) token.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import draw
+
+
+def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor):
+    """Accept the longest prefix of drafts equal to the target's argmax."""
+    target = logits.argmax(-1)                                             # [B, k+1]
+    matches = (drafts == target[:, :-1]).long()
+    accepted = matches.cumprod(dim=1).sum(dim=1)
+    return accepted, target
+
+
+def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                     generator: torch.Generator):
+    """Standard speculative sampling (Leviathan et al.; Chen et al.): accept draft ``d`` at row
+    ``j`` with probability ``min(1, p_j[d] / q_j[d])``; at the first rejection draw from
+    ``normalize(max(p_j - q_j, 0))``; if all ``k`` are accepted draw the bonus from ``p_k``. The
+    output is distributed exactly as the target's ``p`` whatever ``q`` is, provided each draft was
+    drawn from its ``q``.
+
+    ``drafts [B, k]``, ``q [B, k, V]``, ``p [B, k + 1, V]`` (target probabilities after its own
+    temperature / top-p).
+    """
+    batch, k = drafts.shape
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]
+    uniform = torch.rand(batch, k, generator=generator)
+    ok = (uniform * q_draft < p_draft).long()
+    accepted = ok.cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(batch)
+    residual = torch.cat([(p[:, :k] - q).clamp_min(0), p[:, k:]], dim=1)[rows, accepted]
+    mass = residual.sum(-1, keepdim=True)
+    # p == q exactly leaves no residual, and then rejection is impossible: fall back to p
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[rows, accepted])
+    emitted = torch.cat([drafts, drafts[:, :1]], dim=1)
+    emitted[rows, accepted] = draw(residual, generator)
+    return accepted, emitted

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny checkpoints in the real on-disk layouts, made once per test session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from export.draft_config import load_draft_config
+from export.draft_model import load_draft
+from export.target_model import load_target
+from export.tiny import TinySpec, make_tiny
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "golden" / "dspark-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """``tiny(**TinySpec fields) -> (target_dir, draft_dir)``, each pair written once."""
+    made: dict[TinySpec, tuple[Path, Path]] = {}
+
+    def make(**fields) -> tuple[Path, Path]:
+        spec = TinySpec(**fields)
+        if spec not in made:
+            made[spec] = make_tiny(tmp_path_factory.mktemp("tiny"), spec)
+        return made[spec]
+
+    return make
+
+
+def load_pair(target_dir: Path, draft_dir: Path, k: int | None = None):
+    """Target with the draft's taps, and the draft, both fp32."""
+    target_probe = load_target(target_dir)
+    d = target_probe.config.decoder
+    taps = load_draft_config(draft_dir, d.num_layers, d.hidden_size).target_layer_ids
+    target = load_target(target_dir, taps=taps)
+    return target, load_draft(draft_dir, target, k=k)
+
+
+def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: int | None = 1):
+    """``transformers`` ``generate`` greedy continuations, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
