@@ -104,4 +104,4 @@ def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dty
                                   f"expected {list(meta.shape)} from config.json")
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     module.load_state_dict(state, assign=True)
-    return module.eval()
+    return module.eval().requires_grad_(False)

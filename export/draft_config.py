@@ -62,6 +62,16 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
             f"DeepSpec) or speculators_model_type 'dspark' (Speculators), got architectures "
             f"{raw.get('architectures')}")
     _check_taps(config, path, target_num_layers)
+    if config.target_hidden_size != target_hidden_size:
+        raise CheckpointError(f"{path}: target_hidden_size {config.target_hidden_size} does not match "
+                              f"the target's hidden_size {target_hidden_size}")
+    if config.mask_token_id >= config.vocab_size:
+        raise CheckpointError(f"{path}: mask_token_id {config.mask_token_id} is outside the "
+                              f"vocabulary (vocab_size {config.vocab_size})")
+    if config.default_k is not None and config.default_k > config.max_drafts:
+        raise CheckpointError(f"{path}: speculators_config.proposal_methods[0].speculative_tokens "
+                              f"{config.default_k} exceeds the {config.max_drafts} drafts a "
+                              f"block_size {config.block_size} ({config.layout}) block proposes")
     return config
 
 
@@ -115,7 +125,7 @@ def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") ->
         raise CheckpointError(f"{path}: markov_head_type {head_type!r}: only 'vanilla' is "
                               f"supported at inference (as in vLLM)")
     rank = raw.get("markov_rank", rank_default)
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise CheckpointError(f"{path}: markov_rank {rank!r}: expected an integer >= 1 "
                               f"(markov_rank 0 is a plain DFlash draft, which is not supported)")
     return rank
@@ -152,10 +162,11 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
     decoder, vocab = _decoder(raw[backbone_key], path, f"{backbone_key}.")
     try:
         method = raw["speculators_config"]["proposal_methods"][0]
-        default_k = method["speculative_tokens"]
     except (KeyError, IndexError, TypeError):
         raise CheckpointError(f"{path}: invalid speculators config structure: expected "
-                              f"speculators_config.proposal_methods[0].speculative_tokens") from None
+                              f"speculators_config.proposal_methods[0]") from None
+    default_k = _int_field(method, "speculative_tokens", path,
+                           "speculators_config.proposal_methods[0]: drafts per step", 1)
     taps = _require(raw, "aux_hidden_state_layer_ids", path, "vLLM capture layer ids")
     return DraftConfig(
         source_format="speculators",
@@ -178,6 +189,10 @@ def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
         raise CheckpointError(f"{path}: field '{field}' = {ids!r}: expected a non-empty list of ints")
     if len(set(ids)) != len(ids):
         raise CheckpointError(f"{path}: field '{field}' = {ids}: repeats a layer")
+    if shift == 0 and ids != sorted(ids):
+        # DeepSpec concatenates taps in list order and asserts it is increasing; a permuted list
+        # would feed fc's column blocks in the wrong order
+        raise CheckpointError(f"{path}: field '{field}' = {ids}: expected strictly increasing ids")
     return tuple(sorted(i + shift for i in ids))
 
 

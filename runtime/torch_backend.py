@@ -26,12 +26,12 @@ class TorchBackend:
         if self.draft is not None:
             self.draft_cache = self.draft.empty_cache(batch, self.capacity)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
         logits, aux, *self.target_cache = self.target(input_ids, start, *self.target_cache)
         return logits, aux
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         tokens, q, *self.draft_cache = self.draft(ctx_aux, ctx_start, ctx_count, anchor,
                                                   temperature, noise, *self.draft_cache)

@@ -1,0 +1,401 @@
+"""Loading target and draft checkpoints (spec §1, §7): the supported layouts load with the right
+configuration and tensors, and every unusable checkpoint is refused with a ``CheckpointError`` that
+names the file and the field or tensor at fault.
+
+Each bad case is a tiny checkpoint from the session fixture, copied into ``tmp_path`` and edited.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.checkpoint import CheckpointError
+from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR, load_draft_config, resolve_k
+from export.draft_model import load_draft
+from export.target_model import load_target
+from export.tiny import CHARACTERS, SPECIALS
+
+from conftest import load_pair
+
+VOCAB = len(SPECIALS) + len(CHARACTERS)
+LAYERS, HIDDEN = 4, 64
+SPECULATORS = dict(draft_format="speculators", layout=BONUS_ANCHOR)
+REDUCED = dict(draft_vocab=40)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def copy_pair(tiny, tmp_path: Path, **spec) -> tuple[Path, Path]:
+    """A private, editable copy of the fixture's ``(target_dir, draft_dir)``."""
+    target, draft = tiny(**spec)
+    return (Path(shutil.copytree(target, tmp_path / "target")),
+            Path(shutil.copytree(draft, tmp_path / "draft")))
+
+
+def edit_config(directory: Path, change) -> None:
+    """``change(config)`` mutates the parsed config.json in place."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config, indent=2))
+
+
+def edit_tensors(directory: Path, change) -> None:
+    """``change(tensors)`` mutates the dict of model.safetensors in place."""
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def update(**fields):
+    return lambda config: config.update(fields)
+
+
+def drop(*keys):
+    return lambda mapping: [mapping.pop(key) for key in keys]
+
+
+def load_draft_for(target_dir: Path, draft_dir: Path, **kwargs):
+    return load_draft(draft_dir, load_target(target_dir), **kwargs)
+
+
+def refused(load, where: Path, match: str) -> CheckpointError:
+    """``load()`` raises a CheckpointError matching ``match`` whose message names ``where``."""
+    with pytest.raises(CheckpointError, match=match) as info:
+        load()
+    assert str(where) in str(info.value)
+    return info.value
+
+
+def run_target(target, ids: list[int]):
+    batch = torch.tensor([ids])
+    start = torch.zeros(1, dtype=torch.long)
+    return target(batch, start, *target.empty_cache(1, 16))
+
+
+# --- targets -----------------------------------------------------------------------------------
+
+def test_qwen3_target_is_untied_with_its_own_lm_head(tiny):
+    target_dir, _ = tiny()
+    target = load_target(target_dir)
+    c = target.config
+    assert c.architecture == "Qwen3ForCausalLM"
+    assert (c.vocab_size, c.decoder.num_layers, c.decoder.hidden_size) == (VOCAB, LAYERS, HIDDEN)
+    assert not c.tie_word_embeddings and c.decoder.qk_norm
+    assert c.eos_token_ids == (1,)
+    file = load_file(target_dir / "model.safetensors")
+    assert torch.equal(target.lm_head.weight, file["lm_head.weight"])
+    assert not torch.equal(target.lm_head.weight, target.embed_tokens.weight)
+
+
+def test_llama_target_ties_lm_head_to_embeddings(tiny):
+    target_dir, _ = tiny(arch="llama")
+    assert "lm_head.weight" not in load_file(target_dir / "model.safetensors")
+    target = load_target(target_dir)
+    assert target.config.architecture == "LlamaForCausalLM"
+    assert target.config.tie_word_embeddings and not target.config.decoder.qk_norm
+    assert torch.equal(target.lm_head.weight, target.embed_tokens.weight)
+
+
+def test_eos_ids_come_from_generation_config(tiny, tmp_path):
+    target_dir = Path(shutil.copytree(tiny()[0], tmp_path / "target"))
+    path = target_dir / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": [1, 4]}))
+    assert load_target(target_dir).config.eos_token_ids == (1, 4)
+
+
+def test_sharded_target_matches_the_single_file(tiny, tmp_path):
+    single = tiny()[0]
+    sharded = Path(shutil.copytree(single, tmp_path / "target"))
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, sharded / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    ids = [5, 17, 9, 30, 2, 11]
+    expected, *_ = run_target(load_target(single, taps=(0, 2)), ids)
+    logits, aux, k, v = run_target(load_target(sharded, taps=(0, 2)), ids)
+    assert logits.shape == (1, len(ids), VOCAB) and aux.shape == (1, len(ids), 2 * HIDDEN)
+    assert torch.equal(logits, expected)
+
+
+def test_hub_id_offline_is_a_checkpoint_error_naming_the_flag(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import; make the setting take effect here too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match=r"--target acme/no-such-dspark-target"):
+        load_target("acme/no-such-dspark-target")
+
+
+def test_missing_local_path_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match=r"--target \./does-not-exist.*no such directory"):
+        load_target("./does-not-exist")
+
+
+# --- drafts ------------------------------------------------------------------------------------
+
+def test_native_draft_config_is_translated(tiny):
+    target, draft = load_pair(*tiny())
+    c = draft.config
+    assert c.source_format == "native" and c.layout == ANCHOR_FIRST
+    assert (c.block_size, c.mask_token_id, c.markov_rank) == (4, SPECIALS.index("<mask>"), 8)
+    assert c.target_layer_ids == (0, 2) and c.target_hidden_size == HIDDEN
+    assert (c.vocab_size, c.draft_vocab_size, c.default_k) == (VOCAB, VOCAB, None)
+    assert draft.k == 4
+
+
+def test_native_draft_shares_embeddings_and_lm_head_with_target(tiny):
+    target_dir, draft_dir = tiny()
+    assert not {"embed_tokens.weight", "lm_head.weight"} & load_file(draft_dir / "model.safetensors").keys()
+    target, draft = load_pair(target_dir, draft_dir)
+    assert torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+
+
+def test_confidence_head_is_ignored_even_when_malformed(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_tensors(draft_dir, lambda t: t.update({"confidence_head.proj.weight": torch.zeros(3, 5)}))
+    draft = load_draft_for(target_dir, draft_dir)
+    assert not any(name.startswith("confidence_head") for name in draft.state_dict())
+
+
+def test_native_bonus_anchor_flag(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(dspark_bonus_anchor=True))
+    draft = load_draft_for(target_dir, draft_dir)
+    assert draft.config.layout == BONUS_ANCHOR and draft.k == 3
+
+
+def test_speculators_draft_config_is_translated(tiny):
+    target_dir, draft_dir = tiny(**SPECULATORS)
+    raw = json.loads((draft_dir / "config.json").read_text())
+    assert raw["aux_hidden_state_layer_ids"] == [1, 3] and raw["sample_from_anchor"] is False
+    target, draft = load_pair(target_dir, draft_dir)
+    c = draft.config
+    assert c.source_format == "speculators"
+    assert c.target_layer_ids == (0, 2)  # vLLM capture ids minus one
+    assert c.layout == BONUS_ANCHOR and c.block_size == 4 and c.max_drafts == 3
+    assert c.default_k == 3 and draft.k == 3
+    # Speculators drafts ship their own embedding; it is loaded, not replaced by the target's
+    file = load_file(draft_dir / "model.safetensors")
+    assert torch.equal(draft.embed_tokens.weight, file["embed_tokens.weight"])
+
+
+def test_speculators_speculative_tokens_is_the_default_k(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft_dir, lambda c: c["speculators_config"]["proposal_methods"][0].update(
+        speculative_tokens=2))
+    assert load_draft_for(target_dir, draft_dir).k == 2
+
+
+def test_reduced_vocabulary_loads_d2t_and_ignores_t2d(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **REDUCED)
+    file = load_file(draft_dir / "model.safetensors")
+    assert "t2d" in file
+    edit_tensors(draft_dir, lambda t: t.update(t2d=torch.zeros(3, dtype=torch.bool)))  # garbage
+    target, draft = load_pair(target_dir, draft_dir)
+    assert draft.config.draft_vocab_size == 40 and draft.lm_head.weight.shape == (40, HIDDEN)
+    assert torch.equal(draft.d2t, file["d2t"])
+    mapped = torch.arange(40) + draft.d2t
+    assert mapped.min() >= 0 and mapped.max() < VOCAB
+    assert mapped.unique().numel() == 40
+    assert "t2d" not in draft.state_dict()
+
+
+# --- resolve_k ---------------------------------------------------------------------------------
+
+def _native_config(draft_dir: Path):
+    return load_draft_config(draft_dir, LAYERS, HIDDEN)
+
+
+def test_resolve_k_defaults_to_max_drafts(tiny, tmp_path):
+    _, draft_dir = copy_pair(tiny, tmp_path)
+    assert resolve_k(_native_config(draft_dir), None) == 4  # anchor-first: block_size
+    edit_config(draft_dir, update(dspark_bonus_anchor=True))
+    assert resolve_k(_native_config(draft_dir), None) == 3  # bonus-anchor: block_size - 1
+
+
+def test_smaller_k_is_accepted(tiny):
+    target_dir, draft_dir = tiny()
+    assert load_draft_for(target_dir, draft_dir, k=2).k == 2
+
+
+@pytest.mark.parametrize("k", [5, 0])
+def test_k_outside_the_block_is_refused(tiny, k):
+    target_dir, draft_dir = tiny()
+    with pytest.raises(ValueError, match=rf"--k {k}\b"):
+        load_draft_for(target_dir, draft_dir, k=k)
+
+
+# --- refusals: targets -------------------------------------------------------------------------
+
+def test_unsupported_target_architecture(tiny, tmp_path):
+    target_dir, _ = copy_pair(tiny, tmp_path)
+    edit_config(target_dir, update(architectures=["MistralForCausalLM"]))
+    refused(lambda: load_target(target_dir), target_dir / "config.json",
+            r"MistralForCausalLM.*Qwen3ForCausalLM, LlamaForCausalLM")
+
+
+def test_target_without_config_json(tiny, tmp_path):
+    target_dir, _ = copy_pair(tiny, tmp_path)
+    (target_dir / "config.json").unlink()
+    refused(lambda: load_target(target_dir), target_dir / "config.json", r"config\.json: missing")
+
+
+def test_target_without_safetensors(tiny, tmp_path):
+    target_dir, _ = copy_pair(tiny, tmp_path)
+    (target_dir / "model.safetensors").unlink()
+    refused(lambda: load_target(target_dir), target_dir, r"no \*\.safetensors")
+
+
+# --- refusals: draft config --------------------------------------------------------------------
+
+def test_draft_of_unknown_kind(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(architectures=["Qwen3ForCausalLM"]))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"Qwen3DSparkModel.*speculators_model_type")
+
+
+def test_gated_markov_head(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(markov_head_type="gated"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"markov_head_type 'gated'")
+
+
+def test_markov_rank_zero(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(markov_rank=0))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"markov_rank 0\b")
+
+
+@pytest.mark.parametrize("taps, layer", [([0, 7], 7), ([0, 3], 3), ([-2, 0], -2)])
+def test_native_tap_outside_the_target(tiny, tmp_path, taps, layer):
+    """Layer 3 exists but is the final layer, whose output HF only exposes normed."""
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(target_layer_ids=taps))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            rf"'target_layer_ids' names layer {layer}\b.*{LAYERS} layers")
+
+
+@pytest.mark.parametrize("ids, layer", [([1, 9], 9), ([1, 4], 4)])
+def test_speculators_aux_id_outside_the_target(tiny, tmp_path, ids, layer):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft_dir, update(aux_hidden_state_layer_ids=ids))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            rf"'aux_hidden_state_layer_ids' names layer {layer}\b")
+
+
+def test_fc_width_must_match_taps_times_target_hidden(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(target_layer_ids=[0, 1, 2]))  # fc still has 2 x 64 columns
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir,
+            rf"fc\.weight has input width \[{2 * HIDDEN}\].*3 taps.*{3 * HIDDEN}")
+
+
+def test_larger_draft_vocab_needs_embed_tokens(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(vocab_size=VOCAB + 8))
+    edit_tensors(draft_dir, lambda t: t.update(
+        {"markov_head.markov_w1.weight": torch.randn(VOCAB + 8, 8)}))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            rf"vocab_size {VOCAB + 8}\b.*embed_tokens\.weight")
+
+
+def test_speculators_without_transformer_layer_config(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft_dir, drop("transformer_layer_config"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"transformer_layer_config or transformer_config")
+
+
+def test_speculators_without_proposal_methods(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft_dir, lambda c: c["speculators_config"].pop("proposal_methods"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"speculators_config\.proposal_methods")
+
+
+def test_speculators_model_type_other_than_dspark(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft_dir, update(speculators_model_type="eagle3"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"speculators_model_type 'eagle3'")
+
+
+# --- refusals: draft tensors -------------------------------------------------------------------
+
+def test_reduced_vocab_without_lm_head(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **REDUCED)
+    edit_tensors(draft_dir, drop("lm_head.weight"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir,
+            r"draft_vocab_size 40\b.*lm_head\.weight")
+
+
+def test_reduced_vocab_without_d2t(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **REDUCED)
+    edit_tensors(draft_dir, drop("d2t"))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir,
+            r"draft_vocab_size 40\b.*\bd2t\b")
+
+
+def test_d2t_mapping_outside_the_target_vocab(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **REDUCED)
+
+    def out_of_range(tensors):
+        tensors["d2t"][-1] = VOCAB  # draft id 39 -> 39 + VOCAB
+
+    edit_tensors(draft_dir, out_of_range)
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir,
+            rf"\bd2t\b.*outside the target vocabulary \[0, {VOCAB}\)")
+
+
+def test_tensor_with_wrong_shape(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_tensors(draft_dir, lambda t: t.update({"norm.weight": t["norm.weight"][:32].clone()}))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir,
+            rf"tensor norm\.weight has shape \[32\], expected \[{HIDDEN}\]")
+
+
+def test_target_hidden_size_must_match_the_target(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft, update(target_hidden_size=2 * HIDDEN))
+    edit_tensors(draft, lambda t: t.update({"fc.weight": torch.zeros(HIDDEN, 4 * HIDDEN)}))
+    refused(lambda: load_draft_for(target, draft), draft, r"target_hidden_size 128 .* hidden_size 64")
+
+
+def test_mask_token_outside_the_vocabulary(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(draft, update(mask_token_id=VOCAB))
+    refused(lambda: load_draft_for(target, draft), draft, rf"mask_token_id {VOCAB}")
+
+
+@pytest.mark.parametrize("tokens", [9, "3"])
+def test_speculative_tokens_must_fit_the_block(tiny, tmp_path, tokens):
+    target, draft = copy_pair(tiny, tmp_path, **SPECULATORS)
+    edit_config(draft, lambda c: c["speculators_config"]["proposal_methods"][0].update(
+        speculative_tokens=tokens))
+    refused(lambda: load_draft_for(target, draft), draft, "speculative_tokens")
+
+
+def test_native_taps_must_be_increasing(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(draft, update(target_layer_ids=[2, 0]))
+    refused(lambda: load_draft_for(target, draft), draft, r"target_layer_ids.*increasing")

@@ -1,0 +1,95 @@
+"""The invariant: greedy speculative output == the target's own greedy output (``transformers``
+``generate``), token for token, on every path: both architectures, both draft formats, reduced
+vocabulary, both layouts, fewer drafts than trained, batch 1 and ragged batch 3."""
+import random
+
+import pytest
+import torch
+
+from export.draft_config import BONUS_ANCHOR
+from runtime.speculative import generate
+from runtime.torch_backend import TorchBackend
+
+from conftest import hf_greedy, load_pair
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+MAX_NEW = 40
+
+CASES = {
+    "qwen3-native": dict(arch="qwen3"),
+    "llama-speculators": dict(arch="llama", draft_format="speculators"),
+    "qwen3-native-reduced-vocab": dict(arch="qwen3", draft_vocab=40),
+    "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
+                                                    draft_vocab=30, layout=BONUS_ANCHOR),
+    "qwen3-native-bonus-anchor": dict(arch="qwen3", layout=BONUS_ANCHOR, block_size=5),
+}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    """``transformers`` greedy continuations per target architecture (EOS id 1 stops them)."""
+    return {arch: hf_greedy(tiny(arch=arch)[0], PROMPTS, MAX_NEW) for arch in ("qwen3", "llama")}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculative_greedy_equals_transformers(tiny, expected, case, batch):
+    target, draft = load_pair(*tiny(**CASES[case]))
+    backend = TorchBackend(target, draft, capacity=96)
+    prompts = PROMPTS[:batch]
+    result = generate(backend, prompts, max_new_tokens=MAX_NEW,
+                      eos_token_ids=target.config.eos_token_ids)
+    assert result.token_ids == expected[CASES[case]["arch"]][:batch]
+
+
+def test_fewer_drafts_than_trained(tiny, expected):
+    target, draft = load_pair(*tiny(arch="qwen3"), k=2)
+    assert draft.k == 2 < draft.config.max_drafts
+    result = generate(TorchBackend(target, draft, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
+                      eos_token_ids=target.config.eos_token_ids)
+    assert result.token_ids == expected["qwen3"]
+    assert all(len(r["drafts"]) == 2 for r in result.trace if r["step"] > 0)
+
+
+def test_target_only_decoding(tiny, expected):
+    target, _ = load_pair(*tiny(arch="llama"))
+    result = generate(TorchBackend(target, None, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
+                      eos_token_ids=target.config.eos_token_ids)
+    assert result.token_ids == expected["llama"]
+
+
+class OracleDrafts(TorchBackend):
+    """Runs the real draft (so its cache bookkeeping is exercised), then overwrites a random-length
+    prefix of its proposals with the target's true continuation, so that 0..k drafts are accepted
+    and every acceptance length, rollback and bonus path of the loop is taken."""
+
+    def __init__(self, target, draft, prompts, continuations, seed=0):
+        super().__init__(target, draft, capacity=96)
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.continuations = continuations
+        self.rng = random.Random(seed)
+
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        anchor_pos = (ctx_start + ctx_count).tolist()
+        for b, pos in enumerate(anchor_pos):
+            truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]
+            right = min(self.rng.randint(0, self.k), len(truth))
+            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
+        return tokens, q
+
+
+def test_every_acceptance_length_with_oracle_drafts(tiny):
+    target_dir, draft_dir = tiny(arch="qwen3", draft_vocab=40)
+    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
+    target, draft = load_pair(target_dir, draft_dir)
+    backend = OracleDrafts(target, draft, PROMPTS, continuations)
+    result = generate(backend, PROMPTS, max_new_tokens=MAX_NEW)
+    assert result.token_ids == continuations
+    accepted = {r["accepted"] for r in result.trace if r["step"] > 0}
+    assert accepted == set(range(draft.k + 1))
+    assert result.stats.tau > 2.0
+    # the trace's emitted tokens concatenate to the output
+    for b in range(len(PROMPTS)):
+        emitted = [t for r in result.trace if r["sequence"] == b for t in r["emitted"]]
+        assert emitted == result.token_ids[b]
