@@ -6,9 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from export.draft_config import load_draft_config
-from export.draft_model import load_draft
-from export.target_model import load_target
 from export.tiny import TinySpec, make_tiny
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "golden" / "dspark-tiny"
@@ -26,15 +23,6 @@ def tiny(tmp_path_factory):
         return made[spec]
 
     return make
-
-
-def load_pair(target_dir: Path, draft_dir: Path, k: int | None = None):
-    """Target with the draft's taps, and the draft, both fp32."""
-    target_probe = load_target(target_dir)
-    d = target_probe.config.decoder
-    taps = load_draft_config(draft_dir, d.num_layers, d.hidden_size).target_layer_ids
-    target = load_target(target_dir, taps=taps)
-    return target, load_draft(draft_dir, target, k=k)
 
 
 def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: int | None = 1):

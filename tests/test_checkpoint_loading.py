@@ -21,7 +21,7 @@ from export.draft_model import load_draft
 from export.target_model import load_target
 from export.tiny import CHARACTERS, SPECIALS
 
-from conftest import load_pair
+from export.pair import load_pair
 
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 LAYERS, HIDDEN = 4, 64

@@ -6,7 +6,7 @@ from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR
 from plugins.block_attention import block_attention
 from plugins.d2t_gather import d2t_gather
 
-from conftest import load_pair
+from export.pair import load_pair
 
 
 def _context(target, prompts):

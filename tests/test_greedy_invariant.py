@@ -10,7 +10,8 @@ from export.draft_config import BONUS_ANCHOR
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from conftest import hf_greedy, load_pair
+from conftest import hf_greedy
+from export.pair import load_pair
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 MAX_NEW = 40

@@ -9,7 +9,7 @@ from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 from runtime.verify import rejection_verify
 
-from conftest import load_pair
+from export.pair import load_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 SAMPLES = 4000
