@@ -139,7 +139,8 @@ def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
                if not name.startswith("confidence_head.") and name != "t2d"}
     where = f"{directory}/config.json"
 
-    if config.decoder.hidden_size != tc.decoder.hidden_size and not {"embed_tokens.weight", "lm_head.weight"} <= tensors.keys():
+    owns_embeddings = {"embed_tokens.weight", "lm_head.weight"} <= tensors.keys()
+    if config.decoder.hidden_size != tc.decoder.hidden_size and not owns_embeddings:
         raise CheckpointError(f"{directory}: the draft's hidden_size {config.decoder.hidden_size} "
                               f"differs from the target's {tc.decoder.hidden_size}, so it must ship "
                               f"its own embed_tokens.weight and lm_head.weight")

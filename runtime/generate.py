@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         target, draft = load_pair(target_dir, None if args.no_spec else args.draft, k=args.k)
         prompts = [_encode(tokenizer, p, not args.no_chat_template) for p in args.prompt]
-        capacity = max(map(len, prompts)) + args.max_new_tokens + (draft.config.block_size + 1 if draft else 1)
+        lookahead = draft.config.block_size + 1 if draft else 1
+        capacity = max(map(len, prompts)) + args.max_new_tokens + lookahead
         started = time.perf_counter()
         result = generate(TorchBackend(target, draft, capacity), prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,

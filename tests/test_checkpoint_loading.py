@@ -7,7 +7,6 @@ Each bad case is a tiny checkpoint from the session fixture, copied into ``tmp_p
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -18,10 +17,9 @@ from safetensors.torch import load_file, save_file
 from export.checkpoint import CheckpointError
 from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR, load_draft_config, resolve_k
 from export.draft_model import load_draft
+from export.pair import load_pair
 from export.target_model import load_target
 from export.tiny import CHARACTERS, SPECIALS
-
-from export.pair import load_pair
 
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 LAYERS, HIDDEN = 4, 64

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from export.target_model import load_target
 from export.draft_model import load_draft
+from export.target_model import load_target
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from export.draft_config import BONUS_ANCHOR
+from export.pair import load_pair
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
 from conftest import hf_greedy
-from export.pair import load_pair
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 MAX_NEW = 40
@@ -29,7 +29,10 @@ CASES = {
 @pytest.fixture(scope="module")
 def expected(tiny):
     """``transformers`` greedy continuations per target architecture (EOS id 1 stops them)."""
-    return {arch: hf_greedy(tiny(arch=arch)[0], PROMPTS, MAX_NEW) for arch in ("qwen3", "llama")}
+    outputs = {arch: hf_greedy(tiny(arch=arch)[0], PROMPTS, MAX_NEW) for arch in ("qwen3", "llama")}
+    # the Llama batch stops at three different points (EOS), so ragged stopping is covered
+    assert len({len(ids) for ids in outputs["llama"]}) == 3
+    return outputs
 
 
 @pytest.mark.parametrize("case", CASES)

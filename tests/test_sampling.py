@@ -4,12 +4,11 @@ import torch
 from scipy.stats import chisquare
 
 import runtime.speculative
+from export.pair import load_pair
 from runtime.sampling import draw, probabilities
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 from runtime.verify import rejection_verify
-
-from export.pair import load_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 SAMPLES = 4000
