@@ -89,9 +89,9 @@ class DraftStep(nn.Module):
         """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
         ``anchor_pos + j``, every slot attending to all context rows and to every block slot."""
         block = self.config.block_size
-        ids = torch.full((anchor.shape[0], block), self.config.mask_token_id,
-                         dtype=anchor.dtype, device=anchor.device)
-        ids[:, 0] = anchor
+        masks = torch.full((anchor.shape[0], block - 1), self.config.mask_token_id,
+                           dtype=anchor.dtype, device=anchor.device)
+        ids = torch.cat([anchor[:, None], masks], dim=1)
         positions = anchor_pos[:, None] + torch.arange(block, device=anchor.device)
         h = self.embed_tokens(ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -108,13 +108,14 @@ class DraftStep(nn.Module):
         ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row."""
         w1 = self.markov_head.markov_w1.weight
         w2 = self.markov_head.markov_w2.weight
-        target_columns = torch.arange(w2.shape[0], device=w2.device) + self.d2t
+        batch = base.shape[0]
+        target_columns = (torch.arange(w2.shape[0], device=w2.device) + self.d2t).expand(batch, -1)
         row = w1[anchor]
         tokens, probs = [], []
         for i in range(self.k):
             z = (base[:, i] + row @ w2.T).float() / temperature[:, None]
-            q = base.new_zeros(base.shape[0], self.target_vocab_size, dtype=torch.float32)
-            probs.append(q.index_copy(1, target_columns, torch.softmax(z, dim=-1)))
+            q = torch.zeros(batch, self.target_vocab_size, dtype=torch.float32, device=base.device)
+            probs.append(q.scatter(1, target_columns, torch.softmax(z, dim=-1)))
             token, row = d2t_gather(z + noise[:, i], self.d2t, w1)
             tokens.append(token)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)

@@ -1,4 +1,8 @@
-"""``dspark::D2TGather``: pick a draft id, map it to a target id, fetch its Markov row."""
-from .reference import d2t_gather
+"""``dspark::D2TGather``: pick a draft id, map it to a target id, fetch its Markov row.
+
+``reference.py`` defines the semantics; ``torch_op.py`` wraps it as ``torch.ops.dspark.
+d2t_gather`` (what the model code calls); ``onnx_function.py`` is its ONNX form.
+"""
+from .torch_op import d2t_gather
 
 __all__ = ["d2t_gather"]

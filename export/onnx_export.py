@@ -1,0 +1,143 @@
+"""Trace ``TargetStep`` and ``DraftStep`` to ONNX with ``torch.onnx.export(dynamo=True)``.
+
+The custom ops become single ``dspark::BlockAttention`` / ``dspark::D2TGather`` nodes, and each
+carries a model-local function of the same domain and name with a standard-op body: ONNX Runtime
+runs the body, TensorRT the registered plugin. KV caches have a static capacity (TensorRT needs it
+for in-place writes); batch and row counts are dynamic up to the build limits.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from plugins.block_attention import onnx_function as block_attention_onnx
+from plugins.d2t_gather import onnx_function as d2t_gather_onnx
+
+from .draft_model import DraftStep
+from .target_model import TargetStep
+
+OPSETS = (23, 24)
+EXTERNAL_DATA_BYTES = 1 << 30   # weights above this go to NAME.onnx.data
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.int64: "int64"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch: int
+    max_seq_len: int        # KV-cache capacity per sequence (rows == positions)
+    max_prompt_chunk: int   # most rows one target call (or draft context update) takes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple            # ints are static, strings name dynamic axes
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    file: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _cache_shape(decoder, capacity: int) -> tuple:
+    return (decoder.num_layers, "batch", decoder.num_kv_heads, capacity, decoder.head_dim)
+
+
+def target_spec(target: TargetStep, limits: Limits) -> GraphSpec:
+    c, d = target.config, target.config.decoder
+    dtype = DTYPE_NAMES[target.lm_head.weight.dtype]
+    cache = _cache_shape(d, limits.max_seq_len)
+    return GraphSpec("target.onnx", inputs=(
+        TensorSpec("input_ids", "int64", ("batch", "rows")),
+        TensorSpec("start", "int64", ("batch",)),
+        TensorSpec("k_cache", dtype, cache),
+        TensorSpec("v_cache", dtype, cache),
+    ), outputs=(
+        TensorSpec("logits", dtype, ("batch", "rows", c.vocab_size)),
+        TensorSpec("aux", dtype, ("batch", "rows", len(target.taps) * d.hidden_size)),
+        TensorSpec("k_cache_out", dtype, cache),
+        TensorSpec("v_cache_out", dtype, cache),
+    ))
+
+
+def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
+    c, d = draft.config, draft.config.decoder
+    dtype = DTYPE_NAMES[draft.lm_head.weight.dtype]
+    cache = _cache_shape(d, limits.max_seq_len)
+    return GraphSpec("draft.onnx", inputs=(
+        TensorSpec("ctx_aux", dtype, ("batch", "ctx_rows", draft.fc.in_features)),
+        TensorSpec("ctx_start", "int64", ("batch",)),
+        TensorSpec("ctx_count", "int64", ("batch",)),
+        TensorSpec("anchor", "int64", ("batch",)),
+        TensorSpec("temperature", "float32", ("batch",)),
+        TensorSpec("noise", "float32", ("batch", draft.k, c.draft_vocab_size)),
+        TensorSpec("k_cache", dtype, cache),
+        TensorSpec("v_cache", dtype, cache),
+    ), outputs=(
+        TensorSpec("tokens", "int64", ("batch", draft.k)),
+        TensorSpec("q", "float32", ("batch", draft.k, draft.target_vocab_size)),
+        TensorSpec("k_cache_out", dtype, cache),
+        TensorSpec("v_cache_out", dtype, cache),
+    ))
+
+
+def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator,
+                  high: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Deterministic inputs of ``spec`` with the dynamic axes set to ``sizes``; integer inputs
+    are drawn below ``high[name]``, float ones from a normal distribution."""
+    out = {}
+    for t in spec.inputs:
+        shape = [sizes[s] if isinstance(s, str) else s for s in t.shape]
+        if t.dtype == "int64":
+            out[t.name] = torch.randint(0, high[t.name], shape, generator=generator)
+        else:
+            out[t.name] = torch.randn(shape, generator=generator).to(getattr(torch, t.dtype))
+    return out
+
+
+def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
+                 limits: Limits, directory: Path, opset: int) -> Path:
+    """Trace ``module`` on ``example`` and write ``directory / spec.file`` (plus ``.data`` when
+    the weights are large)."""
+    if opset not in OPSETS:
+        raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
+    bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
+              "ctx_rows": limits.max_prompt_chunk}
+    dims = {name: torch.export.Dim(name, min=1, max=top) for name, top in bounds.items()}
+    dynamic = {t.name: {axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}
+               for t in spec.inputs}
+    translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,
+                    torch.ops.dspark.d2t_gather.default: d2t_gather_onnx.translate}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's chatter about unused axis names etc.
+        program = torch.onnx.export(
+            module, args=tuple(example.values()), dynamo=True, opset_version=opset,
+            input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
+            dynamic_shapes=tuple(dynamic[t.name] for t in spec.inputs),
+            custom_translation_table=translations, verbose=False, optimize=True)
+    _attach_functions(program)
+    path = directory / spec.file
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    program.save(path, external_data=weights > EXTERNAL_DATA_BYTES)
+    return path
+
+
+def _attach_functions(program) -> None:
+    """Give every ``dspark`` node type used in the graph its model-local function."""
+    import onnx_ir as ir
+
+    used = {node.op_type for node in program.model.graph.all_nodes() if node.domain == "dspark"}
+    for function in (block_attention_onnx.BlockAttention, d2t_gather_onnx.D2TGather):
+        if function.name in used:
+            ir_function = ir.serde.deserialize_function(function.to_function_proto())
+            program.model.functions[ir_function.identifier()] = ir_function

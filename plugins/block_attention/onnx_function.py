@@ -1,0 +1,46 @@
+"""``dspark::BlockAttention`` in ONNX: schema, the standard-op function body that ONNX Runtime
+runs (and TensorRT inlines when no plugin is registered), and the exporter's translation."""
+from __future__ import annotations
+
+import onnxscript
+from onnx.defs import OpSchema
+from onnxscript import opset23 as op
+from onnxscript.values import Opset
+
+from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
+
+NAME = "BlockAttention"
+
+register_schema(
+    NAME,
+    inputs=[("q", "T"), ("k_new", "T"), ("v_new", "T"), ("k_cache", "T"), ("v_cache", "T"),
+            ("start", "tensor(int64)")],
+    outputs=[("out", "T"), ("k_cache_out", "T"), ("v_cache_out", "T")],
+    type_constraints=[("T", FLOAT_TYPES, "activation type")],
+    attributes=[("causal", OpSchema.AttrType.INT), ("scale", OpSchema.AttrType.FLOAT)],
+    doc="Write a block's K/V into a fixed-capacity cache at each row's start, then attend "
+        "(causal or over the whole block); see plugins/block_attention/reference.py.",
+)
+dspark = Opset(DOMAIN, DOMAIN_VERSION)
+
+
+@onnxscript.script(dspark, default_opset=op)
+def BlockAttention(q, k_new, v_new, k_cache, v_cache, start, causal: int, scale: float):
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    rows = op.Shape(q, start=2, end=3)
+    write = op.Unsqueeze(start, [1]) + op.Unsqueeze(op.Range(zero, op.Squeeze(rows), one), [0])
+    index = op.Expand(op.Unsqueeze(write, [1, 3]), op.Shape(k_new))
+    k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
+    v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
+    is_causal = op.Cast(op.Constant(value_int=causal), to=9)  # BOOL
+    limit = op.Where(is_causal, write + one, op.Unsqueeze(start, [1]) + rows)
+    capacity = op.Squeeze(op.Shape(k_cache, start=2, end=3))
+    visible = op.Less(op.Unsqueeze(op.Range(zero, capacity, one), [0, 1]), op.Unsqueeze(limit, [2]))
+    out = op.Attention(q, k_out, v_out, op.Unsqueeze(visible, [1]), scale=scale)
+    return out, k_out, v_out
+
+
+def translate(q, k_new, v_new, k_cache, v_cache, start, causal: bool, scale: float):
+    """``torch.ops.dspark.block_attention`` -> one ``dspark::BlockAttention`` node."""
+    return dspark.BlockAttention(q, k_new, v_new, k_cache, v_cache, start, causal=int(causal),
+                                 scale=float(scale), _outputs=3, **PLUGIN_ATTRIBUTES)
