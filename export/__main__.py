@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .draft_config import LAYOUTS
+from .manifest import ManifestError
 from .tiny import TinySpec, make_tiny
 
 
@@ -28,6 +29,35 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
     target, draft = make_tiny(out, spec)
     print(f"wrote tiny {args.arch} target to {target}\n"
           f"wrote tiny {args.draft_format} DSpark draft ({args.layout}) to {draft}")
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    from .build import DTYPES, build
+    from .onnx_export import OPSETS, Limits
+
+    if args.dtype not in DTYPES or args.opset not in OPSETS:  # argparse choices already say so
+        raise ValueError(f"--dtype {args.dtype} / --opset {args.opset}")
+    out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
+    out = _output_dir(out, args.force)
+    limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                    max_prompt_chunk=args.max_prompt_chunk)
+    try:
+        result = build(args.target, args.draft, out, k=args.k, limits=limits, dtype=args.dtype,
+                       opset=args.opset, progress=not args.quiet)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # never leave a half-built directory behind
+        raise
+    print(f"built {out} in {result.seconds:.1f}s")
+    for name, size in result.files.items():
+        print(f"  {name:40} {size / 1e6:10.2f} MB")
+    print("  ONNX Runtime vs PyTorch (max relative difference): "
+          + ", ".join(f"{k} {v:.2g}" for k, v in result.max_difference.items()))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from . import manifest
+
+    print(manifest.describe(manifest.read(Path(args.engine))))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +82,32 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="random seed [0]")
     tiny.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     tiny.set_defaults(run=cmd_make_tiny)
+
+    b = commands.add_parser("build", help="export a target + DSpark draft to an engine directory",
+                            description="Trace the target step and the DSpark draft step (block "
+                                        "backbone + unrolled Markov sampler) to ONNX, verify them "
+                                        "against PyTorch in ONNX Runtime, and write a "
+                                        "self-contained engine directory with manifest.json.")
+    b.add_argument("--target", required=True, help="target checkpoint: directory or hub id")
+    b.add_argument("--draft", required=True, help="DSpark draft: directory or hub id")
+    b.add_argument("--out", help="engine directory [engines/<draft name>]")
+    b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
+    b.add_argument("--max-batch", type=int, default=4, help="largest batch [4]")
+    b.add_argument("--max-seq-len", type=int, default=2048,
+                   help="KV-cache capacity per sequence, prompt + output + one block [2048]")
+    b.add_argument("--max-prompt-chunk", type=int, default=512,
+                   help="most prompt tokens per prefill call; longer prompts are chunked [512]")
+    b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="weights and activations; norms and softmax accumulate in fp32 [fp32]")
+    b.add_argument("--opset", type=int, choices=[23, 24], default=23, help="ONNX opset [23]")
+    b.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(run=cmd_build)
+
+    inspect = commands.add_parser("inspect", help="describe an engine directory",
+                                  description="Print an engine directory's manifest in human terms.")
+    inspect.add_argument("engine", metavar="DIR", help="engine directory")
+    inspect.set_defaults(run=cmd_inspect)
     return root
 
 
@@ -59,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         args.run(args)
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, ManifestError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 
 

@@ -7,6 +7,7 @@ for in-place writes); batch and row counts are dynamic up to the build limits.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,8 +119,10 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
                for t in spec.inputs}
     translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,
                     torch.ops.dspark.d2t_gather.default: d2t_gather_onnx.translate}
+    # the exporter's chatter: missing torchvision ops, unused axis names, ...
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the exporter's chatter about unused axis names etc.
+        warnings.simplefilter("ignore")
         program = torch.onnx.export(
             module, args=tuple(example.values()), dynamo=True, opset_version=opset,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],

@@ -1,0 +1,81 @@
+"""``manifest.json``: the contract between an engine directory and whatever runs it.
+
+It records everything the runtime needs (configs, graph I/O, limits, dtype, tool versions), so
+the original checkpoints are never read again, and where everything came from (ids, file hashes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+FILENAME = "manifest.json"
+HASHED_SUFFIXES = (".json", ".safetensors", ".gguf", ".model", ".jinja", ".txt")
+
+
+class ManifestError(ValueError):
+    """An engine directory cannot be used; the message says what to do."""
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """``sha256`` of each config, weight and tokenizer file of a checkpoint directory."""
+    hashes = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.suffix in HASHED_SUFFIXES:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            hashes[path.name] = "sha256:" + digest.hexdigest()
+    return hashes
+
+
+def write(directory: Path, manifest: dict) -> Path:
+    path = directory / FILENAME
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **manifest}, indent=2) + "\n")
+    return path
+
+
+def read(directory: Path) -> dict:
+    path = Path(directory) / FILENAME
+    if not path.is_file():
+        raise ManifestError(f"{path}: missing; build an engine directory with "
+                            f"`python -m export build --target ... --draft ... --out {directory}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ManifestError(f"{path}: not valid JSON ({err}); rebuild the engine directory") from None
+    version = manifest.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ManifestError(f"{path}: schema_version {version!r} is newer than this dspark-trt "
+                            f"understands ({SCHEMA_VERSION}); upgrade dspark-trt or rebuild")
+    return manifest
+
+
+def describe(manifest: dict) -> str:
+    """The manifest in human terms, for ``python -m export inspect``."""
+    t, d, limits = manifest["target"], manifest["draft"], manifest["limits"]
+    td = t["decoder"]
+    lines = [
+        f"target   {manifest['source']['target']['id']}",
+        f"         {t['architecture']}, {td['num_layers']} layers, hidden {td['hidden_size']}, "
+        f"{td['num_heads']} heads / {td['num_kv_heads']} KV heads, vocab {t['vocab_size']}",
+        f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
+        f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
+        f"k = {d['k']} drafts per step, taps {d['target_layer_ids']} (DeepSpec convention), "
+        f"Markov rank {d['markov_rank']}, draft vocab {d['draft_vocab_size']}"
+        + (" with d2t" if d["has_d2t"] else ""),
+        f"limits   batch <= {limits['max_batch']}, KV capacity {limits['max_seq_len']} per "
+        f"sequence, prompt chunk <= {limits['max_prompt_chunk']}",
+        f"dtype    {manifest['dtype']}, ONNX opset {manifest['opset']}",
+    ]
+    for name, graph in manifest["graphs"].items():
+        lines.append(f"graph    {name}: {graph['file']}")
+        for kind in ("inputs", "outputs"):
+            for tensor in graph[kind]:
+                shape = ", ".join(str(s) for s in tensor["shape"])
+                lines.append(f"           {kind[:-1]:6} {tensor['name']:12} {tensor['dtype']:8} [{shape}]")
+    tools = ", ".join(f"{k} {v}" for k, v in manifest["tools"].items())
+    lines.append(f"backends {', '.join(manifest['backends'])} (built with {tools})")
+    return "\n".join(lines)

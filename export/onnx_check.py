@@ -1,0 +1,64 @@
+"""Build-time verification of an exported graph: the ONNX checker, shape inference, and one run
+in ONNX Runtime against the PyTorch module it was traced from."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# max |ORT - PyTorch| allowed, relative to max(1, max |reference|), per activation dtype
+TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+class VerificationError(RuntimeError):
+    """An exported graph disagrees with its PyTorch reference."""
+
+
+def check_model(path: Path) -> None:
+    """``onnx.checker`` (full check, by path so external data is allowed) and strict shape
+    inference through the ``dspark`` schemas and function bodies."""
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    onnx.shape_inference.infer_shapes_path(str(path), str(path) + ".inferred", strict_mode=True)
+    Path(str(path) + ".inferred").unlink()
+
+
+def compare_with_reference(path: Path, module: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                           output_names: list[str], dtype: str) -> float:
+    """Run the graph in ONNX Runtime and the module in PyTorch on the same inputs. Integer outputs
+    (draft tokens) must be identical; float outputs within ``TOLERANCE``. Returns the largest
+    relative float difference."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {name: _numpy(tensor) for name, tensor in inputs.items()}
+    got = session.run(output_names, feeds)
+    with torch.no_grad():
+        expected = module(*inputs.values())
+    worst = 0.0
+    for name, actual, reference in zip(output_names, got, expected):
+        reference = reference.float().numpy() if reference.is_floating_point() else reference.numpy()
+        if not np.issubdtype(reference.dtype, np.floating):
+            if not np.array_equal(actual, reference):
+                raise VerificationError(f"{path.name}: output '{name}' differs from the PyTorch "
+                                        f"reference at {int((actual != reference).sum())} of "
+                                        f"{reference.size} positions")
+            continue
+        scale = max(1.0, float(np.abs(reference).max()))
+        difference = float(np.abs(actual.astype(np.float32) - reference).max()) / scale
+        if not difference <= TOLERANCE[dtype]:
+            raise VerificationError(f"{path.name}: output '{name}' differs from the PyTorch "
+                                    f"reference by {difference:.3g} (relative; tolerance "
+                                    f"{TOLERANCE[dtype]:g} for {dtype})")
+        worst = max(worst, difference)
+    return worst
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+    return tensor.numpy()
