@@ -1,0 +1,106 @@
+"""``python -m export build`` / ``inspect`` from the command line, and polygraphy on the output."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import export.__main__ as cli
+import export.onnx_check
+
+SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
+
+
+def _build(target, draft, out, *extra):
+    cli.main(["build", "--target", str(target), "--draft", str(draft), "--out", str(out), *SMALL, *extra])
+
+
+@pytest.fixture(scope="module")
+def built(tiny, tmp_path_factory):
+    target, draft = tiny()
+    out = tmp_path_factory.mktemp("cli") / "engine"
+    _build(target, draft, out, "--k", "3")
+    return out
+
+
+def test_build_writes_the_engine_directory(built, capsys):
+    assert {p.name for p in built.iterdir()} == {"manifest.json", "target.onnx", "draft.onnx", "tokenizer"}
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["draft"]["k"] == 3 and manifest["limits"]["max_seq_len"] == 64
+    cli.main(["inspect", str(built)])
+    text = capsys.readouterr().out
+    assert "k = 3 drafts per step" in text and "KV capacity 64" in text and "D2T" not in text
+
+
+def test_build_summary_lists_files(tiny, tmp_path, capsys):
+    target, draft = tiny()
+    _build(target, draft, tmp_path / "e")
+    out = capsys.readouterr().out
+    assert "target.onnx" in out and "draft.onnx" in out and "ONNX Runtime vs PyTorch" in out
+
+
+def test_non_empty_out_needs_force(built, tiny):
+    target, draft = tiny()
+    before = (built / "manifest.json").read_text()
+    with pytest.raises(SystemExit, match="not empty; pass --force"):
+        _build(target, draft, built)
+    assert (built / "manifest.json").read_text() == before
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--k", "9", "--k 9"),
+    ("--max-prompt-chunk", "128", "--max-prompt-chunk 128"),
+    ("--max-seq-len", "4096", "--max-seq-len 4096"),
+])
+def test_bad_flags_are_named(tiny, tmp_path, flag, value, message):
+    target, draft = tiny()
+    args = ["build", "--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "e"),
+            *SMALL, flag, value]
+    with pytest.raises(SystemExit, match=message):
+        cli.main(args)
+    assert not (tmp_path / "e").exists()  # nothing half-built is left behind
+
+
+def test_missing_checkpoint_and_unsupported_architecture(tiny, tmp_path):
+    target, draft = tiny()
+    with pytest.raises(SystemExit, match="--draft .*missing"):
+        _build(target, tmp_path / "missing", tmp_path / "e1")
+    bad = Path(shutil.copytree(target, tmp_path / "mistral"))
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(SystemExit, match="MistralForCausalLM.*Qwen3ForCausalLM"):
+        _build(bad, draft, tmp_path / "e2")
+
+
+def test_verification_failure_names_the_graph(tiny, tmp_path, monkeypatch):
+    target, draft = tiny()
+    monkeypatch.setitem(export.onnx_check.TOLERANCE, "float32", 0.0)
+    failure = r"target\.onnx: output '\w+' differs .* by"
+    with pytest.raises(export.onnx_check.VerificationError, match=failure):
+        _build(target, draft, tmp_path / "e")
+
+
+def test_inspect_refuses_a_directory_without_manifest(tmp_path):
+    with pytest.raises(SystemExit, match="manifest.json: missing"):
+        cli.main(["inspect", str(tmp_path)])
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
+    with pytest.raises(SystemExit, match="schema_version 99 is newer"):
+        cli.main(["inspect", str(tmp_path)])
+
+
+def test_polygraphy_inspects_and_runs_the_graphs(built):
+    script = Path(sys.executable).parent / "polygraphy"
+    if not script.is_file():
+        pytest.skip("polygraphy is not installed")
+    polygraphy = [sys.executable, str(script)]
+    shown = subprocess.run([*polygraphy, "inspect", "model", str(built / "draft.onnx")],
+                           capture_output=True, text=True, check=True).stdout
+    assert "Other Opsets: {'dspark': 1}" in shown and "tokens" in shown
+    run = subprocess.run([*polygraphy, "run", str(built / "target.onnx"), "--onnxrt",
+                          "--input-shapes", "input_ids:[2,5]", "start:[2]",
+                          "k_cache:[4,2,2,64,16]", "v_cache:[4,2,2,64,16]",
+                          "--val-range", "input_ids:[0,80]", "start:[0,50]"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr

@@ -1,0 +1,133 @@
+"""``python -m export build``: the graph contract, and ONNX Runtime against the PyTorch reference
+on the exact inputs the reference loop feeds its steps (prefill, verify, draft; ragged batch 3)."""
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from export.build import build
+from export.draft_config import BONUS_ANCHOR
+from export.onnx_export import Limits
+from export.pair import load_pair
+from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from runtime.speculative import generate
+from runtime.torch_backend import TorchBackend
+
+LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)
+CASES = {
+    "qwen3-native": dict(arch="qwen3"),
+    "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
+                                                    draft_vocab=30, layout=BONUS_ANCHOR),
+}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def engine(request, tiny, tmp_path_factory):
+    target_dir, draft_dir = tiny(**CASES[request.param])
+    out = tmp_path_factory.mktemp("engine")
+    build(str(target_dir), str(draft_dir), out, limits=LIMITS, progress=False)
+    return out, target_dir, draft_dir
+
+
+def _manifest(directory):
+    return json.loads((directory / "manifest.json").read_text())
+
+
+def test_custom_nodes_and_their_function_bodies(engine):
+    directory, *_ = engine
+    expected_ops = {"target": {"BlockAttention"}, "draft": {"BlockAttention", "D2TGather"}}
+    for name, ops in expected_ops.items():
+        model = onnx.load(directory / f"{name}.onnx")
+        assert {(o.domain, o.version) for o in model.opset_import} >= {("", 23), (DOMAIN, 1)}
+        custom = [n for n in model.graph.node if n.domain == DOMAIN]
+        assert {n.op_type for n in custom} == ops
+        for node in custom:
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attributes["plugin_namespace"] == PLUGIN_NAMESPACE.encode()
+            assert attributes["plugin_version"] == PLUGIN_VERSION.encode()
+            # TensorRT matches built-in op names first, ignoring the domain
+            assert not onnx.defs.has(node.op_type, "")
+        functions = {(f.domain, f.name): f for f in model.functions}
+        assert set(functions) == {(DOMAIN, op) for op in ops}
+        for function in functions.values():  # bodies are standard ops only
+            assert function.node and all(n.domain in ("", "ai.onnx") for n in function.node)
+    draft = onnx.load(directory / "draft.onnx")
+    k = _manifest(directory)["draft"]["k"]
+    d2t_nodes = [n for n in draft.graph.node if n.op_type == "D2TGather"]
+    assert len(d2t_nodes) == k  # the Markov sampler is unrolled k times inside the graph
+    blocks = [n for n in draft.graph.node if n.op_type == "BlockAttention"]
+    assert all(onnx.helper.get_attribute_value(a) == 0 for n in blocks for a in n.attribute
+               if a.name == "causal")
+
+
+def test_graph_io_matches_the_manifest(engine):
+    directory, *_ = engine
+    manifest = _manifest(directory)
+    type_names = {1: "float32", 7: "int64", 10: "float16", 16: "bfloat16"}
+    for name, graph in manifest["graphs"].items():
+        model = onnx.load(directory / graph["file"])
+        for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+            actual = [(v.name, type_names[v.type.tensor_type.elem_type],
+                       [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+                      for v in values]
+            declared = [(t["name"], t["dtype"], t["shape"]) for t in graph[kind]]
+            assert actual == declared
+
+
+def test_manifest_makes_the_directory_self_contained(engine):
+    directory, target_dir, draft_dir = engine
+    manifest = _manifest(directory)
+    assert manifest["schema_version"] == 1 and manifest["opset"] == 23
+    assert manifest["limits"] == {"max_batch": 4, "max_seq_len": 96, "max_prompt_chunk": 32}
+    assert set(manifest["source"]["target"]["files"]) >= {"config.json", "model.safetensors"}
+    assert all(h.startswith("sha256:") for h in manifest["source"]["draft"]["files"].values())
+    assert (directory / manifest["tokenizer"] / "tokenizer.json").is_file()
+    assert manifest["draft"]["target_layer_ids"] == [0, 2]
+    assert manifest["draft"]["has_d2t"] == (manifest["draft"]["draft_vocab_size"] < 85)
+
+
+class Recorder(TorchBackend):
+    """The reference backend, remembering every step's inputs (caches included) and outputs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"target": [], "draft": []}
+
+    def target_step(self, input_ids, start):
+        before = [c.clone() for c in self.target_cache]
+        out = super().target_step(input_ids, start)
+        self.calls["target"].append(({"input_ids": input_ids, "start": start, "k_cache": before[0],
+                                      "v_cache": before[1]}, [*out, *self.target_cache]))
+        return out
+
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        before = [c.clone() for c in self.draft_cache]
+        out = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,
+                     temperature=temperature, noise=noise, k_cache=before[0], v_cache=before[1])
+        self.calls["draft"].append((feeds, [*out, *self.draft_cache]))
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_onnx_runtime_matches_the_reference_on_every_loop_step(engine, temperature):
+    directory, target_dir, draft_dir = engine
+    target, draft = load_pair(target_dir, draft_dir)
+    recorder = Recorder(target, draft, capacity=LIMITS.max_seq_len)
+    generate(recorder, PROMPTS, max_new_tokens=24, temperature=temperature, seed=3)
+    for name, calls in recorder.calls.items():
+        session = ort.InferenceSession(str(directory / f"{name}.onnx"))
+        outputs = [o.name for o in session.get_outputs()]
+        assert len(calls) > 3
+        for feeds, expected in calls:
+            got = session.run(outputs, {k: v.numpy() for k, v in feeds.items()})
+            for output, actual, reference in zip(outputs, got, expected):
+                reference = reference.numpy()
+                if reference.dtype == np.int64:   # draft tokens: identical
+                    assert np.array_equal(actual, reference), (name, output)
+                else:  # logits and q to 1e-4; residual-stream aux and caches relative to their size
+                    scale = 1.0 if output in ("logits", "q") else max(1.0, float(np.abs(reference).max()))
+                    assert np.abs(actual - reference).max() <= 1e-4 * scale, (name, output)
