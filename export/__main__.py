@@ -9,6 +9,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError
 from .draft_config import LAYOUTS
 from .manifest import ManifestError
+from .onnx_check import VerificationError
 from .tiny import TinySpec, make_tiny
 
 
@@ -39,8 +40,8 @@ def cmd_build(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype} / --opset {args.opset}")
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     out = _output_dir(out, args.force)
-    limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                    max_prompt_chunk=args.max_prompt_chunk)
+    chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
+    limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_prompt_chunk=chunk)
     try:
         result = build(args.target, args.draft, out, k=args.k, limits=limits, dtype=args.dtype,
                        opset=args.opset, progress=not args.quiet)
@@ -95,8 +96,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=4, help="largest batch [4]")
     b.add_argument("--max-seq-len", type=int, default=2048,
                    help="KV-cache capacity per sequence, prompt + output + one block [2048]")
-    b.add_argument("--max-prompt-chunk", type=int, default=512,
-                   help="most prompt tokens per prefill call; longer prompts are chunked [512]")
+    b.add_argument("--max-prompt-chunk", type=int,
+                   help="most prompt tokens per prefill call; longer prompts are chunked "
+                        "[512 or --max-seq-len if smaller]")
     b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; norms and softmax accumulate in fp32 [fp32]")
     b.add_argument("--opset", type=int, choices=[23, 24], default=23, help="ONNX opset [23]")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         args.run(args)
-    except (CheckpointError, ManifestError, ValueError) as err:
+    except (CheckpointError, ManifestError, VerificationError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 
 
