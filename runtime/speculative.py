@@ -64,16 +64,12 @@ def generate(backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
         trace.append({"sequence": b, **record, "emitted": out[b][before:]})
 
     backend.start(batch)
-    padded = torch.zeros(batch, int(lengths.max()), dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        padded[b, : len(prompt)] = torch.tensor(prompt)
-    logits, aux = backend.target_step(padded, torch.zeros(batch, dtype=torch.long))
-    anchor = next_token(logits[rows, lengths - 1], temperature, top_p, generator)
+    last_logits, (ctx_aux, ctx_start, ctx_count) = _prefill(backend, prompts, lengths, speculative)
+    anchor = next_token(last_logits, temperature, top_p, generator)
     for b in range(batch):
         emit(b, [int(anchor[b])], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
 
     anchor_pos = lengths.clone()                 # = each target cache's valid length
-    ctx_aux, ctx_start, ctx_count = aux, torch.zeros(batch, dtype=torch.long), lengths.clone()
     greedy_temperature = torch.ones(batch)
     step = 0
     while not bool(done.all()):
@@ -110,3 +106,30 @@ def generate(backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
         anchor = torch.where(live, emitted[rows, accepted], anchor)
         anchor_pos = anchor_pos + ctx_count
     return GenerationResult(out, stats, trace)
+
+
+def _prefill(backend, prompts, lengths, speculative: bool):
+    """Run the prompts through the target in chunks of at most ``backend.max_prompt_chunk`` rows
+    (right-padded: rows past a prompt's end are scratch). Every chunk but the last is inserted into
+    the draft's context right away (its proposals are discarded); the last one is returned as the
+    first draft step's context. Returns each prompt's last-position logits and that context."""
+    batch, longest = len(prompts), int(lengths.max())
+    padded = torch.zeros(batch, longest, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        padded[b, : len(prompt)] = torch.tensor(prompt)
+    chunk = backend.max_prompt_chunk
+    last_logits = None
+    for begin in range(0, longest, chunk):
+        ids = padded[:, begin:begin + chunk]
+        logits, aux = backend.target_step(ids, torch.full((batch,), begin))
+        if last_logits is None:
+            last_logits = logits.new_zeros(batch, logits.shape[-1])
+        last_row = lengths - 1 - begin
+        here = (last_row >= 0) & (last_row < ids.shape[1])
+        last_logits[here] = logits[here, last_row[here]]
+        context = (aux, lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
+        if speculative and begin + chunk < longest:
+            next_tokens = padded[:, begin + chunk]
+            backend.draft_step(*context, next_tokens, torch.ones(batch),
+                               torch.zeros(batch, backend.k, backend.draft_vocab_size))
+    return last_logits, context

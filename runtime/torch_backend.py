@@ -14,6 +14,7 @@ from export.target_model import TargetStep
 class TorchBackend:
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int):
         self.target, self.draft, self.capacity = target, draft, capacity
+        self.max_prompt_chunk = capacity
         self.vocab_size = target.config.vocab_size
         self.k = draft.k if draft is not None else 0
         self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0

@@ -25,6 +25,25 @@ def tiny(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def engine_dir(tiny, tmp_path_factory):
+    """``engine_dir(limits, **TinySpec fields) -> path`` of a built engine directory, built once."""
+    from export.build import build
+
+    built: dict = {}
+
+    def make(limits, **fields) -> Path:
+        key = (limits, TinySpec(**fields))
+        if key not in built:
+            target_dir, draft_dir = tiny(**fields)
+            out = tmp_path_factory.mktemp("engine")
+            build(str(target_dir), str(draft_dir), out, limits=limits, progress=False)
+            built[key] = out
+        return built[key]
+
+    return make
+
+
 def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: int | None = 1):
     """``transformers`` ``generate`` greedy continuations, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM

@@ -34,8 +34,12 @@ def test_every_step_matches_deepspec_batch_1(golden):
         assert _steps(result, 0) == record["steps"]
 
 
-def test_every_step_matches_deepspec_batch_3_ragged(golden):
+@pytest.mark.parametrize("chunk", [128, 5], ids=["one-prefill-call", "chunked-prefill"])
+def test_every_step_matches_deepspec_batch_3_ragged(golden, chunk, monkeypatch):
+    """Also with prompts prefilled in chunks of 5 rows, each chunk inserted into the draft context
+    as it comes: the proposals must not change."""
     records, backend = golden
+    monkeypatch.setattr(backend, "max_prompt_chunk", chunk)
     assert len({len(r["prompt_ids"]) for r in records}) == 3
     result = generate(backend, [r["prompt_ids"] for r in records], max_new_tokens=32)
     for b, record in enumerate(records):

@@ -7,7 +7,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from export.build import build
 from export.draft_config import BONUS_ANCHOR
 from export.onnx_export import Limits
 from export.pair import load_pair
@@ -25,11 +24,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 2
 
 
 @pytest.fixture(scope="module", params=CASES)
-def engine(request, tiny, tmp_path_factory):
-    target_dir, draft_dir = tiny(**CASES[request.param])
-    out = tmp_path_factory.mktemp("engine")
-    build(str(target_dir), str(draft_dir), out, limits=LIMITS, progress=False)
-    return out, target_dir, draft_dir
+def engine(request, tiny, engine_dir):
+    return (engine_dir(LIMITS, **CASES[request.param]), *tiny(**CASES[request.param]))
 
 
 def _manifest(directory):
