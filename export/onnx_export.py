@@ -128,19 +128,21 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
             dynamic_shapes=tuple(dynamic[t.name] for t in spec.inputs),
             custom_translation_table=translations, verbose=False, optimize=True)
-    _attach_functions(program)
+    _attach_functions(program, opset)
     path = directory / spec.file
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     program.save(path, external_data=weights > EXTERNAL_DATA_BYTES)
     return path
 
 
-def _attach_functions(program) -> None:
-    """Give every ``dspark`` node type used in the graph its model-local function."""
+def _attach_functions(program, opset: int) -> None:
+    """Give every ``dspark`` node type used in the graph its model-local function, its body at the
+    model's opset (the bodies only use ops whose semantics are the same in 23 and 24)."""
     import onnx_ir as ir
 
     used = {node.op_type for node in program.model.graph.all_nodes() if node.domain == "dspark"}
     for function in (block_attention_onnx.BlockAttention, d2t_gather_onnx.D2TGather):
         if function.name in used:
             ir_function = ir.serde.deserialize_function(function.to_function_proto())
+            ir_function.opset_imports[""] = opset
             program.model.functions[ir_function.identifier()] = ir_function

@@ -36,7 +36,7 @@ def BlockAttention(q, k_new, v_new, k_cache, v_cache, start, causal: int, scale:
     limit = op.Where(is_causal, write + one, op.Unsqueeze(start, [1]) + rows)
     capacity = op.Squeeze(op.Shape(k_cache, start=2, end=3))
     visible = op.Less(op.Unsqueeze(op.Range(zero, capacity, one), [0, 1]), op.Unsqueeze(limit, [2]))
-    out = op.Attention(q, k_out, v_out, op.Unsqueeze(visible, [1]), scale=scale)
+    out = op.Attention(q, k_out, v_out, op.Unsqueeze(visible, [1]), scale=scale, softmax_precision=1)
     return out, k_out, v_out
 
 

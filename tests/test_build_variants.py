@@ -1,0 +1,58 @@
+"""Build options beyond the fp32 / opset 23 default: opset 24, fp16, bf16, external data."""
+import onnx
+import pytest
+
+import export.onnx_export
+from export.build import build
+from export.onnx_export import Limits
+from runtime.ort_backend import OrtBackend
+from runtime.speculative import generate
+
+from conftest import hf_greedy
+
+LIMITS = Limits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+
+
+def _build(tiny, tmp_path, **options):
+    target_dir, draft_dir = tiny()
+    return build(str(target_dir), str(draft_dir), tmp_path, limits=LIMITS, progress=False, **options)
+
+
+def test_opset_24(tiny, tmp_path):
+    _build(tiny, tmp_path, opset=24)
+    for name in ("target", "draft"):
+        model = onnx.load(tmp_path / f"{name}.onnx")
+        assert {o.domain: o.version for o in model.opset_import}[""] == 24
+        assert all({o.domain: o.version for o in f.opset_import}[""] == 24 for f in model.functions)
+    backend = OrtBackend(tmp_path)
+    result = generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.eos_token_ids)
+    assert result.token_ids == hf_greedy(tiny()[0], PROMPTS, 30)
+
+
+def test_fp16_speculative_equals_fp16_target_only(tiny, tmp_path):
+    result = _build(tiny, tmp_path, dtype="fp16")
+    assert all(0 < d <= 2e-2 for d in result.max_difference.values())
+    backend = OrtBackend(tmp_path)
+    speculative = generate(backend, PROMPTS, max_new_tokens=30)
+    target_only = generate(backend, PROMPTS, max_new_tokens=30, speculative=False)
+    assert speculative.token_ids == target_only.token_ids
+
+
+def test_bf16_builds_but_is_not_run_on_cpu(tiny, tmp_path):
+    result = _build(tiny, tmp_path, dtype="bf16")
+    assert result.max_difference == {"target": None, "draft": None}
+    model = onnx.load(tmp_path / "target.onnx")
+    assert model.graph.input[2].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    with pytest.raises(ValueError, match="bfloat16 engines cannot run on the ONNX Runtime CPU"):
+        OrtBackend(tmp_path)
+
+
+def test_external_data(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(export.onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    result = _build(tiny, tmp_path)
+    assert {"target.onnx.data", "draft.onnx.data"} <= set(result.files)
+    assert result.files["target.onnx"] < result.files["target.onnx.data"]
+    backend = OrtBackend(tmp_path)
+    assert generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.eos_token_ids).token_ids \
+        == hf_greedy(tiny()[0], PROMPTS, 30)
