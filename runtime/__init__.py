@@ -1,0 +1,4 @@
+"""Speculative decoding over engine directories: ``from runtime import Generator``."""
+from .generator import Generation, Generator
+
+__all__ = ["Generation", "Generator"]

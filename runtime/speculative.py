@@ -8,7 +8,9 @@ rows (old anchor + accepted drafts) become draft context, and both caches' valid
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -18,94 +20,148 @@ from .verify import greedy_verify, rejection_verify
 
 
 @dataclass
+class PhaseTimes:
+    """Wall time per phase, seconds. ``host`` is everything outside the backend calls."""
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    total: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return max(0.0, self.total - self.prefill - self.draft - self.verify)
+
+
+@dataclass
 class GenerationResult:
     token_ids: list[list[int]]                    # generated ids per prompt (prompt excluded)
     stats: SpecStats
+    times: PhaseTimes = field(default_factory=PhaseTimes)
     trace: list[dict] = field(default_factory=list)   # one record per step and sequence
 
 
-def generate(backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             eos_token_ids=(), speculative: bool = True) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` after each prompt; a sequence stops at its first EOS
-    (kept in the output). ``temperature == 0`` is greedy: the output is exactly the target's
-    own greedy output. Otherwise it is distributed as the target's sampling distribution."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens}: expected at least 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature {temperature} / top_p {top_p}: expected temperature >= 0 "
-                         f"and 0 < top_p <= 1")
-    speculative = speculative and backend.k > 0
-    lengths = torch.tensor([len(p) for p in prompts])
-    needed = int(lengths.max()) + max_new_tokens + (backend.lookahead if speculative else 1)
-    if needed > backend.capacity:
-        raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) needs {needed} KV-cache rows; the capacity is "
-                         f"{backend.capacity}")
+@dataclass
+class Emission:
+    """Tokens that one sequence gained in one step (after EOS / budget truncation)."""
+    sequence: int
+    tokens: list[int]
+    finished: bool
 
-    batch, rows = len(prompts), torch.arange(len(prompts))
-    generator = torch.Generator().manual_seed(seed)
-    eos = set(eos_token_ids)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(batch, dtype=torch.bool)
-    stats = SpecStats(k=backend.k if speculative else 0)
-    trace: list[dict] = []
 
-    def emit(b: int, tokens: list[int], record: dict) -> None:
+class Decoding:
+    """One batch being generated. Iterate it to receive each step's ``Emission``s as they are
+    accepted; ``result`` holds everything generated so far, also after an interruption.
+
+    A sequence stops at its first EOS (kept in the output) or after ``max_new_tokens``.
+    ``temperature == 0`` is greedy: the output is exactly the target's own greedy output.
+    Otherwise it is distributed as the target's sampling distribution (with ``top_p``)."""
+
+    def __init__(self, backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_ids=(),
+                 speculative: bool = True):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {max_new_tokens}: expected at least 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature {temperature} / top_p {top_p}: expected temperature >= 0 "
+                             f"and 0 < top_p <= 1")
+        self.speculative = speculative and backend.k > 0
+        longest = max(map(len, prompts))
+        needed = longest + max_new_tokens + (backend.lookahead if self.speculative else 1)
+        if needed > backend.capacity:
+            raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) needs {needed} KV-cache rows; the capacity is "
+                             f"{backend.capacity}")
+        self.backend, self.prompts = backend, prompts
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eos = set(eos_token_ids)
+        self.result = GenerationResult([[] for _ in prompts],
+                                       SpecStats(k=backend.k if self.speculative else 0))
+
+    def _emit(self, b: int, tokens: list[int], record: dict) -> Emission:
         """Append ``tokens`` to sequence ``b`` up to its first EOS or its budget."""
-        before = len(out[b])
-        for token in tokens[: max_new_tokens - before]:
-            out[b].append(token)
-            if token in eos:
+        out = self.result.token_ids[b]
+        before = len(out)
+        for token in tokens[: self.max_new_tokens - before]:
+            out.append(token)
+            if token in self.eos:
                 break
-        done[b] = len(out[b]) >= max_new_tokens or out[b][-1] in eos
-        trace.append({"sequence": b, **record, "emitted": out[b][before:]})
+        finished = len(out) >= self.max_new_tokens or out[-1] in self.eos
+        self.result.trace.append({"sequence": b, **record, "emitted": out[before:]})
+        return Emission(b, out[before:], finished)
 
-    backend.start(batch)
-    last_logits, (ctx_aux, ctx_start, ctx_count) = _prefill(backend, prompts, lengths, speculative)
-    anchor = next_token(last_logits, temperature, top_p, generator)
-    for b in range(batch):
-        emit(b, [int(anchor[b])], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
+    def __iter__(self) -> Iterator[list[Emission]]:
+        backend, times = self.backend, self.result.times
+        batch, rows = len(self.prompts), torch.arange(len(self.prompts))
+        lengths = torch.tensor([len(p) for p in self.prompts])
+        resumed = time.perf_counter()   # total time excludes what the consumer does between steps
 
-    anchor_pos = lengths.clone()                 # = each target cache's valid length
-    greedy_temperature = torch.ones(batch)
-    step = 0
-    while not bool(done.all()):
-        step += 1
-        if speculative:
-            k, vd = backend.k, backend.draft_vocab_size
-            if temperature == 0:
-                drafts, q = backend.draft_step(ctx_aux, ctx_start, ctx_count, anchor,
-                                               greedy_temperature, torch.zeros(batch, k, vd))
+        def timed(phase: str, call, *args):
+            begin = time.perf_counter()
+            out = call(*args)
+            setattr(times, phase, getattr(times, phase) + time.perf_counter() - begin)
+            return out
+
+        backend.start(batch)
+        last_logits, (ctx_aux, ctx_start, ctx_count) = timed(
+            "prefill", _prefill, backend, self.prompts, lengths, self.speculative)
+        anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
+        emissions = [self._emit(b, [int(anchor[b])], {"step": 0, "anchor": None, "drafts": [],
+                                                      "accepted": 0}) for b in range(batch)]
+        done = torch.tensor([e.finished for e in emissions])
+        times.total += time.perf_counter() - resumed
+        yield emissions
+
+        greedy = self.temperature == 0
+        temperatures = torch.full((batch,), 1.0 if greedy else self.temperature)
+        zero_noise = torch.zeros(batch, backend.k, backend.draft_vocab_size) if self.speculative else None
+        anchor_pos = lengths.clone()                 # = each target cache's valid length
+        step = 0
+        while not bool(done.all()):
+            resumed = time.perf_counter()
+            step += 1
+            if self.speculative:
+                noise = zero_noise if greedy else gumbel_noise(zero_noise.shape, self.generator)
+                drafts, q = timed("draft", backend.draft_step, ctx_aux, ctx_start, ctx_count, anchor,
+                                  temperatures, noise)
+                logits, aux = timed("verify", backend.target_step,
+                                    torch.cat([anchor[:, None], drafts], 1), anchor_pos)
+                if greedy:
+                    accepted, emitted = greedy_verify(drafts, logits)
+                else:
+                    p = probabilities(logits, self.temperature, self.top_p)
+                    accepted, emitted = rejection_verify(drafts, q, p, self.generator)
             else:
-                drafts, q = backend.draft_step(ctx_aux, ctx_start, ctx_count, anchor,
-                                               torch.full((batch,), temperature),
-                                               gumbel_noise((batch, k, vd), generator))
-            logits, aux = backend.target_step(torch.cat([anchor[:, None], drafts], 1), anchor_pos)
-            if temperature == 0:
-                accepted, emitted = greedy_verify(drafts, logits)
-            else:
-                accepted, emitted = rejection_verify(drafts, q, probabilities(logits, temperature, top_p),
-                                                     generator)
-        else:
-            drafts = torch.zeros(batch, 0, dtype=torch.long)
-            logits, aux = backend.target_step(anchor[:, None], anchor_pos)
-            accepted = torch.zeros(batch, dtype=torch.long)
-            emitted = next_token(logits, temperature, top_p, generator)
+                drafts = torch.zeros(batch, 0, dtype=torch.long)
+                logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos)
+                accepted = torch.zeros(batch, dtype=torch.long)
+                emitted = next_token(logits, self.temperature, self.top_p, self.generator)
 
-        live = ~done
-        for b in live.nonzero()[:, 0].tolist():
-            a = int(accepted[b])
-            stats.record(a)
-            emit(b, emitted[b, : a + 1].tolist(),
-                 {"step": step, "anchor": int(anchor[b]), "drafts": drafts[b].tolist(), "accepted": a})
-        ctx_aux, ctx_start = aux, anchor_pos
-        ctx_count = torch.where(live, accepted + 1, 0)
-        anchor = torch.where(live, emitted[rows, accepted], anchor)
-        anchor_pos = anchor_pos + ctx_count
-    return GenerationResult(out, stats, trace)
+            live = ~done
+            emissions = []
+            for b in live.nonzero()[:, 0].tolist():
+                a = int(accepted[b])
+                self.result.stats.record(a)
+                emission = self._emit(b, emitted[b, : a + 1].tolist(), {
+                    "step": step, "anchor": int(anchor[b]), "drafts": drafts[b].tolist(), "accepted": a})
+                done[b] = emission.finished
+                emissions.append(emission)
+            ctx_aux, ctx_start = aux, anchor_pos
+            ctx_count = torch.where(live, accepted + 1, 0)
+            anchor = torch.where(live, emitted[rows, accepted], anchor)
+            anchor_pos = anchor_pos + ctx_count
+            times.total += time.perf_counter() - resumed
+            yield emissions
+
+
+def generate(backend, prompts: list[list[int]], **options) -> GenerationResult:
+    """Run a ``Decoding`` to the end (options as there) and return its result."""
+    decoding = Decoding(backend, prompts, **options)
+    for _ in decoding:
+        pass
+    return decoding.result
 
 
 def _prefill(backend, prompts, lengths, speculative: bool):

@@ -29,3 +29,9 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         """Fraction of verify steps whose draft ``i + 1`` was accepted."""
         return [n / self.steps if self.steps else 0.0 for n in self.accepted_at]
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another batch's counts (same ``k``)."""
+        self.steps += other.steps
+        self.accepted_tokens += other.accepted_tokens
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]

@@ -1,28 +1,56 @@
 """The PyTorch reference backend: runs ``TargetStep`` / ``DraftStep`` eagerly and owns their caches.
 
-Every backend offers the same four things (``start``, ``target_step``, ``draft_step`` and a few
-shape facts), so the loop in ``speculative.py`` never knows which one it drives.
+Every backend offers the same things (``start``, ``target_step``, ``draft_step`` and the shape
+facts set in ``__init__``), so the loop in ``speculative.py`` never knows which one it drives.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from export import manifest as manifest_file
 from export.draft_model import DraftStep
+from export.pair import load_pair
 from export.target_model import TargetStep
 
 
 class TorchBackend:
-    def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int):
+    def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
+                 max_batch: int = 1 << 16, max_prompt_chunk: int | None = None):
         self.target, self.draft, self.capacity = target, draft, capacity
-        self.max_prompt_chunk = capacity
+        self.max_batch = max_batch
+        self.max_prompt_chunk = max_prompt_chunk or capacity
+        self.eos_token_ids = target.config.eos_token_ids
         self.vocab_size = target.config.vocab_size
         self.k = draft.k if draft is not None else 0
         self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0
         # the draft block writes scratch K/V up to block_size rows past the anchor
         self.lookahead = max(self.k + 1, draft.config.block_size if draft is not None else 1)
 
+    @classmethod
+    def from_engine(cls, engine: str | Path) -> "TorchBackend":
+        """The reference modules for an engine directory, with its limits. Unlike the engine
+        backends this reads the source checkpoints that ``manifest.json`` records."""
+        m = manifest_file.read(Path(engine))
+        sources = m["source"]
+        for side in ("target", "draft"):
+            if not Path(sources[side]["path"]).is_dir():
+                raise manifest_file.ManifestError(
+                    f"{engine}: the torch backend runs the reference modules from the source "
+                    f"checkpoints, and the {side} recorded in manifest.json "
+                    f"({sources[side]['path']}) is not there; use --backend ort")
+        dtype = getattr(torch, m["dtype"])
+        target, draft = load_pair(sources["target"]["path"], sources["draft"]["path"],
+                                  k=m["draft"]["k"], dtype=dtype)
+        limits = m["limits"]
+        return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"])
+
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""
+        if batch > self.max_batch:
+            raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
+                             f"{self.max_batch} (--max-batch)")
         self.target_cache = self.target.empty_cache(batch, self.capacity)
         if self.draft is not None:
             self.draft_cache = self.draft.empty_cache(batch, self.capacity)

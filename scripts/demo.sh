@@ -10,5 +10,5 @@ bash scripts/setup.sh
 .venv/bin/python -m export build --target engines/tiny-checkpoints/target \
     --draft engines/tiny-checkpoints/draft --out engines/tiny --max-seq-len 256 --force
 .venv/bin/python -m export inspect engines/tiny
-.venv/bin/python -m runtime.generate --target engines/tiny-checkpoints/target \
-    --draft engines/tiny-checkpoints/draft --prompt "Once upon a time" --max-new-tokens 48 --stats "$@"
+.venv/bin/python -m runtime.generate --engine engines/tiny --prompt "Once upon a time" \
+    --max-new-tokens 48 --stats "$@"

@@ -1,0 +1,181 @@
+"""``python -m runtime.bench``: speculative vs target-only decoding on the same engine, and
+``transformers`` ``generate`` on the original target as the outside baseline.
+
+Every prompt runs at batch 1. The result is printed, written as JSON, and plotted (acceptance per
+position and tokens/s) to a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from export.checkpoint import CheckpointError
+from export.manifest import ManifestError
+
+from .backends import BACKENDS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help="engine directory")
+    p.add_argument("--prompts-file", type=Path, required=True,
+                   help="JSON Lines of {\"turns\": [...]} (e.g. ../shared/data/prompts/gsm8k.jsonl)")
+    p.add_argument("--limit", type=int, default=8, help="first N prompts [8]")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
+    p.add_argument("--seed", type=int, default=0, help="[0]")
+    p.add_argument("--backend", choices=BACKENDS, default="ort", help="[ort]")
+    p.add_argument("--threads", type=int, help="ONNX Runtime / torch threads [all cores]")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-transformers", action="store_true",
+                   help="skip the transformers generate baseline")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="also run transformers with prompt_lookup_num_tokens=N")
+    p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON result [bench.json]")
+    p.add_argument("--plot", type=Path, default=Path("bench.png"), help="PNG plot [bench.png]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (CheckpointError, ManifestError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.plot)
+    print(summary(report))
+    print(f"wrote {args.out} and {args.plot}")
+
+
+def run(args) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    from .generate import read_prompts
+    from .generator import Generator
+
+    args.prompt = []
+    prompts = read_prompts(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
+    chat = not args.no_chat_template
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                   chat_template=chat)
+    generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
+
+    report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file),
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "backend": args.backend, "runs": {}}
+    for name, speculative in (("speculative", True), ("target_only", False)):
+        runs = [generator.generate(p, speculative=speculative, **options)
+                for p in tqdm(prompts, desc=name, leave=False)]
+        report["runs"][name] = _engine_run(runs)
+    if not args.no_transformers:
+        ids = [generator.encode(p, chat) for p in prompts]
+        target = json.loads((Path(args.engine) / "manifest.json").read_text())["source"]["target"]["path"]
+        report["runs"]["transformers"] = _transformers_run(target, ids, args, lookup=0)
+        if args.prompt_lookup:
+            report["runs"]["transformers_prompt_lookup"] = _transformers_run(target, ids, args,
+                                                                             lookup=args.prompt_lookup)
+    outputs = {name: r.pop("token_ids") for name, r in report["runs"].items()}
+    if args.temperature == 0:  # the invariant, checked on the benchmark itself
+        report["greedy_outputs_identical"] = {
+            f"speculative == {name}": outputs["speculative"] == ids for name, ids in outputs.items()
+            if name != "speculative"}
+    base = report["runs"]
+    report["ratios"] = {f"{a}/{b}": base[a]["tokens_per_second"] / base[b]["tokens_per_second"]
+                        for a in base for b in base if a != b and a in ("speculative", "target_only")}
+    return report
+
+
+def _engine_run(runs) -> dict:
+    tokens = sum(len(ids) for r in runs for ids in r.token_ids)
+    seconds = {name: sum(getattr(r.times, name) for r in runs)
+               for name in ("prefill", "draft", "verify", "host", "total")}
+    stats = runs[0].stats
+    for r in runs[1:]:
+        stats.merge(r.stats)
+    return {"tokens": tokens, "seconds": seconds["total"],
+            "tokens_per_second": tokens / seconds["total"], "tau": stats.tau,
+            "acceptance_per_position": stats.acceptance_per_position,
+            "phase_seconds": seconds, "host_fraction": seconds["host"] / seconds["total"],
+            "token_ids": [ids for r in runs for ids in r.token_ids]}
+
+
+def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: int) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    if not Path(target_path).is_dir():
+        raise ValueError(f"the transformers baseline needs the source target ({target_path}, from "
+                         f"manifest.json); pass --no-transformers to skip it")
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    sample = args.temperature > 0
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=0,
+                   **({"temperature": args.temperature} if sample else {}),
+                   **({"prompt_lookup_num_tokens": lookup} if lookup else {}))
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), **{**options, "max_new_tokens": 4})  # warm-up
+        outputs, seconds = [], 0.0
+        for ids in tqdm(prompts, desc="transformers" + (" + prompt lookup" if lookup else ""), leave=False):
+            ids = torch.tensor([ids])
+            started = time.perf_counter()
+            # an explicit mask: without it, prompt tokens equal to the pad id would be masked out
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+            seconds += time.perf_counter() - started
+            outputs.append(out[0, ids.shape[1]:].tolist())
+    tokens = sum(map(len, outputs))
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            "token_ids": outputs}
+
+
+def summary(report: dict) -> str:
+    lines = [f"{report['prompts']} prompts from {report['prompts_file']}, batch 1, "
+             f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}"]
+    for name, r in report["runs"].items():
+        line = f"  {name:28} {r['tokens_per_second']:9.1f} tokens/s"
+        if "tau" in r:
+            line += f"   tau {r['tau']:.2f}   host {100 * r['host_fraction']:.0f}% of the time"
+        lines.append(line)
+    spec = report["runs"]["speculative"]
+    if spec["acceptance_per_position"]:
+        lines.append("  acceptance per position: "
+                     + " ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]))
+    lines += [f"  {name}: {value:.2f}x" for name, value in report["ratios"].items()]
+    for check, same in report.get("greedy_outputs_identical", {}).items():
+        lines.append(f"  greedy outputs {check}: {same}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    acceptance = runs["speculative"]["acceptance_per_position"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(range(1, len(acceptance) + 1), acceptance, color="tab:blue")
+    left.set(title=f"Acceptance per draft position (tau {runs['speculative']['tau']:.2f})",
+             xlabel="draft position", ylabel="fraction of verify steps accepted", ylim=(0, 1))
+    names = list(runs)
+    right.bar(names, [runs[n]["tokens_per_second"] for n in names], color="tab:green")
+    right.set(title="Decoding speed, batch 1", ylabel="tokens / s")
+    right.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"{Path(report['engine']).name}: {report['prompts']} prompts from "
+                 f"{Path(report['prompts_file']).name}, T={report['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

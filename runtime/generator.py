@@ -1,0 +1,96 @@
+"""The Python API for embedding: ``Generator.from_engine(dir).generate(prompts)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Iterator
+
+from .backends import open_backend
+from .speculative import Decoding, PhaseTimes
+from .stats import SpecStats
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    token_ids: list[list[int]]
+    stats: SpecStats
+    times: PhaseTimes
+    trace: list[dict] = field(default_factory=list)   # "sequence" indexes the prompt list
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(map(len, self.token_ids)) / self.times.total if self.times.total else 0.0
+
+
+class Generator:
+    """Speculative generation over one engine directory (or any backend) and its tokenizer."""
+
+    def __init__(self, backend, tokenizer):
+        self.backend, self.tokenizer = backend, tokenizer
+
+    @classmethod
+    def from_engine(cls, engine: str | Path, backend: str = "ort", threads: int | None = None):
+        from transformers import AutoTokenizer
+
+        from export import manifest as manifest_file
+
+        engine = Path(engine)
+        tokenizer_dir = engine / manifest_file.read(engine)["tokenizer"]
+        return cls(open_backend(engine, backend, threads), AutoTokenizer.from_pretrained(tokenizer_dir))
+
+    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """Token ids of a user prompt, through the chat template when the tokenizer has one."""
+        if chat_template and self.tokenizer.chat_template:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decodings(self, prompts: list[str], *, chat_template: bool = True,
+                  batch_size: int | None = None, **options) -> Iterator[Decoding]:
+        """One ``Decoding`` per batch of at most ``batch_size`` prompts (the engine's maximum by
+        default). Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``speculative``."""
+        size = min(batch_size or self.backend.max_batch, self.backend.max_batch)
+        if size < 1:
+            raise ValueError(f"batch_size {batch_size}: expected at least 1")
+        ids = [self.encode(p, chat_template) for p in prompts]
+        options.setdefault("eos_token_ids", self.backend.eos_token_ids)
+        for begin in range(0, len(ids), size):
+            yield Decoding(self.backend, ids[begin:begin + size], **options)
+
+    def generate(self, prompts: str | list[str], **options) -> Generation:
+        """Generate for every prompt; options as ``decodings``."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        decodings = []
+        for decoding in self.decodings(prompts, **options):
+            decodings.append(decoding)
+            for _ in decoding:
+                pass
+        return self.collect(decodings)
+
+    def collect(self, decodings: list[Decoding]) -> Generation:
+        """One ``Generation`` from batches run so far (finished or not)."""
+        token_ids, trace, times = [], [], PhaseTimes()
+        stats = SpecStats(k=decodings[0].result.stats.k if decodings else 0)
+        for decoding in decodings:
+            result = decoding.result
+            trace += [{**r, "sequence": r["sequence"] + len(token_ids)} for r in result.trace]
+            token_ids += result.token_ids
+            stats.merge(result.stats)
+            for f in fields(PhaseTimes):
+                setattr(times, f.name, getattr(times, f.name) + getattr(result.times, f.name))
+        return Generation([self.decode(ids) for ids in token_ids], token_ids, stats, times, trace)
+
+    def stream(self, prompt: str, **options) -> Iterator[str]:
+        """The text of one prompt's continuation, piece by piece as drafts are accepted."""
+        decoding = next(self.decodings([prompt], **options))
+        shown = ""
+        for _ in decoding:
+            text = self.decode(decoding.result.token_ids[0])
+            if text.startswith(shown) and not text.endswith("\ufffd"):  # wait for whole characters
+                yield text[len(shown):]
+                shown = text
