@@ -188,3 +188,12 @@ class DecoderLayer(nn.Module):
                                               start, causal=causal, scale=attn.scale)
         h = h + attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache
+
+
+def empty_caches(config: DecoderConfig, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> list[torch.Tensor]:
+    """Zeroed per-layer caches ``[B, Hkv, C, D]``, flat: ``k_0, v_0, k_1, v_1, ...``. One tensor
+    per layer and kind, so that a runtime can bind each as both input and output and every write
+    lands in place."""
+    shape = (batch, config.num_kv_heads, capacity, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * config.num_layers)]

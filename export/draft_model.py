@@ -14,7 +14,7 @@ from torch import nn
 from plugins.d2t_gather import d2t_gather
 
 from .checkpoint import CheckpointError, build_module, load_tensors, resolve
-from .decoder import DecoderLayer, RMSNorm, Rotary
+from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .draft_config import DraftConfig, load_draft_config, resolve_k
 from .target_config import TargetConfig
 from .target_model import TargetStep
@@ -39,7 +39,7 @@ class DraftStep(nn.Module):
     - ``anchor [B]``: the target's last emitted token (at ``p_anchor``),
     - ``temperature [B]`` (> 0) and ``noise [B, k, V_d]``: drafts are
       ``argmax(z / temperature + noise)``; zero noise gives greedy drafts, Gumbel noise samples,
-    - caches ``[L, B, Hkv, C, D]``.
+    - per-layer caches ``k_0, v_0, k_1, ...`` each ``[B, Hkv, C, D]``.
 
     Outputs: ``tokens [B, k]`` (target ids), ``q [B, k, V_target]`` (the distribution each draft
     was drawn from, zero outside the draft vocabulary), the updated caches. Cache rows at and past
@@ -62,30 +62,30 @@ class DraftStep(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.rotary = Rotary(d)
 
-    def forward(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, k_cache, v_cache):
-        k_cache, v_cache = self.write_context(ctx_aux, ctx_start, k_cache, v_cache)
-        base, k_cache, v_cache = self.block_logits(anchor, ctx_start + ctx_count, k_cache, v_cache)
+    def forward(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, *caches):
+        caches = self.write_context(ctx_aux, ctx_start, *caches)
+        base, *caches = self.block_logits(anchor, ctx_start + ctx_count, *caches)
         first = self.config.first_draft_row
         tokens, q = self.sample(base[:, first:first + self.k], anchor, temperature, noise)
-        return tokens, q, k_cache, v_cache
+        return tokens, q, *caches
 
-    def write_context(self, ctx_aux, ctx_start, k_cache, v_cache):
+    def write_context(self, ctx_aux, ctx_start, *caches):
         """``hidden_norm(fc(aux))`` -> each layer's ``k_proj``/``k_norm``/RoPE and ``v_proj``,
         written at rows ``ctx_start + i``. Context rows bypass the layers' ``input_layernorm``."""
         rows = ctx_aux.shape[1]
         positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
         context = self.hidden_norm(self.fc(ctx_aux))
         cos, sin = self.rotary.cos_sin(positions, context.dtype)
-        _, batch, kv_heads, _, head_dim = k_cache.shape
+        batch, kv_heads, _, head_dim = caches[0].shape
         index = positions[:, None, :, None].expand(batch, kv_heads, rows, head_dim)
-        new_k, new_v = [], []
+        new_caches = []
         for layer_index, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(context, cos, sin)
-            new_k.append(k_cache[layer_index].scatter(2, index, k))
-            new_v.append(v_cache[layer_index].scatter(2, index, v))
-        return torch.stack(new_k), torch.stack(new_v)
+            new_caches += [caches[2 * layer_index].scatter(2, index, k),
+                           caches[2 * layer_index + 1].scatter(2, index, v)]
+        return new_caches
 
-    def block_logits(self, anchor, anchor_pos, k_cache, v_cache):
+    def block_logits(self, anchor, anchor_pos, *caches):
         """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
         ``anchor_pos + j``, every slot attending to all context rows and to every block slot."""
         block = self.config.block_size
@@ -95,12 +95,12 @@ class DraftStep(nn.Module):
         positions = anchor_pos[:, None] + torch.arange(block, device=anchor.device)
         h = self.embed_tokens(ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        new_k, new_v = [], []
+        new_caches = []
         for index, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, k_cache[index], v_cache[index], anchor_pos, causal=False)
-            new_k.append(k)
-            new_v.append(v)
-        return self.lm_head(self.norm(h)), torch.stack(new_k), torch.stack(new_v)
+            h, k, v = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], anchor_pos,
+                            causal=False)
+            new_caches += [k, v]
+        return self.lm_head(self.norm(h)), *new_caches
 
     def sample(self, base, anchor, temperature, noise):
         """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
@@ -120,11 +120,9 @@ class DraftStep(nn.Module):
             tokens.append(token)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
-    def empty_cache(self, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.config.decoder
-        shape = (d.num_layers, batch, d.num_kv_heads, capacity, d.head_dim)
-        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
+        weight = self.lm_head.weight
+        return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
 
 
 def load_draft(path: str | Path, target: TargetStep, k: int | None = None,

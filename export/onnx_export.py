@@ -50,31 +50,30 @@ class GraphSpec:
         return asdict(self)
 
 
-def _cache_shape(decoder, capacity: int) -> tuple:
-    return (decoder.num_layers, "batch", decoder.num_kv_heads, capacity, decoder.head_dim)
+def _caches(decoder, capacity: int, dtype: str, suffix: str = "") -> tuple[TensorSpec, ...]:
+    """Per-layer caches ``k_cache{suffix}_0, v_cache{suffix}_0, k_cache{suffix}_1, ...``."""
+    shape = ("batch", decoder.num_kv_heads, capacity, decoder.head_dim)
+    return tuple(TensorSpec(f"{kind}_cache{suffix}_{layer}", dtype, shape)
+                 for layer in range(decoder.num_layers) for kind in ("k", "v"))
 
 
 def target_spec(target: TargetStep, limits: Limits) -> GraphSpec:
     c, d = target.config, target.config.decoder
     dtype = DTYPE_NAMES[target.lm_head.weight.dtype]
-    cache = _cache_shape(d, limits.max_seq_len)
     return GraphSpec("target.onnx", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "rows")),
         TensorSpec("start", "int64", ("batch",)),
-        TensorSpec("k_cache", dtype, cache),
-        TensorSpec("v_cache", dtype, cache),
+        *_caches(d, limits.max_seq_len, dtype),
     ), outputs=(
         TensorSpec("logits", dtype, ("batch", "rows", c.vocab_size)),
         TensorSpec("aux", dtype, ("batch", "rows", len(target.taps) * d.hidden_size)),
-        TensorSpec("k_cache_out", dtype, cache),
-        TensorSpec("v_cache_out", dtype, cache),
+        *_caches(d, limits.max_seq_len, dtype, "_out"),
     ))
 
 
 def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
     c, d = draft.config, draft.config.decoder
     dtype = DTYPE_NAMES[draft.lm_head.weight.dtype]
-    cache = _cache_shape(d, limits.max_seq_len)
     return GraphSpec("draft.onnx", inputs=(
         TensorSpec("ctx_aux", dtype, ("batch", "ctx_rows", draft.fc.in_features)),
         TensorSpec("ctx_start", "int64", ("batch",)),
@@ -82,13 +81,11 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
         TensorSpec("anchor", "int64", ("batch",)),
         TensorSpec("temperature", "float32", ("batch",)),
         TensorSpec("noise", "float32", ("batch", draft.k, c.draft_vocab_size)),
-        TensorSpec("k_cache", dtype, cache),
-        TensorSpec("v_cache", dtype, cache),
+        *_caches(d, limits.max_seq_len, dtype),
     ), outputs=(
         TensorSpec("tokens", "int64", ("batch", draft.k)),
         TensorSpec("q", "float32", ("batch", draft.k, draft.target_vocab_size)),
-        TensorSpec("k_cache_out", dtype, cache),
-        TensorSpec("v_cache_out", dtype, cache),
+        *_caches(d, limits.max_seq_len, dtype, "_out"),
     ))
 
 
@@ -115,8 +112,11 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
               "ctx_rows": limits.max_prompt_chunk}
     dims = {name: torch.export.Dim(name, min=1, max=top) for name, top in bounds.items()}
-    dynamic = {t.name: {axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}
-               for t in spec.inputs}
+    dynamic = [{axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}
+               for t in spec.inputs]
+    caches = sum("_cache_" in t.name for t in spec.inputs)
+    # forward(named inputs..., *caches): torch.export sees the caches as one trailing tuple
+    dynamic = (*dynamic[:-caches], tuple(dynamic[-caches:]))
     translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,
                     torch.ops.dspark.d2t_gather.default: d2t_gather_onnx.translate}
     # the exporter's chatter: missing torchvision ops, unused axis names, ...
@@ -126,7 +126,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
         program = torch.onnx.export(
             module, args=tuple(example.values()), dynamo=True, opset_version=opset,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
-            dynamic_shapes=tuple(dynamic[t.name] for t in spec.inputs),
+            dynamic_shapes=dynamic,
             custom_translation_table=translations, verbose=False, optimize=True)
     _attach_functions(program, opset)
     path = directory / spec.file

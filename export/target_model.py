@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, build_module, load_tensors, resolve
-from .decoder import DecoderLayer, RMSNorm, Rotary
+from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .target_config import TargetConfig, load_target_config
 
 
 class TargetStep(nn.Module):
     """``input_ids [B, S]``, ``start [B]`` (each row's valid cache length, where its block is
-    written; positions are ``start + i``), caches ``[L, B, Hkv, C, D]`` ->
+    written; positions are ``start + i``), per-layer caches ``k_0, v_0, k_1, ...`` each
+    ``[B, Hkv, C, D]`` ->
 
     - ``logits [B, S, V]``,
     - ``aux [B, S, T*H]``: the raw residual stream after each tap layer (DeepSpec convention,
@@ -37,27 +38,24 @@ class TargetStep(nn.Module):
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(d)
 
-    def forward(self, input_ids, start, k_cache, v_cache):
+    def forward(self, input_ids, start, *caches):
         positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         aux = [h] if -1 in self.taps else []
-        new_k, new_v = [], []
+        new_caches = []
         for index, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, k_cache[index], v_cache[index], start, causal=True)
-            new_k.append(k)
-            new_v.append(v)
+            h, k, v = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], start, causal=True)
+            new_caches += [k, v]
             if index in self.taps:
                 aux.append(h)
         logits = self.lm_head(self.norm(h))
         aux = torch.cat(aux, dim=-1) if aux else h.new_zeros(*h.shape[:2], 0)
-        return logits, aux, torch.stack(new_k), torch.stack(new_v)
+        return logits, aux, *new_caches
 
-    def empty_cache(self, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.config.decoder
-        shape = (d.num_layers, batch, d.num_kv_heads, capacity, d.head_dim)
-        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
+        weight = self.lm_head.weight
+        return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
 
 
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,

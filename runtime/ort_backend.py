@@ -49,18 +49,16 @@ class OrtBackend:
         if batch > self.max_batch:
             raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
                              f"{self.max_batch} (--max-batch)")
-        self.bindings = {}
+        self.bindings, self._cache_count = {}, {}
         for name, session in self.sessions.items():
-            shape = [batch if s == "batch" else s for s in self._input_shape(name, "k_cache")]
+            caches = [t for t in self.manifest["graphs"][name]["inputs"] if "_cache_" in t["name"]]
             binding = session.io_binding()
-            for cache in ("k_cache", "v_cache"):
+            for cache in caches:
+                shape = [batch if s == "batch" else s for s in cache["shape"]]
                 value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
-                binding.bind_ortvalue_input(cache, value)
-                binding.bind_ortvalue_output(f"{cache}_out", value)
-            self.bindings[name] = binding
-
-    def _input_shape(self, graph: str, name: str) -> list:
-        return next(t["shape"] for t in self.manifest["graphs"][graph]["inputs"] if t["name"] == name)
+                binding.bind_ortvalue_input(cache["name"], value)
+                binding.bind_ortvalue_output(cache["name"].replace("_cache_", "_cache_out_"), value)
+            self.bindings[name], self._cache_count[name] = binding, len(caches)
 
     def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...]):
         binding = self.bindings[graph]
@@ -72,8 +70,8 @@ class OrtBackend:
         for name in outputs:
             binding.bind_output(name, "cpu")
         self.sessions[graph].run_with_iobinding(binding)
-        # bound outputs come back in binding order: the two caches (bound in start()), then these
-        return [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[2:]]
+        # bound outputs come back in binding order: the caches (bound in start()), then these
+        return [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[self._cache_count[graph]:]]
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
         return self._run("target", {"input_ids": input_ids, "start": start}, ("logits", "aux"))

@@ -100,7 +100,7 @@ def test_polygraphy_inspects_and_runs_the_graphs(built):
     assert "Other Opsets: {'dspark': 1}" in shown and "tokens" in shown
     run = subprocess.run([*polygraphy, "run", str(built / "target.onnx"), "--onnxrt",
                           "--input-shapes", "input_ids:[2,5]", "start:[2]",
-                          "k_cache:[4,2,2,64,16]", "v_cache:[4,2,2,64,16]",
+                          *[f"{kind}_cache_{layer}:[2,2,64,16]" for layer in range(4) for kind in "kv"],
                           "--val-range", "input_ids:[0,80]", "start:[0,50]"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr

@@ -125,7 +125,7 @@ def test_sharded_target_matches_the_single_file(tiny, tmp_path):
 
     ids = [5, 17, 9, 30, 2, 11]
     expected, *_ = run_target(load_target(single, taps=(0, 2)), ids)
-    logits, aux, k, v = run_target(load_target(sharded, taps=(0, 2)), ids)
+    logits, aux, *_ = run_target(load_target(sharded, taps=(0, 2)), ids)
     assert logits.shape == (1, len(ids), VOCAB) and aux.shape == (1, len(ids), 2 * HIDDEN)
     assert torch.equal(logits, expected)
 

@@ -14,7 +14,7 @@ def _context(target, prompts):
     padded = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
     for b, p in enumerate(prompts):
         padded[b, :len(p)] = torch.tensor(p)
-    _, aux, _, _ = target(padded, torch.zeros(len(prompts), dtype=torch.long),
+    _, aux, *_ = target(padded, torch.zeros(len(prompts), dtype=torch.long),
                           *target.empty_cache(len(prompts), 64))
     return aux, lengths
 

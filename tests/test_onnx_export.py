@@ -92,18 +92,21 @@ class Recorder(TorchBackend):
         super().__init__(*args, **kwargs)
         self.calls = {"target": [], "draft": []}
 
+    @staticmethod
+    def _caches(tensors):
+        """``k_cache_0, v_cache_0, k_cache_1, ...`` feeds, copied before the step writes."""
+        return {f"{'kv'[i % 2]}_cache_{i // 2}": t.clone() for i, t in enumerate(tensors)}
+
     def target_step(self, input_ids, start):
-        before = [c.clone() for c in self.target_cache]
+        feeds = {"input_ids": input_ids, "start": start, **self._caches(self.target_cache)}
         out = super().target_step(input_ids, start)
-        self.calls["target"].append(({"input_ids": input_ids, "start": start, "k_cache": before[0],
-                                      "v_cache": before[1]}, [*out, *self.target_cache]))
+        self.calls["target"].append((feeds, [*out, *self.target_cache]))
         return out
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
-        before = [c.clone() for c in self.draft_cache]
-        out = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,
-                     temperature=temperature, noise=noise, k_cache=before[0], v_cache=before[1])
+                     temperature=temperature, noise=noise, **self._caches(self.draft_cache))
+        out = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
         self.calls["draft"].append((feeds, [*out, *self.draft_cache]))
         return out
 

@@ -23,7 +23,7 @@ def test_prefill_logits_and_taps(pair):
     target, hf = pair
     ids = _ids(12)
     reference = hf(ids, output_hidden_states=True)
-    logits, aux, _, _ = target(ids, torch.tensor([0]), *target.empty_cache(1, 32))
+    logits, aux, *_ = target(ids, torch.tensor([0]), *target.empty_cache(1, 32))
     assert (logits - reference.logits).abs().max() < TOL
     # taps are raw residual streams: embeddings (-1), after layer 0, after layer 2, in that order
     hidden = target.config.decoder.hidden_size

@@ -1,17 +1,13 @@
-"""The command lines: ``python -m export make-tiny`` and ``python -m runtime.generate``."""
+"""``python -m export make-tiny``, and that every command-line entry point starts."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 import export.__main__ as export_cli
-import runtime.generate as generate_cli
 from export.pair import load_pair
-
-from conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,37 +38,8 @@ def test_make_tiny_rejects_a_bad_draft_vocab(tmp_path):
         export_cli.main(["make-tiny", str(tmp_path / "x"), "--draft-vocab", "1000"])
 
 
-def test_generate_prints_the_target_greedy_text(tiny, capsys):
-    target_dir, draft_dir = tiny()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompt = "the cat sat"
-    expected = hf_greedy(target_dir, [tokenizer.encode(prompt, add_special_tokens=False)], 20)[0]
-    generate_cli.main(["--target", str(target_dir), "--draft", str(draft_dir), "--prompt", prompt,
-                       "--max-new-tokens", "20", "--no-chat-template", "--stats"])
-    captured = capsys.readouterr()
-    assert captured.out.strip().endswith(tokenizer.decode(expected, skip_special_tokens=True).strip())
-    assert "tau" in captured.err
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--k", "9"], "--k 9"),
-    (["--max-new-tokens", "0"], "max_new_tokens 0"),
-    (["--temperature", "-1"], "temperature -1"),
-])
-def test_generate_refuses_bad_flags(tiny, flags, message):
-    target_dir, draft_dir = tiny()
-    with pytest.raises(SystemExit, match=message):
-        generate_cli.main(["--target", str(target_dir), "--draft", str(draft_dir), "--prompt", "hi",
-                           *flags])
-
-
-def test_generate_names_a_missing_target(tmp_path):
-    with pytest.raises(SystemExit, match="--target"):
-        generate_cli.main(["--target", str(tmp_path / "missing"), "--prompt", "hi"])
-
-
 def test_module_entry_points_run():
-    for module in ("export", "runtime.generate"):
+    for module in ("export", "runtime.generate", "runtime.bench"):
         result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
                                 capture_output=True, text=True, check=True)
         assert "usage: python -m" in result.stdout

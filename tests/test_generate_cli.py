@@ -1,0 +1,159 @@
+"""``python -m runtime.generate`` and the ``Generator`` API over an engine directory."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import runtime.generate as cli
+from export.onnx_export import Limits
+from runtime import Generator
+from runtime.ort_backend import OrtBackend
+
+from conftest import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
+PROMPTS = ["the cat sat", "once upon a time, there was", "why?"]
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir):
+    return engine_dir(LIMITS, arch="llama")
+
+
+@pytest.fixture(scope="module")
+def generator(engine):
+    return Generator.from_engine(engine)
+
+
+def _run(engine, *args) -> str:
+    return ["--engine", str(engine), "--max-new-tokens", "24", *args]
+
+
+def test_api_greedy_equals_transformers_in_batches(generator, tiny):
+    """Three prompts through an engine of max batch 2: two batches, the invariant holds."""
+    result = generator.generate(PROMPTS, max_new_tokens=24, chat_template=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny(arch="llama")[0])
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    assert result.token_ids == hf_greedy(tiny(arch="llama")[0], ids, 24)
+    assert result.texts == [generator.decode(t) for t in result.token_ids]
+    assert result.stats.steps > 0 and result.times.total >= result.times.verify > 0
+    assert {r["sequence"] for r in result.trace} == {0, 1, 2}
+
+
+def test_api_stream_pieces_make_the_text(generator):
+    pieces = list(generator.stream("the cat sat", max_new_tokens=24))
+    assert len(pieces) > 1
+    assert "".join(pieces) == generator.generate("the cat sat", max_new_tokens=24).texts[0]
+
+
+def test_chat_template_is_on_by_default(generator):
+    ids = generator.encode("hi")
+    assert ids[0] == generator.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert generator.encode("hi", chat_template=False) == generator.tokenizer.encode("hi")
+
+
+def test_cli_prints_text_stats_and_a_consistent_trace(engine, generator, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    cli.main(_run(engine, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--stats", "--trace", str(trace)))
+    out, err = capsys.readouterr()
+    expected = generator.generate(PROMPTS[:2], max_new_tokens=24)
+    for prompt, text in zip(PROMPTS, expected.texts):
+        assert f"### {prompt}\n{text}\n" in out
+    assert "tau" in err and "acceptance per position" in err and "host" in err
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    for b, ids in enumerate(expected.token_ids):
+        emitted = [t for r in records if r["sequence"] == b for t in r["emitted"]]
+        assert emitted == ids
+        steps = [r for r in records if r["sequence"] == b and r["step"] > 0]
+        assert all(len(r["drafts"]) == 4 and 0 <= r["accepted"] <= 4 for r in steps)
+
+
+def test_cli_stream_and_no_spec_print_the_same_text(engine, capsys):
+    cli.main(_run(engine, "--prompt", "the cat sat"))
+    plain = capsys.readouterr().out
+    cli.main(_run(engine, "--prompt", "the cat sat", "--stream"))
+    assert capsys.readouterr().out.strip() == plain.strip()
+    cli.main(_run(engine, "--prompt", "the cat sat", "--no-spec"))
+    assert capsys.readouterr().out == plain
+
+
+def test_cli_prompts_file_and_stdin(engine, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p, "second turn"]}) + "\n" for p in PROMPTS))
+    command = [sys.executable, "-m", "runtime.generate", *_run(engine)]
+    from_file = subprocess.run([*command, "--prompts-file", str(prompts), "--limit", "2"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout
+    from_stdin = subprocess.run(command, input="\n".join(PROMPTS[:2]) + "\n", cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout
+    assert from_file == from_stdin and from_file.count("### ") == 2
+
+
+def test_cli_torch_backend_matches_ort(engine, capsys):
+    cli.main(_run(engine, "--prompt", "the cat sat"))
+    ort_text = capsys.readouterr().out
+    cli.main(_run(engine, "--prompt", "the cat sat", "--backend", "torch"))
+    assert capsys.readouterr().out == ort_text
+
+
+def test_ctrl_c_prints_what_was_generated(engine, capsys, monkeypatch):
+    calls = {"n": 0}
+    real = OrtBackend.target_step
+
+    def interrupted(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(OrtBackend, "target_step", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_run(engine, "--prompt", "the cat sat", "--stats"))
+    assert exit_info.value.code == 130
+    out, err = capsys.readouterr()
+    assert "### the cat sat\n" in out and len(out.split("\n")[1]) >= 4   # prefill + 4 steps
+    assert "interrupted" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x" * 200], r"needs \d+ KV-cache rows; the capacity is 128"),
+    (["--prompt", "hi", "--max-new-tokens", "200"], "max_new_tokens .*200"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature -1"),
+    (["--prompts-file", "/nonexistent.jsonl"], "--prompts-file /nonexistent.jsonl: no such file"),
+])
+def test_cli_bad_input(engine, args, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["--engine", str(engine), *args])
+
+
+def test_cli_bad_prompts_file_line(engine, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"prompt": "no turns"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2: expected a JSON object with a non-empty list 'turns'"):
+        cli.main(["--engine", str(engine), "--prompts-file", str(bad)])
+
+
+def test_cli_refuses_missing_or_newer_manifest(engine, tmp_path):
+    with pytest.raises(SystemExit, match="manifest.json: missing; build an engine directory"):
+        cli.main(["--engine", str(tmp_path), "--prompt", "hi"])
+    manifest = json.loads((engine / "manifest.json").read_text())
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 2}))
+    with pytest.raises(SystemExit, match="schema_version 2 is newer .* upgrade dspark-trt or rebuild"):
+        cli.main(["--engine", str(newer), "--prompt", "hi"])
+
+
+def test_torch_backend_needs_the_source_checkpoints(engine, tmp_path):
+    import shutil
+
+    moved = Path(shutil.copytree(engine, tmp_path / "engine"))
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["source"]["target"]["path"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="torch backend .* use --backend ort"):
+        cli.main(["--engine", str(moved), "--prompt", "hi", "--backend", "torch"])
+    cli.main(["--engine", str(moved), "--prompt", "hi", "--max-new-tokens", "4"])  # ort needs none
