@@ -164,6 +164,7 @@ def plot(report: dict, path: Path) -> None:
     acceptance = runs["speculative"]["acceptance_per_position"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar(range(1, len(acceptance) + 1), acceptance, color="tab:blue")
+    left.set_xticks(range(1, len(acceptance) + 1))
     left.set(title=f"Acceptance per draft position (tau {runs['speculative']['tau']:.2f})",
              xlabel="draft position", ylabel="fraction of verify steps accepted", ylim=(0, 1))
     names = list(runs)

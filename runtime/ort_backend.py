@@ -1,7 +1,9 @@
 """The ONNX Runtime backend: runs an engine directory's graphs on the CPU.
 
 The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each step binds the same
-value as the cache input and the cache output (IOBinding), so the loop never copies them.
+value as the cache input and the cache output (IOBinding), so ONNX Runtime updates them in place
+and nothing copies them. The other outputs are written into buffers kept per shape: a returned
+tensor is valid until the next call of the same step with the same shape.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class OrtBackend:
         if batch > self.max_batch:
             raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
                              f"{self.max_batch} (--max-batch)")
-        self.bindings, self._cache_count = {}, {}
+        self.bindings = {}
         for name, session in self.sessions.items():
             caches = [t for t in self.manifest["graphs"][name]["inputs"] if "_cache_" in t["name"]]
             binding = session.io_binding()
@@ -58,25 +60,47 @@ class OrtBackend:
                 value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
                 binding.bind_ortvalue_input(cache["name"], value)
                 binding.bind_ortvalue_output(cache["name"].replace("_cache_", "_cache_out_"), value)
-            self.bindings[name], self._cache_count[name] = binding, len(caches)
+            self.bindings[name] = binding
+        self._buffers: dict[tuple, tuple[dict, list]] = {}
+        self._bound: dict[str, tuple] = {}
 
-    def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...]):
+    def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...],
+             sizes: dict[str, int]):
+        """Copy ``feeds`` into this shape's bound input buffers, run, and return the output
+        buffers as tensors. Buffers are made and bound once per shape; a step that repeats the
+        previous shape (every decode step) only copies its small inputs."""
+        key = (graph, *sizes.values())
+        if key not in self._buffers:
+            self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
+        inputs, results = self._buffers[key]
         binding = self.bindings[graph]
+        if self._bound.get(graph) != key:
+            for name, buffer in (*inputs.items(), *zip(outputs, results)):
+                bind = binding.bind_input if name in inputs else binding.bind_output
+                bind(name, "cpu", 0, buffer.dtype, buffer.shape, buffer.ctypes.data)
+            self._bound[graph] = key
         for name, tensor in feeds.items():
-            array = tensor.numpy()
-            if array.dtype.kind == "f":
-                array = array.astype(self._dtype if name == "ctx_aux" else np.float32, copy=False)
-            binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        for name in outputs:
-            binding.bind_output(name, "cpu")
+            np.copyto(inputs[name], tensor.numpy(), casting="same_kind")
         self.sessions[graph].run_with_iobinding(binding)
-        # bound outputs come back in binding order: the caches (bound in start()), then these
-        return [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[self._cache_count[graph]:]]
+        return [torch.from_numpy(buffer) for buffer in results]
+
+    def _make_buffers(self, graph, feeds, outputs, sizes):
+        specs = {t["name"]: t for t in (*self.manifest["graphs"][graph]["inputs"],
+                                        *self.manifest["graphs"][graph]["outputs"])}
+
+        def buffer(name):
+            dtype = {"float32": np.float32, "int64": np.int64}.get(specs[name]["dtype"], self._dtype)
+            return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=dtype)
+
+        return {name: buffer(name) for name in feeds}, [buffer(name) for name in outputs]
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
-        return self._run("target", {"input_ids": input_ids, "start": start}, ("logits", "aux"))
+        batch, rows = input_ids.shape
+        return self._run("target", {"input_ids": input_ids, "start": start}, ("logits", "aux"),
+                         {"batch": batch, "rows": rows})
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,
                      temperature=temperature, noise=noise)
-        return self._run("draft", feeds, ("tokens", "q"))
+        return self._run("draft", feeds, ("tokens", "q"),
+                         {"batch": anchor.shape[0], "ctx_rows": ctx_aux.shape[1]})

@@ -94,7 +94,7 @@ class Decoding:
 
     def __iter__(self) -> Iterator[list[Emission]]:
         backend, times = self.backend, self.result.times
-        batch, rows = len(self.prompts), torch.arange(len(self.prompts))
+        batch = len(self.prompts)
         lengths = torch.tensor([len(p) for p in self.prompts])
         resumed = time.perf_counter()   # total time excludes what the consumer does between steps
 
@@ -110,16 +110,19 @@ class Decoding:
         anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
         emissions = [self._emit(b, [int(anchor[b])], {"step": 0, "anchor": None, "drafts": [],
                                                       "accepted": 0}) for b in range(batch)]
-        done = torch.tensor([e.finished for e in emissions])
+        done = [e.finished for e in emissions]
         times.total += time.perf_counter() - resumed
         yield emissions
 
         greedy = self.temperature == 0
         temperatures = torch.full((batch,), 1.0 if greedy else self.temperature)
         zero_noise = torch.zeros(batch, backend.k, backend.draft_vocab_size) if self.speculative else None
+        no_drafts, no_accepted = torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
         anchor_pos = lengths.clone()                 # = each target cache's valid length
+        positions = lengths.tolist()
+        live = [b for b in range(batch) if not done[b]]
         step = 0
-        while not bool(done.all()):
+        while live:
             resumed = time.perf_counter()
             step += 1
             if self.speculative:
@@ -134,24 +137,26 @@ class Decoding:
                     p = probabilities(logits, self.temperature, self.top_p)
                     accepted, emitted = rejection_verify(drafts, q, p, self.generator)
             else:
-                drafts = torch.zeros(batch, 0, dtype=torch.long)
+                drafts, accepted = no_drafts, no_accepted
                 logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos)
-                accepted = torch.zeros(batch, dtype=torch.long)
                 emitted = next_token(logits, self.temperature, self.top_p, self.generator)
 
-            live = ~done
-            emissions = []
-            for b in live.nonzero()[:, 0].tolist():
-                a = int(accepted[b])
+            emissions, accepted_list = [], accepted.tolist()
+            emitted_list, anchors, draft_list = emitted.tolist(), anchor.tolist(), drafts.tolist()
+            for b in live:
+                a = accepted_list[b]
                 self.result.stats.record(a)
-                emission = self._emit(b, emitted[b, : a + 1].tolist(), {
-                    "step": step, "anchor": int(anchor[b]), "drafts": drafts[b].tolist(), "accepted": a})
-                done[b] = emission.finished
-                emissions.append(emission)
+                emissions.append(self._emit(b, emitted_list[b][: a + 1], {
+                    "step": step, "anchor": anchors[b], "drafts": draft_list[b], "accepted": a}))
+            # finished sequences stay in the batch, frozen: no new context, same anchor and start
+            counts = [0] * batch
+            for b in live:
+                counts[b] = accepted_list[b] + 1
+                anchors[b] = emitted_list[b][accepted_list[b]]
+                positions[b] += counts[b]
             ctx_aux, ctx_start = aux, anchor_pos
-            ctx_count = torch.where(live, accepted + 1, 0)
-            anchor = torch.where(live, emitted[rows, accepted], anchor)
-            anchor_pos = anchor_pos + ctx_count
+            ctx_count, anchor, anchor_pos = torch.tensor([counts, anchors, positions]).unbind()
+            live = [e.sequence for e in emissions if not e.finished]
             times.total += time.perf_counter() - resumed
             yield emissions
 

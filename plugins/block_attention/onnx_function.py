@@ -33,10 +33,15 @@ def BlockAttention(q, k_new, v_new, k_cache, v_cache, start, causal: int, scale:
     k_out = op.ScatterElements(k_cache, index, k_new, axis=2)
     v_out = op.ScatterElements(v_cache, index, v_new, axis=2)
     is_causal = op.Cast(op.Constant(value_int=causal), to=9)  # BOOL
-    limit = op.Where(is_causal, write + one, op.Unsqueeze(start, [1]) + rows)
-    capacity = op.Squeeze(op.Shape(k_cache, start=2, end=3))
-    visible = op.Less(op.Unsqueeze(op.Range(zero, capacity, one), [0, 1]), op.Unsqueeze(limit, [2]))
-    out = op.Attention(q, k_out, v_out, op.Unsqueeze(visible, [1]), scale=scale, softmax_precision=1)
+    limit = op.Where(is_causal, write + one, op.Unsqueeze(start, [1]) + rows)     # [B, S]
+    # attend over the cache rows that some query can see, not the whole capacity
+    used = op.Unsqueeze(op.ReduceMax(limit, keepdims=0), [0])
+    axis_start, axis = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+    keys = op.Slice(k_out, axis_start, used, axis)
+    values = op.Slice(v_out, axis_start, used, axis)
+    visible = op.Less(op.Unsqueeze(op.Range(zero, op.Squeeze(used), one), [0, 1]),
+                      op.Unsqueeze(limit, [2]))
+    out = op.Attention(q, keys, values, op.Unsqueeze(visible, [1]), scale=scale, softmax_precision=1)
     return out, k_out, v_out
 
 
