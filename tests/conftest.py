@@ -10,6 +10,16 @@ from export.tiny import TinySpec, make_tiny
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "golden" / "dspark-tiny"
 
+# ragged token-id prompts (lengths 7, 3, 11) used across the invariant tests
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+# two tiny pairs that between them cover both architectures, both draft formats, both layouts
+# and a reduced draft vocabulary: the cases every exported-engine test runs on
+ENGINE_CASES = {
+    "qwen3-native": dict(arch="qwen3"),
+    "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
+                                                    draft_vocab=30, layout="bonus-anchor"),
+}
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):

@@ -8,10 +8,9 @@ from export.onnx_export import Limits
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 
-from conftest import hf_greedy
+from conftest import PROMPTS, hf_greedy
 
 LIMITS = Limits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
 
 def _build(tiny, tmp_path, **options):

@@ -11,9 +11,8 @@ from export.pair import load_pair
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from conftest import hf_greedy
+from conftest import PROMPTS, hf_greedy
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 MAX_NEW = 40
 
 CASES = {

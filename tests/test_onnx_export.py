@@ -7,25 +7,20 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from export.draft_config import BONUS_ANCHOR
 from export.onnx_export import Limits
 from export.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
+from conftest import ENGINE_CASES, PROMPTS
+
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)
-CASES = {
-    "qwen3-native": dict(arch="qwen3"),
-    "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
-                                                    draft_vocab=30, layout=BONUS_ANCHOR),
-}
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
 
-@pytest.fixture(scope="module", params=CASES)
+@pytest.fixture(scope="module", params=ENGINE_CASES)
 def engine(request, tiny, engine_dir):
-    return (engine_dir(LIMITS, **CASES[request.param]), *tiny(**CASES[request.param]))
+    return (engine_dir(LIMITS, **ENGINE_CASES[request.param]), *tiny(**ENGINE_CASES[request.param]))
 
 
 def _manifest(directory):

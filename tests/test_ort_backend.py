@@ -3,28 +3,21 @@ PyTorch backend, chunked prefill, caches bound in place, and engine limits."""
 import pytest
 import torch
 
-from export.draft_config import BONUS_ANCHOR
 from export.onnx_export import Limits
 from export.pair import load_pair
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from conftest import hf_greedy
+from conftest import ENGINE_CASES, PROMPTS, hf_greedy
 
 # a prompt chunk of 8 rows makes the longest prompt (11 tokens) take two prefill calls
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
-CASES = {
-    "qwen3-native": dict(arch="qwen3"),
-    "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
-                                                    draft_vocab=30, layout=BONUS_ANCHOR),
-}
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
 
-@pytest.fixture(scope="module", params=CASES)
+@pytest.fixture(scope="module", params=ENGINE_CASES)
 def case(request, tiny, engine_dir):
-    fields = CASES[request.param]
+    fields = ENGINE_CASES[request.param]
     return OrtBackend(engine_dir(LIMITS, **fields)), tiny(**fields)
 
 
