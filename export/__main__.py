@@ -11,6 +11,7 @@ from .draft_config import LAYOUTS
 from .manifest import ManifestError
 from .onnx_check import VerificationError
 from .tiny import TinySpec, make_tiny
+from .trt_build import EngineBuildError
 
 
 def _output_dir(path: Path, force: bool, flag: str = "--out") -> Path:
@@ -44,7 +45,8 @@ def cmd_build(args: argparse.Namespace) -> None:
     limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_prompt_chunk=chunk)
     try:
         result = build(args.target, args.draft, out, k=args.k, limits=limits, dtype=args.dtype,
-                       opset=args.opset, progress=not args.quiet)
+                       opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
+                       progress=not args.quiet)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # never leave a half-built directory behind
         raise
@@ -106,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; norms and softmax accumulate in fp32 [fp32]")
     b.add_argument("--opset", type=int, choices=[23, 24], default=23, help="ONNX opset [23]")
+    b.add_argument("--backend", choices=["onnx", "trt", "trt-rtx"], default="onnx",
+                   help="also build TensorRT (trt) or TensorRT-RTX (trt-rtx) engines with the "
+                        "dspark plugins; build those graphs with --dtype fp16 or bf16 [onnx]")
+    b.add_argument("--gpu", action="append", default=[], metavar="SM",
+                   help="TensorRT-RTX compute capability to build for, without a GPU: sm75, sm80, "
+                        "sm86, sm89, sm120, sm121 (repeatable) [sm89]")
     b.add_argument("--force", action="store_true", help="replace a non-empty --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(run=cmd_build)
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         args.run(args)
-    except (CheckpointError, ManifestError, VerificationError, ValueError) as err:
+    except (CheckpointError, ManifestError, VerificationError, EngineBuildError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
 
 

@@ -32,14 +32,18 @@ class BuildResult:
 
 
 def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: Limits,
-          dtype: str = "fp32", opset: int = 23, progress: bool = True) -> BuildResult:
-    """Build into ``out``, which must exist and be empty (the CLI handles ``--force``)."""
+          dtype: str = "fp32", opset: int = 23, backend: str = "onnx", gpus: tuple[str, ...] = (),
+          progress: bool = True) -> BuildResult:
+    """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
+    ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if backend not in ("onnx", "trt", "trt-rtx"):
+        raise ValueError(f"--backend {backend}: expected onnx, trt or trt-rtx")
     _check_limits(limits)
     started = time.perf_counter()
     steps = ["load checkpoints", "export target", "export draft", "verify target", "verify draft",
-             "write manifest"]
+             *([f"build {backend} engines"] if backend != "onnx" else []), "write manifest"]
     bar = tqdm(total=len(steps), disable=not progress, unit="phase", leave=False)
 
     def phase(name: str) -> None:
@@ -75,8 +79,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                                                        inputs[name]["verify"], outputs, _dtype_name(dtype))
         bar.update()
 
-    phase(steps[-1])
-    manifest_file.write(out, {
+    manifest = {
         "created_by": "dspark-trt",
         "source": sources,
         "target": asdict(target_step.config),
@@ -89,7 +92,18 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         "backends": ["onnx"],
         "tools": _tool_versions(),
         "tokenizer": tokenizer,
-    })
+    }
+    if backend != "onnx":
+        from .trt_build import build_engines
+
+        phase(steps[-2])
+        engines = build_engines(out, manifest, backend, list(gpus))
+        manifest["backends"].append(backend)
+        manifest["tools"][backend] = engines.pop("version")
+        manifest[backend] = engines
+        bar.update()
+    phase(steps[-1])
+    manifest_file.write(out, manifest)
     bar.update()
     bar.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}

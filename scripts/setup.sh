@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install the project with its test extras.
+# Create .venv (if missing) and install the project with its test and TensorRT-RTX extras.
 # torch 2.13.0 is installed first on its own: pip then takes the CPU build from local disk instead
 # of resolving an unpinned torch to several GB of CUDA wheels.
 set -euo pipefail
@@ -8,4 +8,5 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+# [trt-rtx]: TensorRT-RTX builds engines without a GPU, which is how the tests check our plugins
+.venv/bin/python -m pip install -q -e ".[dev,trt-rtx]"

@@ -1,10 +1,15 @@
 """Shared fixtures: tiny checkpoints in the real on-disk layouts, made once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors in interpreter mode; set before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from export.tiny import TinySpec, make_tiny
 
@@ -65,6 +70,15 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
                              eos_token_id=eos, pad_token_id=0)
         outputs.append(ids[0, len(prompt):].tolist())
     return outputs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

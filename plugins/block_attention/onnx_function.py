@@ -41,7 +41,7 @@ def BlockAttention(q, k_new, v_new, k_cache, v_cache, start, causal: int, scale:
     values = op.Slice(v_out, axis_start, used, axis)
     visible = op.Less(op.Unsqueeze(op.Range(zero, op.Squeeze(used), one), [0, 1]),
                       op.Unsqueeze(limit, [2]))
-    out = op.Attention(q, keys, values, op.Unsqueeze(visible, [1]), scale=scale, softmax_precision=1)
+    out = op.Attention(q, keys, values, op.Unsqueeze(visible, [1]), scale=scale)
     return out, k_out, v_out
 
 

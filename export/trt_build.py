@@ -1,0 +1,167 @@
+"""TensorRT and TensorRT-RTX engines from an engine directory's ONNX graphs, with our plugins.
+
+The network is strongly typed (precision comes from the graph: build it with ``--dtype fp16`` or
+``bf16``). Each graph gets two optimization profiles from the manifest limits: ``prefill`` (rows up
+to the prompt chunk) and ``decode`` (rows up to ``k + 1``). TensorRT-RTX builds ahead of time for
+named compute capabilities and needs no GPU; full TensorRT builds for the GPU it runs on.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import onnx
+
+from plugins.onnx_domain import DOMAIN
+from plugins.tensorrt_plugin import register_plugins
+
+MODULES = {"trt": "tensorrt", "trt-rtx": "tensorrt_rtx"}
+GPUS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+PROFILES = ("prefill", "decode")
+
+
+class EngineBuildError(RuntimeError):
+    """An engine could not be built; the message names the graph and the reason."""
+
+
+def import_tensorrt(backend: str):
+    """``tensorrt`` or ``tensorrt_rtx``, with a clear message when it is not installed."""
+    if backend not in MODULES:
+        raise ValueError(f"--backend {backend}: expected one of {', '.join(MODULES)}")
+    try:
+        trt = importlib.import_module(MODULES[backend])
+    except ImportError:
+        extra = "trt-rtx" if backend == "trt-rtx" else "trt"
+        raise EngineBuildError(f"--backend {backend} needs the {MODULES[backend]} package: "
+                               f"pip install -e '.[{extra}]'") from None
+    if backend == "trt-rtx":
+        ensure_rtx_library_link()
+    return trt
+
+
+def ensure_rtx_library_link() -> None:
+    """The TensorRT-RTX wheel ships ``libtensorrt_rtx.so.1`` but not the ``libtensorrt_rtx.so``
+    name that plugin parsing loads; create the link next to it, or explain how."""
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    link, target = folder / "libtensorrt_rtx.so", folder / "libtensorrt_rtx.so.1"
+    if link.exists() or not target.exists():
+        return
+    try:
+        link.symlink_to(target.name)
+    except OSError as err:
+        raise EngineBuildError(f"{link} is missing and could not be created ({err}); TensorRT-RTX "
+                               f"plugin parsing needs it: ln -s {target.name} {link}") from None
+
+
+def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]) -> dict:
+    """Build ``GRAPH.GPU.engine`` for each graph and GPU into ``directory``. Returns the manifest
+    entry: engine files per GPU, profiles, plugin layers found, tool version."""
+    trt = import_tensorrt(backend)
+    creators = register_plugins(trt)  # noqa: F841  (the registry needs them alive while building)
+    logger = _Logger(trt)
+    if backend == "trt" and gpus:
+        raise ValueError("--gpu applies to --backend trt-rtx; TensorRT builds for the GPU it runs on")
+    targets = [g.lower() for g in gpus] or ([] if backend == "trt" else ["sm89"])
+    for gpu in targets:
+        if gpu not in GPUS:
+            raise ValueError(f"--gpu {gpu}: expected one of {', '.join(GPUS)}")
+    entry = {"engines": {}, "profiles": {}, "plugin_layers": {}, "version": trt.__version__}
+    cache_path = directory / f"timing.{backend}.cache"
+    for gpu in targets or ["local"]:
+        entry["engines"][gpu] = {}
+        for graph, spec in manifest["graphs"].items():
+            profiles = _profiles(spec, manifest)
+            engine, plugins = _build(trt, logger, directory / spec["file"], profiles, gpu, cache_path)
+            name = f"{graph}.{gpu}.engine"
+            (directory / name).write_bytes(engine)
+            entry["engines"][gpu][graph] = name
+            entry["profiles"][graph] = {p: {n: list(s) for n, s in shapes.items()} for p, shapes in profiles.items()}
+            entry["plugin_layers"][graph] = plugins
+    return entry
+
+
+def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
+    """Per profile, each dynamic input's (min, opt, max) shapes from the build limits."""
+    limits, k = manifest["limits"], manifest["draft"]["k"]
+    batch = (1, limits["max_batch"], limits["max_batch"])
+    rows = {"prefill": (1, limits["max_prompt_chunk"], max(limits["max_prompt_chunk"], k + 1)),
+            "decode": (1, k + 1, k + 1)}
+    profiles = {}
+    for name in PROFILES:
+        axes = {"batch": batch, "rows": rows[name], "ctx_rows": rows[name]}
+        profiles[name] = {
+            t["name"]: tuple(tuple(axes[d][i] if isinstance(d, str) else d for d in t["shape"])
+                             for i in range(3))
+            for t in spec["inputs"] if any(isinstance(d, str) for d in t["shape"])}
+    return profiles
+
+
+def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path):
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
+        raise EngineBuildError(f"{onnx_path.name}: the ONNX parser failed: {errors}")
+    plugins = _plugin_layers(trt, network)
+    expected = _custom_nodes(onnx_path)
+    if plugins != expected:
+        raise EngineBuildError(
+            f"{onnx_path.name}: expected dspark plugin layers {expected}, the parsed network has "
+            f"{plugins}; a creator did not match and the parser inlined the function body")
+    config = builder.create_builder_config()
+    for shapes in profiles.values():
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(profile)
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    if gpu != "local":
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, gpu.upper()), 0)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EngineBuildError(f"{onnx_path.name}: the engine build for {gpu} failed: "
+                               f"{logger.last_error or 'see the TensorRT log'}")
+    cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+    return bytes(serialized), plugins
+
+
+def _plugin_layers(trt, network) -> dict[str, int]:
+    """How many plugin layers of each ``dspark`` op the parsed network holds."""
+    counts: dict[str, int] = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.PLUGIN_V3:
+            layer.__class__ = trt.IPluginV3Layer  # the bindings return the base class
+            core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+            if core.plugin_namespace == DOMAIN:
+                counts[core.plugin_name] = counts.get(core.plugin_name, 0) + 1
+    return counts
+
+
+def _custom_nodes(onnx_path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(onnx_path), load_external_data=False).graph.node:
+        if node.domain == DOMAIN:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _Logger(trt):
+    class Logger(trt.ILogger):
+        """Keeps errors for the build's message; prints nothing unless asked."""
+
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.last_error = ""
+
+        def log(self, severity, message):
+            if severity <= trt.ILogger.Severity.ERROR:
+                self.last_error = message
+
+    return Logger()

@@ -1,0 +1,57 @@
+"""``python -m plugins.compile_kernels --gpu sm89``: compile every Triton kernel ahead of time for
+a GPU target, with representative fp16 / bf16 signatures. Needs no GPU (Triton ships ``ptxas``),
+so it proves on any machine that the kernels compile. Run without ``TRITON_INTERPRET``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+KERNELS = {
+    "block_attention._attend": (
+        "plugins.block_attention.triton_kernel", "_attend",
+        {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "start_ptr": "*i64",
+         "heads": "i32", "kv_heads": "i32", "rows": "i32", "capacity": "i32", "scale": "fp32"},
+        {"CAUSAL": False, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_N": 32}),
+    "block_attention._write_rows": (
+        "plugins.block_attention.triton_kernel", "_write_rows",
+        {"new_ptr": "*bf16", "cache_ptr": "*bf16", "start_ptr": "*i64", "kv_heads": "i32",
+         "rows": "i32", "capacity": "i32"},
+        {"HEAD_DIM": 128, "BLOCK_D": 128}),
+    "d2t_gather._d2t_gather": (
+        "plugins.d2t_gather.triton_kernel", "_d2t_gather",
+        {"scores_ptr": "*fp32", "d2t_ptr": "*i64", "w1_ptr": "*fp16", "ids_ptr": "*i64",
+         "rows_ptr": "*fp16", "vocab": "i32", "rank": "i32"},
+        {"BLOCK_V": 1024, "BLOCK_R": 256}),
+}
+
+
+def compile_all(capability: int) -> dict[str, int]:
+    """Kernel name -> cubin size in bytes, compiled for ``sm_<capability>``."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sizes = {}
+    for name, (module, attr, signature, constants) in KERNELS.items():
+        kernel = getattr(importlib.import_module(module), attr)
+        source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")},
+                           constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+        sizes[name] = len(compiled.asm["cubin"])
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m plugins.compile_kernels", description=__doc__)
+    parser.add_argument("--gpu", default="sm89", help="compute capability, e.g. sm80, sm89, sm90 [sm89]")
+    args = parser.parse_args(argv)
+    if not args.gpu.lower().startswith("sm") or not args.gpu[2:].isdigit():
+        raise SystemExit(f"error: --gpu {args.gpu}: expected smNN, e.g. sm89")
+    for name, size in compile_all(int(args.gpu[2:])).items():
+        print(f"{name:32} {args.gpu}: cubin {size} bytes")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,159 @@
+"""The ``dspark`` operators as TensorRT plugins (``IPluginV3`` with an ``IPluginCreatorV3One``
+creator), written once for both ``tensorrt`` and ``tensorrt_rtx``: the module is passed in, since
+the plugin base classes come from it.
+
+Each operator describes itself with a ``PluginSpec`` in its own folder (``trt_plugin.py``): its
+attributes, output types and shapes, accepted formats, and ``enqueue``, which launches the Triton
+kernel on the stream TensorRT gives. Creators must match the ONNX node exactly (op type,
+``plugin_version``, ``plugin_namespace``), or the parser silently inlines the function body
+instead; the engine builder checks that plugin layers are present.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .onnx_domain import PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    name: str
+    num_outputs: int
+    fields: dict[str, str]                 # attribute -> "int" | "float" (what TensorRT passes on)
+    output_types: Callable                 # (trt, input_types) -> output types
+    output_shapes: Callable                # (trt, input DimsExprs, expr builder) -> output DimsExprs
+    supports: Callable                     # (trt, pos, in_out descs, num_inputs) -> bool
+    enqueue: Callable                      # (trt, attrs, input_descs, output_descs, inputs, outputs, stream)
+
+
+def specs() -> list[PluginSpec]:
+    from .block_attention.trt_plugin import SPEC as block_attention
+    from .d2t_gather.trt_plugin import SPEC as d2t_gather
+
+    return [block_attention, d2t_gather]
+
+
+def register_plugins(trt) -> list:
+    """Register every ``dspark`` creator with ``trt``'s plugin registry. Keep the returned
+    creators alive as long as the registry may use them."""
+    registry = trt.get_plugin_registry()
+    creators = [_creator_class(trt)(spec) for spec in specs()]
+    for creator in creators:
+        if registry.get_creator(creator.name, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None:
+            registry.register_creator(creator, PLUGIN_NAMESPACE)
+    return creators
+
+
+_FIELD_TYPES = {"int": ("INT32", np.int32), "float": ("FLOAT32", np.float32)}
+
+
+def _creator_class(trt):
+    plugin_class = _plugin_class(trt)
+
+    class Creator(trt.IPluginCreatorV3One):
+        def __init__(self, spec: PluginSpec):
+            trt.IPluginCreatorV3One.__init__(self)
+            self.spec = spec
+            self.name, self.plugin_namespace, self.plugin_version = spec.name, PLUGIN_NAMESPACE, PLUGIN_VERSION
+            self.field_names = trt.PluginFieldCollection([
+                trt.PluginField(n, np.array([]), getattr(trt.PluginFieldType, _FIELD_TYPES[t][0]))
+                for n, t in spec.fields.items()])
+
+        def create_plugin(self, name, fields, phase):
+            attrs = {}
+            for field in fields:
+                if field.name in self.spec.fields:
+                    kind = self.spec.fields[field.name]
+                    value = np.asarray(field.data).ravel()[0]
+                    attrs[field.name] = int(value) if kind == "int" else float(value)
+            missing = set(self.spec.fields) - set(attrs)
+            if missing:
+                raise ValueError(f"dspark::{self.spec.name}: missing attribute(s) {sorted(missing)}")
+            return plugin_class(self.spec, attrs)
+
+    return Creator
+
+
+def _plugin_class(trt):
+    class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+        def __init__(self, spec: PluginSpec, attrs: dict):
+            trt.IPluginV3.__init__(self)
+            trt.IPluginV3OneCore.__init__(self)
+            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneRuntime.__init__(self)
+            self.spec, self.attrs = spec, attrs
+            self.num_outputs = spec.num_outputs
+            self.plugin_name, self.plugin_namespace, self.plugin_version = spec.name, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+        def get_capability_interface(self, kind):
+            return self
+
+        def clone(self):
+            return Plugin(self.spec, dict(self.attrs))
+
+        def get_output_data_types(self, input_types):
+            return self.spec.output_types(trt, input_types)
+
+        def get_output_shapes(self, inputs, shape_inputs, builder):
+            return self.spec.output_shapes(trt, inputs, builder)
+
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            return (in_out[pos].desc.format == trt.TensorFormat.LINEAR
+                    and self.spec.supports(trt, pos, in_out, num_inputs))
+
+        def configure_plugin(self, inputs, outputs):
+            pass
+
+        def on_shape_change(self, inputs, outputs):
+            pass
+
+        def get_workspace_size(self, inputs, outputs):
+            return 0
+
+        def get_valid_tactics(self):
+            return []
+
+        def set_tactic(self, tactic):
+            pass
+
+        def attach_to_context(self, context):
+            return self.clone()
+
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            self.spec.enqueue(trt, self.attrs, input_desc, output_desc, inputs, outputs, stream)
+
+        def get_fields_to_serialize(self):
+            return trt.PluginFieldCollection([
+                trt.PluginField(n, np.array([self.attrs[n]], dtype=_FIELD_TYPES[t][1]),
+                                getattr(trt.PluginFieldType, _FIELD_TYPES[t][0]))
+                for n, t in self.spec.fields.items()])
+
+    return Plugin
+
+
+def device_tensors(trt, pointers, descs) -> list:
+    """Torch CUDA tensors over TensorRT's buffers (no copy), for launching Triton kernels."""
+    import torch
+
+    # bf16 has no CUDA-array-interface type string: wrap as int16 and reinterpret
+    kinds = {trt.DataType.FLOAT: ("<f4", None), trt.DataType.HALF: ("<f2", None),
+             trt.DataType.BF16: ("<i2", torch.bfloat16), trt.DataType.INT64: ("<i8", None),
+             trt.DataType.INT32: ("<i4", None)}
+    tensors = []
+    for pointer, desc in zip(pointers, descs):
+        typestr, view = kinds[desc.type]
+        buffer = type("Buffer", (), {"__cuda_array_interface__": {
+            "shape": tuple(desc.dims), "typestr": typestr, "data": (pointer, False), "version": 3}})
+        tensor = torch.as_tensor(buffer(), device="cuda")
+        tensors.append(tensor.view(view) if view is not None else tensor)
+    return tensors
+
+
+def on_stream(stream: int):
+    """Context manager: make TensorRT's stream torch's current one, so Triton launches on it."""
+    import torch
+
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream))

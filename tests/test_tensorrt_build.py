@@ -1,0 +1,88 @@
+"""TensorRT-RTX engines built on this CPU (ahead of time for a compute capability): our plugins
+must be inside, for every dspark node of each graph. The only TensorRT evidence a machine without
+a GPU can give, so it is strict."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+pytest.importorskip("tensorrt_rtx")
+
+from export.build import build  # noqa: E402
+from export.onnx_export import Limits  # noqa: E402
+from export.trt_build import build_engines  # noqa: E402
+
+from conftest import ENGINE_CASES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
+
+
+@pytest.fixture(scope="module", params=ENGINE_CASES)
+def engine(request, tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rtx")
+    build(*map(str, tiny(**ENGINE_CASES[request.param])), out, limits=LIMITS, dtype="fp16",
+          backend="trt-rtx", gpus=("sm89",), progress=False)
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def _dspark_nodes(path):
+    nodes = [n.op_type for n in onnx.load(path).graph.node if n.domain == "dspark"]
+    return {op: nodes.count(op) for op in set(nodes)}
+
+
+def test_engines_hold_our_plugins(engine):
+    directory, manifest = engine
+    assert manifest["backends"] == ["onnx", "trt-rtx"] and "trt-rtx" in manifest["tools"]
+    entry = manifest["trt-rtx"]
+    k = manifest["draft"]["k"]
+    assert entry["plugin_layers"]["target"] == _dspark_nodes(directory / "target.onnx") == {
+        "BlockAttention": manifest["target"]["decoder"]["num_layers"]}
+    assert entry["plugin_layers"]["draft"] == _dspark_nodes(directory / "draft.onnx") == {
+        "BlockAttention": manifest["draft"]["decoder"]["num_layers"], "D2TGather": k}
+    for graph, file in entry["engines"]["sm89"].items():
+        data = (directory / file).read_bytes()
+        assert data[:4] == b"vtrt"                          # a TensorRT-RTX engine header
+        assert b"dspark" in data and b"BlockAttention" in data
+        assert (b"D2TGather" in data) == (graph == "draft")
+
+
+def test_profiles_follow_the_limits(engine):
+    _, manifest = engine
+    k = manifest["draft"]["k"]
+    profiles = manifest["trt-rtx"]["profiles"]
+    assert profiles["target"]["prefill"]["input_ids"] == [[1, 1], [4, 16], [4, 16]]
+    assert profiles["target"]["decode"]["input_ids"] == [[1, 1], [4, k + 1], [4, k + 1]]
+    assert profiles["draft"]["decode"]["ctx_aux"][2][1] == k + 1
+    assert profiles["draft"]["prefill"]["k_cache_0"][2][0] == 4
+
+
+def test_a_namespace_mismatch_is_caught_not_inlined(engine, tmp_path):
+    """With creators under another namespace the parser silently inlines the function bodies;
+    the build must refuse. Its own process: the plugin registry is process-global."""
+    directory, _ = engine
+    script = f"""
+import json, sys
+from pathlib import Path
+import plugins.tensorrt_plugin as p
+p.PLUGIN_NAMESPACE = "elsewhere"
+from export.trt_build import build_engines, EngineBuildError
+manifest = json.loads(Path({str(directory)!r}, "manifest.json").read_text())
+try:
+    build_engines(Path({str(directory)!r}), manifest, "trt-rtx", ["sm89"])
+except EngineBuildError as err:
+    print("REFUSED", err)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert "REFUSED" in result.stdout and "inlined the function body" in result.stdout, result.stderr[-2000:]
+
+
+def test_bad_gpu_and_backend_flags(engine):
+    directory, manifest = engine
+    with pytest.raises(ValueError, match="--gpu sm90"):
+        build_engines(directory, manifest, "trt-rtx", ["sm90"])
+    with pytest.raises(ValueError, match="--backend tensorrt"):
+        build_engines(directory, manifest, "tensorrt", [])
