@@ -78,7 +78,8 @@ def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]
             name = f"{graph}.{gpu}.engine"
             (directory / name).write_bytes(engine)
             entry["engines"][gpu][graph] = name
-            entry["profiles"][graph] = {p: {n: list(s) for n, s in shapes.items()} for p, shapes in profiles.items()}
+            entry["profiles"][graph] = {profile: {n: list(s) for n, s in shapes.items()}
+                                        for profile, shapes in profiles.items()}
             entry["plugin_layers"][graph] = plugins
     return entry
 

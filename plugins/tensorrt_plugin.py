@@ -57,7 +57,8 @@ def _creator_class(trt):
         def __init__(self, spec: PluginSpec):
             trt.IPluginCreatorV3One.__init__(self)
             self.spec = spec
-            self.name, self.plugin_namespace, self.plugin_version = spec.name, PLUGIN_NAMESPACE, PLUGIN_VERSION
+            self.name = spec.name
+            self.plugin_namespace, self.plugin_version = PLUGIN_NAMESPACE, PLUGIN_VERSION
             self.field_names = trt.PluginFieldCollection([
                 trt.PluginField(n, np.array([]), getattr(trt.PluginFieldType, _FIELD_TYPES[t][0]))
                 for n, t in spec.fields.items()])
@@ -86,7 +87,8 @@ def _plugin_class(trt):
             trt.IPluginV3OneRuntime.__init__(self)
             self.spec, self.attrs = spec, attrs
             self.num_outputs = spec.num_outputs
-            self.plugin_name, self.plugin_namespace, self.plugin_version = spec.name, PLUGIN_NAMESPACE, PLUGIN_VERSION
+            self.plugin_name = spec.name
+            self.plugin_namespace, self.plugin_version = PLUGIN_NAMESPACE, PLUGIN_VERSION
 
         def get_capability_interface(self, kind):
             return self
