@@ -33,5 +33,5 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float,
 
 def gumbel_noise(shape, generator: torch.Generator) -> torch.Tensor:
     """``-log(-log(U))``: ``argmax(z / T + noise)`` is then a sample of ``softmax(z / T)``."""
-    uniform = torch.rand(shape, generator=generator).clamp_(1e-20, 1.0 - 1e-7)
+    uniform = torch.rand(shape, generator=generator, device=generator.device).clamp_(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(uniform))

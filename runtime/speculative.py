@@ -75,7 +75,9 @@ class Decoding:
                              f"{backend.capacity}")
         self.backend, self.prompts = backend, prompts
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed)
+        # tensors live where the backend computes; one host copy per step brings the tokens back
+        self.device = torch.device(getattr(backend, "device", "cpu"))
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.eos = set(eos_token_ids)
         self.result = GenerationResult([[] for _ in prompts],
                                        SpecStats(k=backend.k if self.speculative else 0))
@@ -94,8 +96,8 @@ class Decoding:
 
     def __iter__(self) -> Iterator[list[Emission]]:
         backend, times = self.backend, self.result.times
-        batch = len(self.prompts)
-        lengths = torch.tensor([len(p) for p in self.prompts])
+        batch, device = len(self.prompts), self.device
+        lengths = torch.tensor([len(p) for p in self.prompts], device=device)
         resumed = time.perf_counter()   # total time excludes what the consumer does between steps
 
         def timed(phase: str, call, *args):
@@ -108,16 +110,18 @@ class Decoding:
         last_logits, (ctx_aux, ctx_start, ctx_count) = timed(
             "prefill", _prefill, backend, self.prompts, lengths, self.speculative)
         anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
-        emissions = [self._emit(b, [int(anchor[b])], {"step": 0, "anchor": None, "drafts": [],
-                                                      "accepted": 0}) for b in range(batch)]
+        emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
+                     for b, token in enumerate(anchor.tolist())]
         done = [e.finished for e in emissions]
         times.total += time.perf_counter() - resumed
         yield emissions
 
         greedy = self.temperature == 0
-        temperatures = torch.full((batch,), 1.0 if greedy else self.temperature)
-        zero_noise = torch.zeros(batch, backend.k, backend.draft_vocab_size) if self.speculative else None
-        no_drafts, no_accepted = torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        temperatures = torch.full((batch,), 1.0 if greedy else self.temperature, device=device)
+        noise_shape = (batch, backend.k, backend.draft_vocab_size)
+        zero_noise = torch.zeros(noise_shape, device=device) if self.speculative and greedy else None
+        no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        no_accepted = torch.zeros(batch, dtype=torch.long, device=device)
         anchor_pos = lengths.clone()                 # = each target cache's valid length
         positions = lengths.tolist()
         live = [b for b in range(batch) if not done[b]]
@@ -126,7 +130,7 @@ class Decoding:
             resumed = time.perf_counter()
             step += 1
             if self.speculative:
-                noise = zero_noise if greedy else gumbel_noise(zero_noise.shape, self.generator)
+                noise = zero_noise if greedy else gumbel_noise(noise_shape, self.generator)
                 drafts, q = timed("draft", backend.draft_step, ctx_aux, ctx_start, ctx_count, anchor,
                                   temperatures, noise)
                 logits, aux = timed("verify", backend.target_step,
@@ -141,21 +145,21 @@ class Decoding:
                 logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos)
                 emitted = next_token(logits, self.temperature, self.top_p, self.generator)
 
-            emissions, accepted_list = [], accepted.tolist()
-            emitted_list, anchors, draft_list = emitted.tolist(), anchor.tolist(), drafts.tolist()
+            # the step's only device -> host copy: accepted count, emitted tokens, drafts, anchor
+            width = emitted.shape[1]
+            host = torch.cat([accepted[:, None], emitted, drafts, anchor[:, None]], 1).tolist()
+            emissions, counts, anchors = [], [0] * batch, [row[-1] for row in host]
             for b in live:
-                a = accepted_list[b]
+                a, row = host[b][0], host[b]
                 self.result.stats.record(a)
-                emissions.append(self._emit(b, emitted_list[b][: a + 1], {
-                    "step": step, "anchor": anchors[b], "drafts": draft_list[b], "accepted": a}))
-            # finished sequences stay in the batch, frozen: no new context, same anchor and start
-            counts = [0] * batch
-            for b in live:
-                counts[b] = accepted_list[b] + 1
-                anchors[b] = emitted_list[b][accepted_list[b]]
-                positions[b] += counts[b]
+                emissions.append(self._emit(b, row[1:a + 2], {
+                    "step": step, "anchor": row[-1], "drafts": row[1 + width:-1], "accepted": a}))
+                # finished sequences stay in the batch, frozen: no new context, same anchor and start
+                counts[b] = a + 1
+                anchors[b] = row[1 + a]
+                positions[b] += a + 1
             ctx_aux, ctx_start = aux, anchor_pos
-            ctx_count, anchor, anchor_pos = torch.tensor([counts, anchors, positions]).unbind()
+            ctx_count, anchor, anchor_pos = torch.tensor([counts, anchors, positions], device=device).unbind()
             live = [e.sequence for e in emissions if not e.finished]
             times.total += time.perf_counter() - resumed
             yield emissions
@@ -174,23 +178,23 @@ def _prefill(backend, prompts, lengths, speculative: bool):
     (right-padded: rows past a prompt's end are scratch). Every chunk but the last is inserted into
     the draft's context right away (its proposals are discarded); the last one is returned as the
     first draft step's context. Returns each prompt's last-position logits and that context."""
-    batch, longest = len(prompts), int(lengths.max())
+    batch, longest, device = len(prompts), max(map(len, prompts)), lengths.device
     padded = torch.zeros(batch, longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         padded[b, : len(prompt)] = torch.tensor(prompt)
-    chunk = backend.max_prompt_chunk
+    padded = padded.to(device)
+    chunk, everyone = backend.max_prompt_chunk, torch.arange(batch, device=device)
     last_logits = None
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
-        logits, aux = backend.target_step(ids, torch.full((batch,), begin))
-        if last_logits is None:
-            last_logits = logits.new_zeros(batch, logits.shape[-1])
+        logits, aux = backend.target_step(ids, torch.full((batch,), begin, device=device))
         last_row = lengths - 1 - begin
         here = (last_row >= 0) & (last_row < ids.shape[1])
-        last_logits[here] = logits[here, last_row[here]]
+        picked = logits[everyone, last_row.clamp(0, ids.shape[1] - 1)]
+        last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)
         context = (aux, lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
         if speculative and begin + chunk < longest:
             next_tokens = padded[:, begin + chunk]
-            backend.draft_step(*context, next_tokens, torch.ones(batch),
-                               torch.zeros(batch, backend.k, backend.draft_vocab_size))
+            backend.draft_step(*context, next_tokens, torch.ones(batch, device=device),
+                               torch.zeros(batch, backend.k, backend.draft_vocab_size, device=device))
     return last_logits, context

@@ -33,11 +33,11 @@ def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     batch, k = drafts.shape
     p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
     q_draft = q.gather(-1, drafts[..., None])[..., 0]
-    uniform = torch.rand(batch, k, generator=generator)
+    uniform = torch.rand(batch, k, generator=generator, device=generator.device)
     ok = (uniform * q_draft < p_draft).long()
     accepted = ok.cumprod(dim=1).sum(dim=1)
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=drafts.device)
     residual = torch.cat([(p[:, :k] - q).clamp_min(0), p[:, k:]], dim=1)[rows, accepted]
     mass = residual.sum(-1, keepdim=True)
     # p == q exactly leaves no residual, and then rejection is impossible: fall back to p
