@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BACKENDS = ("ort", "torch")
+BACKENDS = ("ort", "torch", "torch-cuda", "trt", "trt-rtx")
 
 
 def open_backend(engine: str | Path, name: str = "ort", threads: int | None = None):
     """``ort``: ONNX Runtime on the CPU over the engine's graphs (the default); ``torch``: the
-    PyTorch reference modules (reads the source checkpoints; for tests and comparisons)."""
+    PyTorch reference modules (reads the source checkpoints; for tests and comparisons);
+    ``torch-cuda``: the same on a CUDA GPU with CUDA graphs; ``trt`` / ``trt-rtx``: the engine's
+    TensorRT or TensorRT-RTX engines on a CUDA GPU, with CUDA graphs."""
     if name == "ort":
         from .ort_backend import OrtBackend
 
@@ -17,4 +19,12 @@ def open_backend(engine: str | Path, name: str = "ort", threads: int | None = No
         from .torch_backend import TorchBackend
 
         return TorchBackend.from_engine(engine)
+    if name == "torch-cuda":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend.from_engine(engine, device="cuda", cuda_graphs=True)
+    if name in ("trt", "trt-rtx"):
+        from .trt_backend import TrtBackend
+
+        return TrtBackend(engine, backend=name)
     raise ValueError(f"--backend {name}: expected one of {', '.join(BACKENDS)}")

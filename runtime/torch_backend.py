@@ -5,6 +5,7 @@ facts set in ``__init__``), so the loop in ``speculative.py`` never knows which 
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,9 +17,21 @@ from export.target_model import TargetStep
 
 
 class TorchBackend:
+    """``device="cuda"`` with ``cuda_graphs=True`` captures each (step, batch, rows) once and
+    replays it, the same way the TensorRT backend does (``cuda_graphs.py``)."""
+
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
-                 max_batch: int = 1 << 16, max_prompt_chunk: int | None = None):
+                 max_batch: int = 1 << 16, max_prompt_chunk: int | None = None,
+                 device: str = "cpu", cuda_graphs: bool = False):
+        self.device = torch.device(device)
+        target, draft = target.to(self.device), draft.to(self.device) if draft is not None else None
         self.target, self.draft, self.capacity = target, draft, capacity
+        self.graphs = None
+        if cuda_graphs:
+            from .cuda_graphs import GraphCache
+
+            self.graphs = {which: GraphCache(partial(self._step_in_place, which))
+                           for which in ("target", "draft")}
         self.max_batch = max_batch
         self.max_prompt_chunk = max_prompt_chunk or capacity
         self.eos_token_ids = target.config.eos_token_ids
@@ -29,7 +42,8 @@ class TorchBackend:
         self.lookahead = max(self.k + 1, draft.config.block_size if draft is not None else 1)
 
     @classmethod
-    def from_engine(cls, engine: str | Path) -> "TorchBackend":
+    def from_engine(cls, engine: str | Path, device: str = "cpu",
+                    cuda_graphs: bool = False) -> "TorchBackend":
         """The reference modules for an engine directory, with its limits. Unlike the engine
         backends this reads the source checkpoints that ``manifest.json`` records."""
         m = manifest_file.read(Path(engine))
@@ -44,24 +58,47 @@ class TorchBackend:
         target, draft = load_pair(sources["target"]["path"], sources["draft"]["path"],
                                   k=m["draft"]["k"], dtype=dtype)
         limits = m["limits"]
-        return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"])
+        return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"],
+                   device=device, cuda_graphs=cuda_graphs)
 
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""
         if batch > self.max_batch:
             raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
                              f"{self.max_batch} (--max-batch)")
+        if self.graphs is not None and getattr(self, "_batch", None) == batch:
+            for cache in (*self.target_cache, *getattr(self, "draft_cache", [])):
+                cache.zero_()                   # in place: captured graphs hold these addresses
+            return
+        self._batch = batch
         self.target_cache = self.target.empty_cache(batch, self.capacity)
         if self.draft is not None:
             self.draft_cache = self.draft.empty_cache(batch, self.capacity)
+        for graphs in (self.graphs or {}).values():
+            graphs.clear()
 
     @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
+        if self.graphs is not None:
+            return self.graphs["target"](tuple(input_ids.shape), [input_ids, start])
         logits, aux, *self.target_cache = self.target(input_ids, start, *self.target_cache)
         return logits, aux
 
     @torch.no_grad()
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        if self.graphs is not None:
+            return self.graphs["draft"](tuple(ctx_aux.shape[:2]),
+                                        [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise])
         tokens, q, *self.draft_cache = self.draft(ctx_aux, ctx_start, ctx_count, anchor,
                                                   temperature, noise, *self.draft_cache)
         return tokens, q
+
+    def _step_in_place(self, which: str, *inputs):
+        """One step that writes its new caches back into the current ones (graph capture needs
+        fixed addresses)."""
+        module, caches = ((self.target, self.target_cache) if which == "target"
+                          else (self.draft, self.draft_cache))
+        first, second, *new = module(*inputs, *caches)
+        for cache, value in zip(caches, new):
+            cache.copy_(value)
+        return [first, second]

@@ -86,3 +86,17 @@ def test_bad_gpu_and_backend_flags(engine):
         build_engines(directory, manifest, "trt-rtx", ["sm90"])
     with pytest.raises(ValueError, match="--backend tensorrt"):
         build_engines(directory, manifest, "tensorrt", [])
+
+
+def test_trt_backend_refuses_clearly_without_a_gpu(engine, tmp_path):
+    import torch
+
+    import runtime.generate as cli
+
+    directory, _ = engine
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="--backend trt-rtx needs a CUDA GPU; use --backend ort"):
+        cli.main(["--engine", str(directory), "--prompt", "hi", "--backend", "trt-rtx"])
+    with pytest.raises(SystemExit, match="no trt engines .* --backend trt"):
+        cli.main(["--engine", str(directory), "--prompt", "hi", "--backend", "trt"])
