@@ -3,7 +3,8 @@
 The network is strongly typed (precision comes from the graph: build it with ``--dtype fp16`` or
 ``bf16``). Each graph gets two optimization profiles from the manifest limits: ``prefill`` (rows up
 to the prompt chunk) and ``decode`` (rows up to ``k + 1``). TensorRT-RTX builds ahead of time for
-named compute capabilities and needs no GPU; full TensorRT builds for the GPU it runs on.
+named compute capabilities and needs no GPU; full TensorRT builds for the GPU it runs on and keeps
+a timing cache.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]
         if gpu not in GPUS:
             raise ValueError(f"--gpu {gpu}: expected one of {', '.join(GPUS)}")
     entry = {"engines": {}, "profiles": {}, "plugin_layers": {}, "version": trt.__version__}
-    cache_path = directory / f"timing.{backend}.cache"
+    # a timing cache speeds up rebuilds with TensorRT; in TensorRT-RTX it is a deprecated no-op
+    cache_path = directory / "timing.trt.cache" if backend == "trt" else None
     for gpu in targets or ["local"]:
         entry["engines"][gpu] = {}
         for graph, spec in manifest["graphs"].items():
@@ -100,7 +102,7 @@ def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
     return profiles
 
 
-def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path):
+def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path | None):
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
@@ -119,8 +121,9 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
         for name, (low, opt, high) in shapes.items():
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
-    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    if cache_path is not None:
+        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
     if gpu != "local":
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, gpu.upper()), 0)
@@ -128,7 +131,8 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
     if serialized is None:
         raise EngineBuildError(f"{onnx_path.name}: the engine build for {gpu} failed: "
                                f"{logger.last_error or 'see the TensorRT log'}")
-    cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+    if cache_path is not None:
+        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
     return bytes(serialized), plugins
 
 
