@@ -12,17 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export import manifest as manifest_file
+from .engine_backend import EngineBackend
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-class OrtBackend:
+class OrtBackend(EngineBackend):
     def __init__(self, engine: str | Path, threads: int | None = None):
         import onnxruntime as ort
 
-        self.directory = Path(engine)
-        self.manifest = manifest_file.read(self.directory)
+        super().__init__(engine)
         m = self.manifest
         if m["dtype"] not in NUMPY_DTYPES:
             raise ValueError(f"{self.directory}: dtype {m['dtype']} engines cannot run on the ONNX "
@@ -34,23 +33,13 @@ class OrtBackend:
         self.sessions = {name: ort.InferenceSession(str(self.directory / graph["file"]), options,
                                                     providers=["CPUExecutionProvider"])
                          for name, graph in m["graphs"].items()}
-        self.vocab_size = m["target"]["vocab_size"]
-        self.k = m["draft"]["k"]
-        self.draft_vocab_size = m["draft"]["draft_vocab_size"]
-        self.lookahead = max(self.k + 1, m["draft"]["block_size"])
-        self.capacity = m["limits"]["max_seq_len"]
-        self.max_batch = m["limits"]["max_batch"]
-        self.max_prompt_chunk = m["limits"]["max_prompt_chunk"]
-        self.eos_token_ids = tuple(m["target"]["eos_token_ids"])
         self._dtype = NUMPY_DTYPES[m["dtype"]]
 
     def start(self, batch: int) -> None:
         """Fresh zeroed caches for ``batch`` sequences, bound in place to both graphs."""
         import onnxruntime as ort
 
-        if batch > self.max_batch:
-            raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
-                             f"{self.max_batch} (--max-batch)")
+        self.check_batch(batch)
         self.bindings = {}
         for name, session in self.sessions.items():
             caches = [t for t in self.manifest["graphs"][name]["inputs"] if "_cache_" in t["name"]]

@@ -15,6 +15,8 @@ from export.draft_model import DraftStep
 from export.pair import load_pair
 from export.target_model import TargetStep
 
+from .engine_backend import check_batch
+
 
 class TorchBackend:
     """``device="cuda"`` with ``cuda_graphs=True`` captures each (step, batch, rows) once and
@@ -63,9 +65,7 @@ class TorchBackend:
 
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""
-        if batch > self.max_batch:
-            raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
-                             f"{self.max_batch} (--max-batch)")
+        check_batch(batch, self.max_batch)
         if self.graphs is not None and getattr(self, "_batch", None) == batch:
             for cache in (*self.target_cache, *getattr(self, "draft_cache", [])):
                 cache.zero_()                   # in place: captured graphs hold these addresses

@@ -17,15 +17,16 @@ from export.trt_build import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
 from .cuda_graphs import GraphCache
+from .engine_backend import EngineBackend
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int64": torch.int64}
 
 
-class TrtBackend:
+class TrtBackend(EngineBackend):
     def __init__(self, engine: str | Path, backend: str = "trt-rtx", gpu: str | None = None):
-        self.directory = Path(engine)
-        m = self.manifest = manifest_file.read(self.directory)
+        super().__init__(engine)
+        m = self.manifest
         if backend not in m["backends"]:
             raise manifest_file.ManifestError(
                 f"{self.directory}: no {backend} engines (built: {', '.join(m['backends'])}); rebuild "
@@ -52,22 +53,12 @@ class TrtBackend:
                 context.set_optimization_profile_async(index, torch.cuda.current_stream().cuda_stream)
                 self.contexts[graph, profile] = context
         self.device = torch.device("cuda")
-        self.vocab_size = m["target"]["vocab_size"]
-        self.k = m["draft"]["k"]
-        self.draft_vocab_size = m["draft"]["draft_vocab_size"]
-        self.lookahead = max(self.k + 1, m["draft"]["block_size"])
-        self.capacity = m["limits"]["max_seq_len"]
-        self.max_batch = m["limits"]["max_batch"]
-        self.max_prompt_chunk = m["limits"]["max_prompt_chunk"]
-        self.eos_token_ids = tuple(m["target"]["eos_token_ids"])
         self.graphs = {graph: GraphCache(lambda *t, g=graph: self._execute(g, *t)) for graph in files}
         self._outputs: dict[tuple, list[torch.Tensor]] = {}
         self._key: tuple = ()
 
     def start(self, batch: int) -> None:
-        if batch > self.max_batch:
-            raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
-                             f"{self.max_batch} (--max-batch)")
+        self.check_batch(batch)
         self.caches = {}
         for graph in self.engines:
             specs = [t for t in self.manifest["graphs"][graph]["inputs"] if "_cache_" in t["name"]]

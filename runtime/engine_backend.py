@@ -1,0 +1,30 @@
+"""What every backend over an engine directory reads from its manifest: the limits and shape facts
+that the loop in ``speculative.py`` relies on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from export import manifest as manifest_file
+
+
+class EngineBackend:
+    def __init__(self, engine: str | Path):
+        self.directory = Path(engine)
+        m = self.manifest = manifest_file.read(self.directory)
+        self.vocab_size = m["target"]["vocab_size"]
+        self.k = m["draft"]["k"]
+        self.draft_vocab_size = m["draft"]["draft_vocab_size"]
+        self.lookahead = max(self.k + 1, m["draft"]["block_size"])  # rows a step may write past its start
+        self.capacity = m["limits"]["max_seq_len"]
+        self.max_batch = m["limits"]["max_batch"]
+        self.max_prompt_chunk = m["limits"]["max_prompt_chunk"]
+        self.eos_token_ids = tuple(m["target"]["eos_token_ids"])
+
+    def check_batch(self, batch: int) -> None:
+        check_batch(batch, self.max_batch)
+
+
+def check_batch(batch: int, max_batch: int) -> None:
+    if batch > max_batch:
+        raise ValueError(f"batch of {batch} sequences: the engine was built for at most {max_batch} "
+                         f"(--max-batch)")
