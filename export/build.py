@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import manifest as manifest_file
-from .checkpoint import CheckpointError, resolve
+from .checkpoint import CheckpointError, hf_location, resolve
 from .onnx_check import check_model, compare_with_reference
 from .onnx_export import GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .pair import load_pair
@@ -135,7 +135,8 @@ def _save_tokenizer(target_dir: Path, destination: Path) -> str:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        location, options = hf_location(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(location, **options)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{target_dir}: no usable tokenizer ({err}); the engine directory "
                               f"needs the target's tokenizer files") from None

@@ -17,16 +17,18 @@ class CheckpointError(ValueError):
 
 
 def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
-    """A local directory as is, otherwise a hub id fetched through the local cache.
+    """A local directory (or, for a target, a ``.gguf`` file) as is, otherwise a hub id fetched
+    through the local cache.
 
     ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself: a cached snapshot is used and
     nothing is downloaded.
     """
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf" and role == "target"):
         return path
     if path.exists():
-        raise CheckpointError(f"--{role} {path}: expected a checkpoint directory, got a file")
+        expected = "a checkpoint directory or a .gguf file" if role == "target" else "a checkpoint directory"
+        raise CheckpointError(f"--{role} {path}: expected {expected}, got a file")
     text = str(name_or_path)
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise CheckpointError(f"--{role} {text}: no such directory (and not a hub id 'org/name')")
@@ -39,6 +41,14 @@ def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         raise CheckpointError(f"--{role} {text}: not a local directory and the hub download "
                               f"failed ({type(err).__name__}: {err})") from None
+
+
+def hf_location(path: Path) -> tuple[Path, dict]:
+    """Where ``transformers`` loads a checkpoint from: a directory, or a GGUF file's folder plus
+    ``gguf_file=`` (``transformers`` de-quantizes GGUF weights; it needs ``gguf``)."""
+    if path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}
+    return path, {}
 
 
 def read_config(directory: Path) -> dict:

@@ -18,10 +18,12 @@ class ManifestError(ValueError):
     """An engine directory cannot be used; the message says what to do."""
 
 
-def file_hashes(directory: Path) -> dict[str, str]:
-    """``sha256`` of each config, weight and tokenizer file of a checkpoint directory."""
+def file_hashes(checkpoint: Path) -> dict[str, str]:
+    """``sha256`` of each config, weight and tokenizer file of a checkpoint directory (or of the
+    one file, for a GGUF target)."""
     hashes = {}
-    for path in sorted(directory.iterdir()):
+    files = [checkpoint] if checkpoint.is_file() else sorted(checkpoint.iterdir())
+    for path in files:
         if path.is_file() and path.suffix in HASHED_SUFFIXES:
             digest = hashlib.sha256()
             with path.open("rb") as f:

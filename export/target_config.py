@@ -5,11 +5,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, read_config
+from .checkpoint import CheckpointError, hf_location, read_config
 from .decoder import DecoderConfig
 
 # architecture -> whether its attention normalises q and k per head
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
 
 
 @dataclass(frozen=True)
@@ -23,19 +24,22 @@ class TargetConfig:
 
 
 def load_target_config(directory: Path) -> TargetConfig:
-    raw = read_config(directory)
-    path = directory / "config.json"
-    architectures = raw.get("architectures") or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise CheckpointError(f"{path}: architectures {architectures} is not a supported target; "
-                              f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    """``directory`` is a checkpoint directory or a ``.gguf`` file."""
     from transformers import AutoConfig
 
+    gguf = directory.suffix == ".gguf"
+    path = directory if gguf else directory / "config.json"
+    if not gguf:
+        architectures = read_config(directory).get("architectures") or []
+        _supported(architectures, path)
     try:
-        hf = AutoConfig.from_pretrained(directory)
-    except (ValueError, KeyError, TypeError) as err:
+        location, options = hf_location(directory)
+        hf = AutoConfig.from_pretrained(location, **options)
+    except (ValueError, KeyError, TypeError, OSError) as err:
         raise CheckpointError(f"{path}: transformers cannot read it ({err})") from None
+    if gguf:
+        architectures = hf.architectures or [GGUF_ARCHITECTURES.get(hf.model_type, hf.model_type)]
+    arch = _supported(architectures, path)
     if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
         raise CheckpointError(f"{path}: layer_types {hf.layer_types}: only full attention is "
                               f"supported (no sliding-window layers)")
@@ -48,17 +52,25 @@ def load_target_config(directory: Path) -> TargetConfig:
         decoder=decoder,
         vocab_size=hf.vocab_size,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        eos_token_ids=_eos_token_ids(directory, hf),
+        eos_token_ids=_eos_token_ids(None if gguf else directory, hf),
         max_position_embeddings=hf.max_position_embeddings,
     )
 
 
-def _eos_token_ids(directory: Path, hf) -> tuple[int, ...]:
+def _supported(architectures: list, path: Path) -> str:
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(f"{path}: architectures {architectures} is not a supported target; "
+                              f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _eos_token_ids(directory: Path | None, hf) -> tuple[int, ...]:
     """EOS ids from ``generation_config.json`` when present (chat models often list several),
-    else from ``config.json``."""
+    else from the config."""
     eos = getattr(hf, "eos_token_id", None)
-    generation = directory / "generation_config.json"
-    if generation.is_file():
+    generation = directory / "generation_config.json" if directory else None
+    if generation is not None and generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id", eos)
     if eos is None:
         return ()

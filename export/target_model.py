@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, build_module, load_tensors, resolve
+from .checkpoint import CheckpointError, build_module, hf_location, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .target_config import TargetConfig, load_target_config
 
@@ -62,7 +62,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
                 role: str = "target") -> TargetStep:
     directory = resolve(path, role)
     config = load_target_config(directory)
-    tensors = load_tensors(directory, strip_prefix="model.")
+    tensors = _gguf_tensors(directory) if directory.suffix == ".gguf" else load_tensors(
+        directory, strip_prefix="model.")
     if "lm_head.weight" not in tensors:
         if not config.tie_word_embeddings:
             raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
@@ -70,3 +71,12 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
         tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
     tensors = {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")}
     return build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
+
+
+def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A GGUF target's weights, de-quantized to fp32 by ``transformers``."""
+    from transformers import AutoModelForCausalLM
+
+    location, options = hf_location(path)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **options)
+    return {name.removeprefix("model."): tensor for name, tensor in model.state_dict().items()}

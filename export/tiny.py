@@ -40,7 +40,7 @@ def make_tiny(out: Path, spec: TinySpec = TinySpec()) -> tuple[Path, Path]:
     torch.manual_seed(spec.seed)
     target_dir, draft_dir = out / "target", out / "draft"
     target_config = _write_target(target_dir, spec)
-    _write_draft(draft_dir, target_config, spec)
+    write_draft(draft_dir, target_config, spec)
     return target_dir, draft_dir
 
 
@@ -91,7 +91,9 @@ def _randomise_norms(module: torch.nn.Module) -> None:
                 parameter.uniform_(0.5, 1.5)
 
 
-def _write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
+def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
+    """A random DSpark draft for the target whose config.json is ``target``, laid out as ``spec``
+    says (format, layout, block size, taps, reduced vocabulary)."""
     if spec.layout not in (ANCHOR_FIRST, BONUS_ANCHOR):
         raise ValueError(f"--layout {spec.layout!r}: expected {ANCHOR_FIRST} or {BONUS_ANCHOR}")
     vocab, hidden = target["vocab_size"], target["hidden_size"]

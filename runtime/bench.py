@@ -112,10 +112,13 @@ def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: 
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
-    if not Path(target_path).is_dir():
+    from export.checkpoint import hf_location
+
+    if not Path(target_path).exists():
         raise ValueError(f"the transformers baseline needs the source target ({target_path}, from "
                          f"manifest.json); pass --no-transformers to skip it")
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    location, gguf = hf_location(Path(target_path))
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **gguf).eval()
     sample = args.temperature > 0
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=0,
                    **({"temperature": args.temperature} if sample else {}),

@@ -51,7 +51,7 @@ class TorchBackend:
         m = manifest_file.read(Path(engine))
         sources = m["source"]
         for side in ("target", "draft"):
-            if not Path(sources[side]["path"]).is_dir():
+            if not Path(sources[side]["path"]).exists():
                 raise manifest_file.ManifestError(
                     f"{engine}: the torch backend runs the reference modules from the source "
                     f"checkpoints, and the {side} recorded in manifest.json "
