@@ -146,12 +146,12 @@ def _save_tokenizer(target_dir: Path, destination: Path) -> str:
 
 def _example_inputs(target, draft, specs: dict[str, GraphSpec], limits: Limits) -> dict:
     """Deterministic inputs: one set to trace with, another (other sizes) to verify with, so that
-    the dynamic axes are really dynamic. Cache contents are random: they stand for earlier rows."""
+    the dynamic axes are really dynamic."""
     generator = torch.Generator().manual_seed(0)
     vocab, capacity, block = target.config.vocab_size, limits.max_seq_len, draft.config.block_size
     sets: dict[str, dict] = {"target": {}, "draft": {}}
-    for purpose, batch, rows in (("trace", 2, 3), ("verify", 3, 5)):
-        batch, rows = min(batch, limits.max_batch), min(rows, limits.max_prompt_chunk)
+    for purpose, batch, rows in (("trace", 2, 3), ("verify", min(3, limits.max_batch), 5)):
+        rows = min(rows, limits.max_prompt_chunk) if purpose == "verify" else rows
         if capacity < rows + block:
             raise ValueError(f"--max-seq-len {capacity}: too small to hold a prompt chunk and a "
                              f"draft block of {block}")

@@ -92,11 +92,14 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
 def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator,
                   high: dict[str, int]) -> dict[str, torch.Tensor]:
     """Deterministic inputs of ``spec`` with the dynamic axes set to ``sizes``; integer inputs
-    are drawn below ``high[name]``, float ones from a normal distribution."""
+    are drawn below ``high[name]``, caches are zero (random keys would make attention of a deep
+    model numerically unlike any real run), other floats come from a normal distribution."""
     out = {}
     for t in spec.inputs:
         shape = [sizes[s] if isinstance(s, str) else s for s in t.shape]
-        if t.dtype == "int64":
+        if "_cache_" in t.name:
+            out[t.name] = torch.zeros(shape, dtype=getattr(torch, t.dtype))
+        elif t.dtype == "int64":
             out[t.name] = torch.randint(0, high[t.name], shape, generator=generator)
         else:
             out[t.name] = torch.randn(shape, generator=generator).to(getattr(torch, t.dtype))
@@ -111,7 +114,8 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
               "ctx_rows": limits.max_prompt_chunk}
-    dims = {name: torch.export.Dim(name, min=1, max=top) for name, top in bounds.items()}
+    # torch.export needs max > min and the tracing sizes inside; the runtime enforces the limits
+    dims = {name: torch.export.Dim(name, min=1, max=max(top, 8)) for name, top in bounds.items()}
     dynamic = [{axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}
                for t in spec.inputs]
     caches = sum("_cache_" in t.name for t in spec.inputs)

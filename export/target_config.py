@@ -35,6 +35,9 @@ def load_target_config(directory: Path) -> TargetConfig:
     try:
         location, options = hf_location(directory)
         hf = AutoConfig.from_pretrained(location, **options)
+    except ImportError as err:
+        raise CheckpointError(f"{path}: reading a GGUF target needs the gguf extra "
+                              f"(pip install -e '.[gguf]'): {err}") from None
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise CheckpointError(f"{path}: transformers cannot read it ({err})") from None
     if gguf:
