@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .distill import DEFAULT_PROMPTS
 from .draft_config import LAYOUTS
 from .manifest import ManifestError
 from .onnx_check import VerificationError
@@ -67,6 +68,29 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(manifest.describe(manifest.read(Path(args.engine))))
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    from .distill import DistillSpec, distill, is_run, summary
+
+    taps = None
+    if args.taps is not None:
+        try:
+            taps = tuple(int(t) for t in args.taps.split(","))
+        except ValueError:
+            raise ValueError(f"--taps {args.taps}: expected comma-separated layer ids, e.g. 1,9,17") from None
+    spec = DistillSpec(prompts=Path(args.prompts), num_prompts=args.num_prompts,
+                       eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
+                       layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
+                       taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
+                       steps=args.steps, lr=args.lr, batch_anchors=args.batch_anchors,
+                       loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
+                       progress=not args.quiet)
+    out = Path(args.out)
+    if args.force or not is_run(out):  # a distill run in --out is resumed, anything else is refused
+        _output_dir(out, args.force)
+    result = distill(args.target, out, spec)
+    print(summary(result, out, spec.eval_prompts))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="python -m export",
                                    description="Export DSpark speculative decoding pairs.")
@@ -117,6 +141,42 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="replace a non-empty --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(run=cmd_build)
+
+    d = commands.add_parser("distill", help="train a small DSpark draft for a target on the CPU",
+                            description="Let the target answer prompts greedily, then train a fresh "
+                                        "native DSpark draft (the target's embeddings, frozen) to "
+                                        "predict those answers block by block, as DeepSpec does. "
+                                        "Checkpoints go to --out every --save-every steps; rerunning "
+                                        "the same command resumes there.")
+    d.add_argument("--target", required=True, help="target checkpoint: directory, .gguf file or hub id")
+    d.add_argument("--out", required=True, help="draft directory (also holds data.pt and trainer.pt)")
+    d.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                   help="JSON Lines of {\"turns\": [...]}; the first turn of each is a prompt "
+                        "[../shared/data/prompts/gsm8k.jsonl]")
+    d.add_argument("--num-prompts", type=int, default=64, help="training prompts, from the top [64]")
+    d.add_argument("--eval-prompts", type=int, default=4,
+                   help="held-out prompts after those, for the final acceptance (tau) [4]")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target answers with [128]")
+    d.add_argument("--layers", type=int, default=1, help="draft decoder layers [1]")
+    d.add_argument("--block-size", type=int, default=4, help="block width = drafts per step [4]")
+    d.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head [32]")
+    d.add_argument("--taps", help="target layers the draft reads, DeepSpec convention (-1 = embeddings), "
+                                  "comma-separated [3 spread over the target, never the final layer]")
+    d.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="reduced draft vocabulary of N ids, with d2t: the mask token and the N-1 "
+                        "most frequent generated ids [the target's]")
+    d.add_argument("--mask-token-id", type=int,
+                   help="MASK token of the block [the tokenizer's pad/unk id, else 0]")
+    d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")
+    d.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate [5e-4]")
+    d.add_argument("--batch-anchors", type=int, default=32, help="anchors (blocks) per step [32]")
+    d.add_argument("--loss-decay", type=float, metavar="GAMMA",
+                   help="weigh block row j by exp(-j / GAMMA) [uniform]")
+    d.add_argument("--save-every", type=int, default=100, help="checkpoint interval in steps [100]")
+    d.add_argument("--seed", type=int, default=0, help="random seed [0]")
+    d.add_argument("--force", action="store_true", help="replace a non-empty --out (and start over)")
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
+    d.set_defaults(run=cmd_distill)
 
     inspect = commands.add_parser("inspect", help="describe an engine directory",
                                   description="Print an engine directory's manifest in human terms.")

@@ -1,0 +1,194 @@
+"""``python -m export distill``: a DSpark draft trained on the tiny target loads, keeps the greedy
+invariant, learns (the loss falls), resumes from its checkpoint, and refuses bad options."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import export.__main__ as cli
+from export.distill import DistillSpec, default_taps, distill, teacher_forced_logits
+from export.pair import load_pair
+from runtime.speculative import generate
+from runtime.torch_backend import TorchBackend
+
+from conftest import PROMPTS
+
+QUESTIONS = ["what is two plus two", "name a color", "count to five", "say hello", "why is the sky blue",
+             "add three and four", "spell cat", "list some fruit", "how old is the moon", "tell a joke"]
+SMALL = ["--num-prompts", "6", "--eval-prompts", "2", "--max-new-tokens", "24", "--batch-anchors", "16",
+         "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny models gain nothing from intra-op threads, and on a busy machine their thread
+    barriers cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in QUESTIONS))
+    return path
+
+
+def _distill(target, out, prompts_file, *extra):
+    cli.main(["distill", "--target", str(target), "--out", str(out), "--prompts", str(prompts_file),
+              *SMALL, *extra])
+
+
+def _assert_greedy_invariant(target_dir, draft_dir):
+    target, draft = load_pair(target_dir, draft_dir)
+    spec = generate(TorchBackend(target, draft, capacity=96), PROMPTS, max_new_tokens=30,
+                    eos_token_ids=target.config.eos_token_ids)
+    plain = generate(TorchBackend(target, None, capacity=96), PROMPTS, max_new_tokens=30,
+                     eos_token_ids=target.config.eos_token_ids, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.steps > 0 and spec.stats.k == draft.config.block_size
+    return draft
+
+
+def test_distill_writes_a_draft_that_loads_and_keeps_the_greedy_invariant(tiny, prompts_file, tmp_path,
+                                                                         capsys):
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--steps", "6", "--block-size", "3", "--markov-rank", "8")
+    printed = capsys.readouterr().out
+    assert "steps 6" in printed and "loss" in printed and "tau" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_head_type"] == "vanilla"
+    assert config["target_layer_ids"] == [0, 1, 2] and config["num_target_layers"] == 4
+    assert config["block_size"] == 3 and config["markov_rank"] == 8 and config["num_hidden_layers"] == 1
+    assert config["mask_token_id"] == 0 and "draft_vocab_size" not in config   # the tokenizer's pad id
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.float16
+        assert "embed_tokens.weight" not in f.keys()  # the target's, shared at load time
+    draft = _assert_greedy_invariant(target_dir, out)
+    assert draft.k == 3
+
+
+def test_the_training_loss_falls(tiny, prompts_file, tmp_path):
+    target_dir, _ = tiny()
+    spec = DistillSpec(prompts=prompts_file, num_prompts=6, eval_prompts=0, max_new_tokens=24,
+                       steps=60, lr=3e-3, batch_anchors=16, save_every=60, seed=0, progress=False)
+    result = distill(target_dir, tmp_path / "draft", spec)
+    losses = result.losses
+    assert len(losses) == 60 and result.tau is None
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+
+
+def test_the_draft_learns_what_the_target_says(tiny, prompts_file, tmp_path):
+    """Trained long enough on the target's answers, the draft proposes them: acceptance on the
+    training prompts climbs towards block_size + 1, which only happens when the training forward
+    is the inference forward (layout, positions, mask, Markov predecessors)."""
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    spec = DistillSpec(prompts=prompts_file, num_prompts=6, eval_prompts=0, max_new_tokens=24,
+                       steps=300, lr=3e-3, batch_anchors=16, save_every=300, progress=False)
+    distill(target_dir, out, spec)
+    data = torch.load(out / "data.pt")
+    target, draft = load_pair(target_dir, out)
+    result = generate(TorchBackend(target, draft, capacity=96), data["prompts"], max_new_tokens=24,
+                      eos_token_ids=target.config.eos_token_ids)
+    assert result.token_ids == data["continuations"]
+    assert result.stats.tau > 3.0
+
+
+def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, capsys):
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--steps", "4", "--save-every", "2", "--eval-prompts", "0")
+    first = torch.load(out / "trainer.pt")
+    data_written = (out / "data.pt").stat().st_mtime_ns
+    assert first["step"] == 4 and len(first["losses"]) == 4
+
+    _distill(target_dir, out, prompts_file, "--steps", "7", "--save-every", "2", "--eval-prompts", "0")
+    assert "steps 7 (resumed at 4)" in capsys.readouterr().out
+    second = torch.load(out / "trainer.pt")
+    assert second["step"] == 7 and second["losses"][:4] == first["losses"] and len(second["losses"]) == 7
+    assert (out / "data.pt").stat().st_mtime_ns == data_written      # not generated again
+
+    # the same draws as one uninterrupted run
+    straight = tmp_path / "straight"
+    _distill(target_dir, straight, prompts_file, "--steps", "7", "--save-every", "2", "--eval-prompts", "0")
+    assert torch.load(straight / "trainer.pt")["losses"] == pytest.approx(second["losses"], rel=1e-4)
+
+    with pytest.raises(SystemExit, match="holds a run with --block-size 4, not 5"):
+        _distill(target_dir, out, prompts_file, "--steps", "8", "--block-size", "5")
+    assert json.loads((out / "config.json").read_text())["block_size"] == 4   # left as it was
+    assert torch.load(out / "trainer.pt")["step"] == 7
+
+
+def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--steps", "4", "--draft-vocab", "20", "--mask-token-id", "2",
+             "--loss-decay", "2", "--eval-prompts", "0")
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 20 and config["mask_token_id"] == 2
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        d2t, lm_head = f.get_tensor("d2t"), f.get_tensor("lm_head.weight")
+        assert d2t.dtype == torch.int64 and d2t.shape == (20,) and lm_head.shape == (20, 64)
+        assert f.get_tensor("markov_head.markov_w2.weight").shape == (20, 32)
+    kept = torch.arange(20) + d2t
+    assert 2 in kept.tolist() and kept.unique().numel() == 20
+    target, _ = load_pair(target_dir, out)
+    assert torch.allclose(lm_head.float(), target.lm_head.weight[kept], atol=1e-2)  # the target's rows
+    draft = _assert_greedy_invariant(target_dir, out)
+    assert draft.config.draft_vocab_size == 20
+
+
+@pytest.mark.parametrize("case, message", [
+    (["--steps", "0"], "--steps 0: expected at least 1"),
+    (["--block-size", "1"], "--block-size 1: expected at least 2"),
+    (["--lr", "0"], "--lr 0.0: expected a positive number"),
+    (["--taps", "2,1"], "--taps 2,1: expected strictly increasing"),
+    (["--taps", "0,3"], "--taps 0,3: layer 3 is outside -1..2"),
+    (["--num-prompts", "9"], "holds 10 prompts; --num-prompts 9 and --eval-prompts 2 need 11"),
+    (["--draft-vocab", "85"], "--draft-vocab 85: expected fewer than the target's 85"),
+])
+def test_bad_options_are_refused(tiny, prompts_file, tmp_path, case, message):
+    with pytest.raises(SystemExit, match=message):
+        _distill(tiny()[0], tmp_path / "draft", prompts_file, *case)
+
+
+def test_a_non_empty_out_is_refused_without_force(tiny, prompts_file, tmp_path):
+    (tmp_path / "keep.txt").write_text("user data")
+    with pytest.raises(SystemExit, match="not empty; pass --force"):
+        _distill(tiny()[0], tmp_path, prompts_file, "--steps", "1")
+    assert (tmp_path / "keep.txt").read_text() == "user data"
+    with pytest.raises(SystemExit, match="--prompts .*missing.jsonl: no such file"):
+        _distill(tiny()[0], tmp_path / "x", tmp_path / "missing.jsonl")
+
+
+def test_default_taps_follow_the_released_spread():
+    assert default_taps(36) == (1, 17, 33)
+    assert default_taps(36, count=5) == (1, 9, 17, 25, 33)
+    assert default_taps(4) == (0, 1, 2)       # too few layers for 1..N-3: every layer but the final
+    assert default_taps(2) == (-1, 0)
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_training_forward_matches_the_inference_forward(tiny, vocab):
+    """All anchors in one masked pass == ``DraftStep``'s context + block forward per anchor, plus
+    the Markov bias of the true predecessors."""
+    target, draft = load_pair(*tiny(draft_vocab=vocab))
+    tokens = torch.tensor(PROMPTS[2] + PROMPTS[0])
+    _, aux, *_ = target(tokens[None], torch.zeros(1, dtype=torch.long), *target.empty_cache(1, 32))
+    anchors = torch.tensor([3, 7, 11, 14])
+    logits, labels = teacher_forced_logits(draft, aux[0], tokens, anchors)
+    block = draft.config.block_size
+    w1, w2 = draft.markov_head.markov_w1.weight, draft.markov_head.markov_w2.weight
+    for i, p in enumerate(anchors.tolist()):
+        cache = draft.write_context(aux[:, :p], torch.zeros(1, dtype=torch.long), *draft.empty_cache(1, 32))
+        base = draft.block_logits(tokens[p:p + 1], torch.tensor([p]), *cache)[0][0]
+        expected = base + w1[tokens[p:p + block]] @ w2.T
+        assert torch.allclose(logits[i], expected, atol=1e-4)
+        truth = tokens[p + 1:p + block + 1].tolist()
+        assert labels[i].tolist() == truth + [-100] * (block - len(truth))
