@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from .checkpoint import hf_location, read_config, resolve
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
+from .prompts import encode_prompt, read_jsonl_prompts
 from .target_model import TargetStep, load_target
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "gsm8k.jsonl"
@@ -191,27 +192,12 @@ def _tokenizer(target_dir: Path):
 def read_prompts(path: Path, tokenizer, count: int, held_out: int) -> tuple[list[list[int]], list[list[int]]]:
     """The first turn of the first ``count`` records (training) and of the ``held_out`` after them
     (acceptance), as token ids through the chat template, as a user would send them."""
-    texts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                texts.append(json.loads(line)["turns"][0])
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise ValueError(f"--prompts {path}:{number}: expected a JSON object with a "
-                                 f"non-empty list 'turns'") from None
+    texts = read_jsonl_prompts(path, "--prompts")
     if len(texts) < count + held_out:
         raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --num-prompts {count} and "
                          f"--eval-prompts {held_out} need {count + held_out}")
-    ids = [_encode(tokenizer, text) for text in texts[:count + held_out]]
+    ids = [encode_prompt(tokenizer, text) for text in texts[:count + held_out]]
     return ids[:count], ids[count:]
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    if tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_new_tokens: int,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from export.checkpoint import CheckpointError
 from export.manifest import ManifestError
+from export.prompts import read_jsonl_prompts
 
 from .backends import BACKENDS
 
@@ -47,15 +48,7 @@ def parser() -> argparse.ArgumentParser:
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        if not args.prompts_file.is_file():
-            raise ValueError(f"--prompts-file {args.prompts_file}: no such file")
-        for number, line in enumerate(args.prompts_file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    prompts.append(json.loads(line)["turns"][0])
-                except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                    raise ValueError(f"--prompts-file {args.prompts_file}:{number}: expected a JSON "
-                                     f"object with a non-empty list 'turns'") from None
+        prompts += read_jsonl_prompts(args.prompts_file, "--prompts-file")
     if not prompts and not sys.stdin.isatty():
         prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
     if not prompts:

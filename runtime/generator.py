@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
 
+from export.prompts import encode_prompt
+
 from .backends import open_backend
 from .speculative import Decoding, PhaseTimes
 from .stats import SpecStats
@@ -41,11 +43,7 @@ class Generator:
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""
-        if chat_template and self.tokenizer.chat_template:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt, chat_template)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
