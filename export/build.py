@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from . import manifest as manifest_file
 from .checkpoint import CheckpointError, hf_location, resolve
 from .onnx_check import check_model, compare_with_reference
-from .onnx_export import GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
+from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .pair import load_pair
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -41,6 +41,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     if backend not in ("onnx", "trt", "trt-rtx"):
         raise ValueError(f"--backend {backend}: expected onnx, trt or trt-rtx")
     _check_limits(limits)
+    dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()
     steps = ["load checkpoints", "export target", "export draft", "verify target", "verify draft",
              *([f"build {backend} engines"] if backend != "onnx" else []), "write manifest"]
@@ -76,7 +77,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         if dtype != "bf16":
             outputs = [t.name for t in specs[name].outputs]
             differences[name] = compare_with_reference(paths[name], modules[name],
-                                                       inputs[name]["verify"], outputs, _dtype_name(dtype))
+                                                       inputs[name]["verify"], outputs, dtype_name)
         bar.update()
 
     manifest = {
@@ -86,7 +87,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         "draft": {**asdict(draft_step.config), "k": draft_step.k,
                   "has_d2t": bool(draft_step.d2t.any()), "target_vocab_size": draft_step.target_vocab_size},
         "limits": asdict(limits),
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name,
         "opset": opset,
         "graphs": {name: spec.to_json() for name, spec in specs.items()},
         "backends": ["onnx"],
@@ -118,10 +119,6 @@ def _check_limits(limits: Limits) -> None:
     if limits.max_prompt_chunk > limits.max_seq_len:
         raise ValueError(f"--max-prompt-chunk {limits.max_prompt_chunk}: larger than --max-seq-len "
                          f"{limits.max_seq_len}")
-
-
-def _dtype_name(flag: str) -> str:
-    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[flag]
 
 
 def _source(given: str, directory: Path) -> dict:

@@ -14,7 +14,7 @@ class EngineBackend:
         self.vocab_size = m["target"]["vocab_size"]
         self.k = m["draft"]["k"]
         self.draft_vocab_size = m["draft"]["draft_vocab_size"]
-        self.lookahead = max(self.k + 1, m["draft"]["block_size"])  # rows a step may write past its start
+        self.lookahead = lookahead(self.k, m["draft"]["block_size"])
         self.capacity = m["limits"]["max_seq_len"]
         self.max_batch = m["limits"]["max_batch"]
         self.max_prompt_chunk = m["limits"]["max_prompt_chunk"]
@@ -22,6 +22,12 @@ class EngineBackend:
 
     def check_batch(self, batch: int) -> None:
         check_batch(batch, self.max_batch)
+
+
+def lookahead(k: int, block_size: int) -> int:
+    """Cache rows a speculative step may write past a sequence's valid length: the verify block
+    (``k + 1`` rows) or the draft's scratch block (``block_size`` rows), whichever is longer."""
+    return max(k + 1, block_size)
 
 
 def check_batch(batch: int, max_batch: int) -> None:

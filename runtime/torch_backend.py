@@ -15,7 +15,7 @@ from export.draft_model import DraftStep
 from export.pair import load_pair
 from export.target_model import TargetStep
 
-from .engine_backend import check_batch
+from .engine_backend import check_batch, lookahead
 
 
 class TorchBackend:
@@ -28,7 +28,7 @@ class TorchBackend:
         self.device = torch.device(device)
         target, draft = target.to(self.device), draft.to(self.device) if draft is not None else None
         self.target, self.draft, self.capacity = target, draft, capacity
-        self.graphs = None
+        self.graphs, self._batch = None, None
         if cuda_graphs:
             from .cuda_graphs import GraphCache
 
@@ -40,8 +40,7 @@ class TorchBackend:
         self.vocab_size = target.config.vocab_size
         self.k = draft.k if draft is not None else 0
         self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0
-        # the draft block writes scratch K/V up to block_size rows past the anchor
-        self.lookahead = max(self.k + 1, draft.config.block_size if draft is not None else 1)
+        self.lookahead = lookahead(self.k, draft.config.block_size) if draft is not None else 1
 
     @classmethod
     def from_engine(cls, engine: str | Path, device: str = "cpu",
@@ -66,7 +65,7 @@ class TorchBackend:
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""
         check_batch(batch, self.max_batch)
-        if self.graphs is not None and getattr(self, "_batch", None) == batch:
+        if self.graphs is not None and self._batch == batch:
             for cache in (*self.target_cache, *getattr(self, "draft_cache", [])):
                 cache.zero_()                   # in place: captured graphs hold these addresses
             return

@@ -96,13 +96,14 @@ class TrtBackend(EngineBackend):
             context.set_input_shape(name, tuple(cache.shape))
             context.set_tensor_address(name, cache.data_ptr())
             context.set_tensor_address(name.replace("_cache_", "_cache_out_"), cache.data_ptr())
+        returned = [t for t in spec["outputs"] if "_cache_" not in t["name"]]
         if self._key not in self._outputs:
             self._outputs[self._key] = [
                 torch.empty([sizes.get(d, d) for d in t["shape"]], dtype=TORCH_DTYPES[t["dtype"]],
                             device=self.device)
-                for t in spec["outputs"] if "_cache_" not in t["name"]]
+                for t in returned]
         outputs = self._outputs[self._key]
-        for tensor_spec, buffer in zip([t for t in spec["outputs"] if "_cache_" not in t["name"]], outputs):
+        for tensor_spec, buffer in zip(returned, outputs):
             context.set_tensor_address(tensor_spec["name"], buffer.data_ptr())
         if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
             raise RuntimeError(f"{graph}: TensorRT execution failed")
