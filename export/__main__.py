@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
                                         "backbone + unrolled Markov sampler) to ONNX, verify them "
                                         "against PyTorch in ONNX Runtime, and write a "
                                         "self-contained engine directory with manifest.json.")
-    b.add_argument("--target", required=True, help="target checkpoint: directory or hub id")
+    b.add_argument("--target", required=True, help="target checkpoint: directory, .gguf file or hub id")
     b.add_argument("--draft", required=True, help="DSpark draft: directory or hub id")
     b.add_argument("--out", help="engine directory [engines/<draft name>]")
     b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
