@@ -38,6 +38,12 @@ def cmd_build(args: argparse.Namespace) -> None:
     from .build import build
     from .onnx_export import Limits
 
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("error: pass both --target and --draft, or neither for the built-in demo pair")
+    if args.target is None:
+        from . import demo_pair
+
+        args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     out = _output_dir(out, args.force)
     chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
@@ -75,11 +81,12 @@ def cmd_distill(args: argparse.Namespace) -> None:
             taps = tuple(int(t) for t in args.taps.split(","))
         except ValueError:
             raise ValueError(f"--taps {args.taps}: expected comma-separated layer ids, e.g. 1,9,17") from None
-    spec = DistillSpec(prompts=Path(args.prompts), num_prompts=args.num_prompts,
-                       eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
+    spec = DistillSpec(prompts=tuple(Path(p) for p in args.prompts), num_prompts=args.num_prompts,
+                       held_out=args.held_out, eval_prompts=args.eval_prompts,
+                       max_new_tokens=args.max_new_tokens,
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
-                       steps=args.steps, lr=args.lr, batch_anchors=args.batch_anchors,
+                       steps=args.steps, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
                        loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
                        progress=not args.quiet)
     out = Path(args.out)
@@ -116,9 +123,13 @@ def parser() -> argparse.ArgumentParser:
                             description="Trace the target step and the DSpark draft step (block "
                                         "backbone + unrolled Markov sampler) to ONNX, verify them "
                                         "against PyTorch in ONNX Runtime, and write a "
-                                        "self-contained engine directory with manifest.json.")
-    b.add_argument("--target", required=True, help="target checkpoint: directory, .gguf file or hub id")
-    b.add_argument("--draft", required=True, help="DSpark draft: directory or hub id")
+                                        "self-contained engine directory with manifest.json. With "
+                                        "neither --target nor --draft it builds the demo pair: "
+                                        "SmolLM2-135M-Instruct and its distilled DSpark draft.")
+    b.add_argument("--target", help="target checkpoint: directory, .gguf file or hub id [the demo "
+                                    "pair's SmolLM2-135M-Instruct GGUF]")
+    b.add_argument("--draft", help="DSpark draft: directory or hub id [the demo pair's distilled "
+                                   "draft, export/drafts/smollm2-135m-instruct]")
     b.add_argument("--out", help="engine directory [engines/<draft name>]")
     b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
     b.add_argument("--max-batch", type=int, default=4, help="largest batch [4]")
@@ -148,12 +159,17 @@ def parser() -> argparse.ArgumentParser:
                                         "the same command resumes there.")
     d.add_argument("--target", required=True, help="target checkpoint: directory, .gguf file or hub id")
     d.add_argument("--out", required=True, help="draft directory (also holds data.pt and trainer.pt)")
-    d.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
-                   help="JSON Lines of {\"turns\": [...]}; the first turn of each is a prompt "
-                        "[../shared/data/prompts/gsm8k.jsonl]")
-    d.add_argument("--num-prompts", type=int, default=64, help="training prompts, from the top [64]")
+    d.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS)], metavar="FILE",
+                   help="JSON Lines files of {\"turns\": [...]}; the first turn of each record is a "
+                        "prompt [../shared/data/prompts/gsm8k.jsonl]")
+    d.add_argument("--num-prompts", type=int, default=64,
+                   help="training prompts per file, from the top [64]")
+    d.add_argument("--held-out", type=int, default=4,
+                   help="records at the end of every file that training never sees, so that they "
+                        "can be benchmarked [4]")
     d.add_argument("--eval-prompts", type=int, default=4,
-                   help="held-out prompts after those, for the final acceptance (tau) [4]")
+                   help="the first file's held-out prompts the final acceptance (tau) is measured "
+                        "on [4]")
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target answers with [128]")
     d.add_argument("--layers", type=int, default=1, help="draft decoder layers [1]")
     d.add_argument("--block-size", type=int, default=4, help="block width = drafts per step [4]")
@@ -166,8 +182,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--mask-token-id", type=int,
                    help="MASK token of the block [the tokenizer's pad/unk id, else 0]")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")
-    d.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate [5e-4]")
-    d.add_argument("--batch-anchors", type=int, default=32, help="anchors (blocks) per step [32]")
+    d.add_argument("--lr", type=float, default=2e-3,
+                   help="peak AdamW learning rate, cosine-decayed to a tenth at --steps [2e-3]")
+    d.add_argument("--warmup", type=int, default=50, help="linear warm-up steps [50]")
+    d.add_argument("--batch-anchors", type=int, default=128,
+                   help="anchors (blocks) per step, from one sequence [128]")
     d.add_argument("--loss-decay", type=float, metavar="GAMMA",
                    help="weigh block row j by exp(-j / GAMMA) [uniform]")
     d.add_argument("--save-every", type=int, default=100, help="checkpoint interval in steps [100]")

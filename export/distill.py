@@ -34,10 +34,10 @@ from .prompts import encode_prompt, read_jsonl_prompts
 from .target_model import TargetStep, load_target
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "gsm8k.jsonl"
-GENERATION_BATCH = 8          # prompts the target answers at a time
-TAP_CACHE_BYTES = 1 << 30     # keep every sequence's taps in memory when they fit in this
+GENERATION_BATCH = 16         # prompts the target answers at a time
+TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when they fit in this
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
-DATA_SETTINGS = ("target", "prompts", "num_prompts", "max_new_tokens")
+DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens")
 MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id", "seed")
 # target config keys a Qwen3 draft must not inherit
 NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "transformers_version", "mlp_bias",
@@ -48,9 +48,10 @@ NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "transforme
 class DistillSpec:
     """The command's options; checked on construction so that a bad flag fails before any work."""
 
-    prompts: Path = DEFAULT_PROMPTS
-    num_prompts: int = 64
-    eval_prompts: int = 4
+    prompts: tuple[Path, ...] = (DEFAULT_PROMPTS,)
+    num_prompts: int = 64                      # per file, from the top
+    held_out: int = 4                          # records at the end of every file never trained on
+    eval_prompts: int = 4                      # of the first file's held-out records, for tau
     max_new_tokens: int = 128
     layers: int = 1
     block_size: int = 4
@@ -59,8 +60,9 @@ class DistillSpec:
     draft_vocab: int | None = None
     mask_token_id: int | None = None           # None: the tokenizer's pad / unk id, else 0
     steps: int = 1000
-    lr: float = 5e-4
-    batch_anchors: int = 32
+    lr: float = 2e-3
+    warmup: int = 50
+    batch_anchors: int = 128
     loss_decay: float | None = None            # row j weighs exp(-j / decay); None: uniform
     save_every: int = 100
     seed: int = 0
@@ -68,6 +70,7 @@ class DistillSpec:
 
     def __post_init__(self):
         at_least = {"--num-prompts": (self.num_prompts, 1), "--eval-prompts": (self.eval_prompts, 0),
+                    "--held-out": (self.held_out, 0), "--warmup": (self.warmup, 0),
                     "--max-new-tokens": (self.max_new_tokens, 2), "--layers": (self.layers, 1),
                     "--block-size": (self.block_size, 2), "--markov-rank": (self.markov_rank, 1),
                     "--steps": (self.steps, 1), "--batch-anchors": (self.batch_anchors, 1),
@@ -82,13 +85,17 @@ class DistillSpec:
         if self.taps is not None and (not self.taps or list(self.taps) != sorted(set(self.taps))):
             raise ValueError(f"--taps {','.join(map(str, self.taps))}: expected strictly increasing "
                              f"layer ids")
-        if not Path(self.prompts).is_file():
-            raise ValueError(f"--prompts {self.prompts}: no such file")
+        if self.eval_prompts > self.held_out:
+            raise ValueError(f"--eval-prompts {self.eval_prompts}: expected at most --held-out "
+                             f"{self.held_out} (tau is measured on held-out prompts)")
+        for path in self.prompts:
+            if not Path(path).is_file():
+                raise ValueError(f"--prompts {path}: no such file")
 
     def settings(self, target: Path) -> dict:
         """What identifies a run in ``OUT``: the data and the model, not the schedule."""
         values = asdict(self) | {"target": str(target.resolve()),
-                                 "prompts": str(Path(self.prompts).resolve())}
+                                 "prompts": [str(Path(p).resolve()) for p in self.prompts]}
         values["taps"] = list(values["taps"]) if values["taps"] is not None else None
         return {key: values[key] for key in DATA_SETTINGS + MODEL_SETTINGS}
 
@@ -128,12 +135,12 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     if spec.draft_vocab is not None and spec.draft_vocab >= vocab:
         raise ValueError(f"--draft-vocab {spec.draft_vocab}: expected fewer than the target's {vocab} "
                          f"ids (leave it out for the full vocabulary)")
-    train_prompts, eval_prompts = read_prompts(spec.prompts, tokenizer, spec.num_prompts, spec.eval_prompts)
+    train_prompts, eval_prompts = read_prompts(spec, tokenizer)
     data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, settings, spec.progress)
 
     kept = None
     if spec.draft_vocab is not None:
-        kept = draft_vocabulary(data["continuations"], spec.draft_vocab, mask, vocab)
+        kept = draft_vocabulary(data["prompts"] + data["continuations"], spec.draft_vocab, mask, vocab)
     config = draft_config(_target_config_dict(target_dir), target, spec, taps, mask, kept)
     draft = new_draft(out, target, config, kept)
     if trainer is not None:
@@ -189,15 +196,20 @@ def _tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(location, **options)
 
 
-def read_prompts(path: Path, tokenizer, count: int, held_out: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The first turn of the first ``count`` records (training) and of the ``held_out`` after them
-    (acceptance), as token ids through the chat template, as a user would send them."""
-    texts = read_jsonl_prompts(path, "--prompts")
-    if len(texts) < count + held_out:
-        raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --num-prompts {count} and "
-                         f"--eval-prompts {held_out} need {count + held_out}")
-    ids = [encode_prompt(tokenizer, text) for text in texts[:count + held_out]]
-    return ids[:count], ids[count:]
+def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids, through the chat template as a user would send them, of the first turn of: the
+    first ``--num-prompts`` records of each file short of its last ``--held-out`` (training), and
+    the first ``--eval-prompts`` of the first file's held-out records (acceptance)."""
+    train, held = [], []
+    for index, path in enumerate(spec.prompts):
+        texts = read_jsonl_prompts(path, "--prompts")
+        if len(texts) <= spec.held_out:
+            raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --held-out {spec.held_out} "
+                             f"leaves none to train on")
+        train += texts[:min(spec.num_prompts, len(texts) - spec.held_out)]
+        if index == 0:
+            held = texts[len(texts) - spec.held_out:][:spec.eval_prompts]
+    return [encode_prompt(tokenizer, t) for t in train], [encode_prompt(tokenizer, t) for t in held]
 
 
 def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_new_tokens: int,
@@ -214,24 +226,28 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
     from runtime.speculative import generate
     from runtime.torch_backend import TorchBackend
 
-    continuations = []
+    continuations: list[list[int]] = [[] for _ in prompts]
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # little padding per batch
     batches = range(0, len(prompts), GENERATION_BATCH)
-    for begin in tqdm(batches, desc="generating", unit="batch", disable=not progress, leave=False):
-        batch = prompts[begin:begin + GENERATION_BATCH]
-        backend = TorchBackend(target, None, max(map(len, batch)) + max_new_tokens + 1)
+    for begin in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+        rows = by_length[begin:begin + GENERATION_BATCH]
+        batch = [prompts[i] for i in rows]
+        backend = TorchBackend(target, None, len(batch[-1]) + max_new_tokens + 1)
         result = generate(backend, batch, max_new_tokens=max_new_tokens,
                           eos_token_ids=target.config.eos_token_ids)
-        continuations += result.token_ids
+        for i, ids in zip(rows, result.token_ids):
+            continuations[i] = ids
     data = {"settings": wanted, "prompts": prompts, "continuations": continuations}
     _atomic(lambda tmp: torch.save(data, tmp), path)
     return data
 
 
-def draft_vocabulary(continuations: list[list[int]], size: int, mask: int, vocab: int) -> torch.Tensor:
+def draft_vocabulary(texts: list[list[int]], size: int, mask: int, vocab: int) -> torch.Tensor:
     """The ``size`` target ids a reduced draft keeps, ascending: the mask token and the most
-    frequent ids in the generated text (ties: lower id first)."""
+    frequent ids in the training text, prompts (which answers copy from) and answers (ties: lower
+    id first)."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    for ids in continuations:
+    for ids in texts:
         counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)
     counts[mask] = -1
     order = torch.sort(-counts, stable=True).indices
@@ -369,22 +385,23 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
     start, losses = 0, []
     if trainer is not None:
         optimizer.load_state_dict(trainer["optimizer"])
-        for group in optimizer.param_groups:
-            group["lr"] = spec.lr
         start, losses = trainer["step"], list(trainer["losses"])
-    taps = _TapCache(target, sequences)
+    taps = _TapCache(target, sequences, spec.progress)
     # sequences are drawn by their number of anchors, so every generated token is as likely a target
     anchors_per_sequence = torch.tensor([t.numel() - 1 - p for t, p in sequences], dtype=torch.float)
 
     bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="distill", unit="step",
                disable=not spec.progress)
     for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(spec, step)
         generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
         index = int(torch.multinomial(anchors_per_sequence, 1, generator=generator))
         tokens, prompt_length = sequences[index]
         candidates = torch.arange(prompt_length, tokens.numel() - 1)   # generated tokens with a next one
         pick = torch.randperm(candidates.numel(), generator=generator)[:spec.batch_anchors]
-        logits, labels = teacher_forced_logits(draft, taps[index], tokens, candidates[pick].sort().values)
+        logits, labels = teacher_forced_logits(draft, taps[index].float(), tokens,
+                                               candidates[pick].sort().values)
         loss = block_loss(logits, labels, to_draft, spec.loss_decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -400,25 +417,37 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
 
 
 class _TapCache:
-    """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), kept in
-    memory when all of them fit in ``TAP_CACHE_BYTES``, else recomputed per step."""
+    """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), computed
+    up front in fp16 when all of them fit in ``TAP_CACHE_BYTES``, else recomputed per step."""
 
-    def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]]):
+    def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]], progress: bool):
+        from tqdm.auto import tqdm
+
         self.target, self.sequences = target, sequences
         width = len(target.taps) * target.config.decoder.hidden_size
-        total = sum(t.numel() for t, _ in sequences) * width * 4
-        self.cache: dict[int, torch.Tensor] | None = {} if total <= TAP_CACHE_BYTES else None
+        fits = sum(t.numel() for t, _ in sequences) * width * 2 <= TAP_CACHE_BYTES
+        self.cache = None
+        if fits:
+            rows = tqdm(range(len(sequences)), desc="target taps", unit="seq", disable=not progress)
+            self.cache = [self._taps(i).half() for i in rows]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.cache[index] if self.cache is not None else self._taps(index)
 
     @torch.no_grad()
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if self.cache is not None and index in self.cache:
-            return self.cache[index]
+    def _taps(self, index: int) -> torch.Tensor:
         tokens = self.sequences[index][0]
         _, aux, *_ = self.target(tokens[None], torch.zeros(1, dtype=torch.long),
                                  *self.target.empty_cache(1, tokens.numel()))
-        if self.cache is not None:
-            self.cache[index] = aux[0]
         return aux[0]
+
+
+def learning_rate(spec: DistillSpec, step: int) -> float:
+    """Linear warm-up over ``--warmup`` steps, then a cosine from ``--lr`` down to a tenth of it at
+    ``--steps``: a function of the step alone, so a resumed run continues the same schedule."""
+    warm = min(1.0, (step + 1) / spec.warmup) if spec.warmup else 1.0
+    progress = min(1.0, step / spec.steps)
+    return spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def save(out: Path, draft: DraftStep, optimizer, step: int, losses: list[float], settings: dict) -> None:

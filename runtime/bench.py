@@ -23,7 +23,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", required=True, help="engine directory")
     p.add_argument("--prompts-file", type=Path, required=True,
                    help="JSON Lines of {\"turns\": [...]} (e.g. ../shared/data/prompts/gsm8k.jsonl)")
-    p.add_argument("--limit", type=int, default=8, help="first N prompts [8]")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts, e.g. those a draft was distilled on [0]")
+    p.add_argument("--limit", type=int, default=8, help="first N prompts after --skip [8]")
     p.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
@@ -68,7 +70,7 @@ def run(args) -> dict:
                    chat_template=chat)
     generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
 
-    report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file),
+    report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "backend": args.backend, "runs": {}}
     for name, speculative in (("speculative", True), ("target_only", False)):

@@ -26,7 +26,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path,
                    help="JSON Lines of {\"turns\": [...]}; the first turn of each is the prompt")
-    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N prompts [0]")
+    p.add_argument("--limit", type=int, help="use only the first N prompts (after --skip)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize prompts as they are instead of through the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="[128]")
@@ -53,6 +54,10 @@ def read_prompts(args) -> list[str]:
         prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompt: pass --prompt, --prompts-file or lines on standard input")
+    if args.skip < 0 or args.skip >= len(prompts):
+        raise ValueError(f"--skip {args.skip}: expected at least 0 and fewer than the {len(prompts)} "
+                         f"prompts given")
+    prompts = prompts[args.skip:]
     return prompts[: args.limit] if args.limit else prompts
 
 

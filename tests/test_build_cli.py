@@ -63,6 +63,13 @@ def test_bad_flags_are_named(tiny, tmp_path, flag, value, message):
     assert not (tmp_path / "e").exists()  # nothing half-built is left behind
 
 
+def test_target_and_draft_come_together_or_not_at_all(tiny, tmp_path):
+    target, _ = tiny()
+    with pytest.raises(SystemExit, match="pass both --target and --draft, or neither for the built-in demo"):
+        cli.main(["build", "--target", str(target), "--out", str(tmp_path / "e")])
+    assert not (tmp_path / "e").exists()
+
+
 def test_missing_checkpoint_and_unsupported_architecture(tiny, tmp_path):
     target, draft = tiny()
     with pytest.raises(SystemExit, match="--draft .*missing"):

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 import export.__main__ as cli
-from export.distill import DistillSpec, default_taps, distill, teacher_forced_logits
+import export.distill as distill_module
+from export.distill import DistillSpec, default_taps, distill, learning_rate, teacher_forced_logits
 from export.pair import load_pair
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
@@ -74,7 +75,7 @@ def test_distill_writes_a_draft_that_loads_and_keeps_the_greedy_invariant(tiny, 
 
 def test_the_training_loss_falls(tiny, prompts_file, tmp_path):
     target_dir, _ = tiny()
-    spec = DistillSpec(prompts=prompts_file, num_prompts=6, eval_prompts=0, max_new_tokens=24,
+    spec = DistillSpec(prompts=(prompts_file,), num_prompts=6, eval_prompts=0, max_new_tokens=24,
                        steps=60, lr=3e-3, batch_anchors=16, save_every=60, seed=0, progress=False)
     result = distill(target_dir, tmp_path / "draft", spec)
     losses = result.losses
@@ -89,7 +90,7 @@ def test_the_draft_learns_what_the_target_says(tiny, prompts_file, tmp_path):
     is the inference forward (layout, positions, mask, Markov predecessors)."""
     target_dir, _ = tiny()
     out = tmp_path / "draft"
-    spec = DistillSpec(prompts=prompts_file, num_prompts=6, eval_prompts=0, max_new_tokens=24,
+    spec = DistillSpec(prompts=(prompts_file,), num_prompts=6, eval_prompts=0, max_new_tokens=24,
                        steps=300, lr=3e-3, batch_anchors=16, save_every=300, progress=False)
     distill(target_dir, out, spec)
     data = torch.load(out / "data.pt")
@@ -100,23 +101,34 @@ def test_the_draft_learns_what_the_target_says(tiny, prompts_file, tmp_path):
     assert result.stats.tau > 3.0
 
 
-def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, capsys):
+def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, capsys, monkeypatch):
     target_dir, _ = tiny()
     out = tmp_path / "draft"
-    _distill(target_dir, out, prompts_file, "--steps", "4", "--save-every", "2", "--eval-prompts", "0")
+    args = ("--steps", "7", "--save-every", "2", "--eval-prompts", "0")
+    save = distill_module.save
+
+    def interrupted_after_step_4(out, draft, optimizer, step, *rest):
+        save(out, draft, optimizer, step, *rest)
+        if step == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module, "save", interrupted_after_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        _distill(target_dir, out, prompts_file, *args)
+    monkeypatch.setattr(distill_module, "save", save)
     first = torch.load(out / "trainer.pt")
     data_written = (out / "data.pt").stat().st_mtime_ns
     assert first["step"] == 4 and len(first["losses"]) == 4
 
-    _distill(target_dir, out, prompts_file, "--steps", "7", "--save-every", "2", "--eval-prompts", "0")
+    _distill(target_dir, out, prompts_file, *args)
     assert "steps 7 (resumed at 4)" in capsys.readouterr().out
     second = torch.load(out / "trainer.pt")
     assert second["step"] == 7 and second["losses"][:4] == first["losses"] and len(second["losses"]) == 7
     assert (out / "data.pt").stat().st_mtime_ns == data_written      # not generated again
 
-    # the same draws as one uninterrupted run
+    # the same draws and learning rates as one uninterrupted run
     straight = tmp_path / "straight"
-    _distill(target_dir, straight, prompts_file, "--steps", "7", "--save-every", "2", "--eval-prompts", "0")
+    _distill(target_dir, straight, prompts_file, *args)
     assert torch.load(straight / "trainer.pt")["losses"] == pytest.approx(second["losses"], rel=1e-4)
 
     with pytest.raises(SystemExit, match="holds a run with --block-size 4, not 5"):
@@ -150,7 +162,8 @@ def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
     (["--lr", "0"], "--lr 0.0: expected a positive number"),
     (["--taps", "2,1"], "--taps 2,1: expected strictly increasing"),
     (["--taps", "0,3"], "--taps 0,3: layer 3 is outside -1..2"),
-    (["--num-prompts", "9"], "holds 10 prompts; --num-prompts 9 and --eval-prompts 2 need 11"),
+    (["--held-out", "10"], "holds 10 prompts; --held-out 10 leaves none to train on"),
+    (["--eval-prompts", "5"], "--eval-prompts 5: expected at most --held-out 4"),
     (["--draft-vocab", "85"], "--draft-vocab 85: expected fewer than the target's 85"),
 ])
 def test_bad_options_are_refused(tiny, prompts_file, tmp_path, case, message):
@@ -192,3 +205,11 @@ def test_training_forward_matches_the_inference_forward(tiny, vocab):
         assert torch.allclose(logits[i], expected, atol=1e-4)
         truth = tokens[p + 1:p + block + 1].tolist()
         assert labels[i].tolist() == truth + [-100] * (block - len(truth))
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth(prompts_file):
+    spec = DistillSpec(prompts=(prompts_file,), steps=100, lr=1e-3, warmup=10)
+    rates = [learning_rate(spec, step) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3, rel=0.03)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))          # never rises after warm-up
+    assert learning_rate(spec, 100) == pytest.approx(1e-4)

@@ -90,6 +90,9 @@ def test_cli_prompts_file_and_stdin(engine, tmp_path):
     from_stdin = subprocess.run(command, input="\n".join(PROMPTS[:2]) + "\n", cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout
     assert from_file == from_stdin and from_file.count("### ") == 2
+    skipped = subprocess.run([*command, "--prompts-file", str(prompts), "--skip", "1", "--limit", "1"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert skipped.count("### ") == 1 and skipped.split("### ")[1] == from_file.split("### ")[2]
 
 
 def test_cli_torch_backend_matches_ort(engine, capsys):
@@ -123,6 +126,7 @@ def test_ctrl_c_prints_what_was_generated(engine, capsys, monkeypatch):
     (["--prompt", "hi", "--max-new-tokens", "200"], "max_new_tokens .*200"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature -1"),
     (["--prompts-file", "/nonexistent.jsonl"], "--prompts-file /nonexistent.jsonl: no such file"),
+    (["--prompt", "hi", "--skip", "1"], "--skip 1: expected at least 0 and fewer than the 1 prompts"),
 ])
 def test_cli_bad_input(engine, args, message):
     with pytest.raises(SystemExit, match=message):

