@@ -30,6 +30,9 @@ class OrtBackend(EngineBackend):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        # idle ONNX Runtime workers otherwise spin after each call and slow the loop's own work
+        # between calls (verification, sampling) several-fold on a small CPU
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {name: ort.InferenceSession(str(self.directory / graph["file"]), options,
                                                     providers=["CPUExecutionProvider"])
                          for name, graph in m["graphs"].items()}

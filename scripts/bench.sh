@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The README's measured numbers: the demo pair (SmolLM2-135M-Instruct + its distilled DSpark draft)
+# on prompts that distillation held out (the last 20 records of each file), batch 1, greedy and
+# temperature 1, against target-only decoding on the same engine and transformers generate (plain
+# and with prompt lookup). Writes docs/bench/<set>-t<T>.{json,png}. Extra arguments go to every
+# `python -m runtime.bench` call (e.g. --limit 2 for a quick look).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE=${ENGINE:-engines/smollm2-135m-instruct}
+PROMPTS=../shared/data/prompts
+[ -f "$ENGINE/manifest.json" ] || .venv/bin/python -m export build --out "$ENGINE"
+mkdir -p docs/bench
+for temperature in 0 1; do
+    for set in "gsm8k 180" "mt-bench 60" "humaneval 144"; do
+        read -r name skip <<< "$set"
+        .venv/bin/python -m runtime.bench --engine "$ENGINE" --prompts-file "$PROMPTS/$name.jsonl" \
+            --skip "$skip" --limit 6 --max-new-tokens 128 --temperature "$temperature" \
+            --prompt-lookup 4 --out "docs/bench/$name-t$temperature.json" \
+            --plot "docs/bench/$name-t$temperature.png" "$@"
+    done
+done
