@@ -44,6 +44,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         from . import demo_pair
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
+        args.k = args.k or demo_pair.K
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     out = _output_dir(out, args.force)
     chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
@@ -125,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
                                         "against PyTorch in ONNX Runtime, and write a "
                                         "self-contained engine directory with manifest.json. With "
                                         "neither --target nor --draft it builds the demo pair: "
-                                        "SmolLM2-135M-Instruct and its distilled DSpark draft.")
+                                        "SmolLM2-135M-Instruct and its distilled DSpark draft, "
+                                        "k = 2 unless --k says otherwise.")
     b.add_argument("--target", help="target checkpoint: directory, .gguf file or hub id [the demo "
                                     "pair's SmolLM2-135M-Instruct GGUF]")
     b.add_argument("--draft", help="DSpark draft: directory or hub id [the demo pair's distilled "

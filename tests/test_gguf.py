@@ -4,6 +4,7 @@ target (de-quantized through ``transformers``), with the DSpark draft distilled 
 loop and through the engine ``python -m export build`` makes with no pair given; the draft's
 proposals are accepted, as a trained draft's are and a random one's are not."""
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -65,8 +66,9 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
     out = tmp_path / "engine"
     cli.main(["build", "--out", str(out), "--max-batch", "1", "--max-seq-len", "192",
               "--max-prompt-chunk", "64", "--quiet"])
+    assert json.loads((out / "manifest.json").read_text())["draft"]["k"] == demo_pair.K
     generator = Generator.from_engine(out)
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
     result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1)
     assert result.token_ids == expected and "Paris" in result.texts[0]
-    assert result.stats.tau > 1.5
+    assert result.stats.tau > 1.3        # at most 3 with k = 2; a random draft: 1.0
