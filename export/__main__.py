@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
                                   "comma-separated [3 spread over the target, never the final layer]")
     d.add_argument("--draft-vocab", type=int, metavar="N",
                    help="reduced draft vocabulary of N ids, with d2t: the mask token and the N-1 "
-                        "most frequent generated ids [the target's]")
+                        "most frequent ids of the training prompts and answers [the target's]")
     d.add_argument("--mask-token-id", type=int,
                    help="MASK token of the block [the tokenizer's pad/unk id, else 0]")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")

@@ -444,7 +444,8 @@ class _TapCache:
 
 def learning_rate(spec: DistillSpec, step: int) -> float:
     """Linear warm-up over ``--warmup`` steps, then a cosine from ``--lr`` down to a tenth of it at
-    ``--steps``: a function of the step alone, so a resumed run continues the same schedule."""
+    ``--steps``: a function of the step and ``--steps`` only, so a run resumed with the same
+    ``--steps`` continues the same schedule."""
     warm = min(1.0, (step + 1) / spec.warmup) if spec.warmup else 1.0
     progress = min(1.0, step / spec.steps)
     return spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
