@@ -152,9 +152,13 @@ class Decoding:
             for b in live:
                 a, row = host[b][0], host[b]
                 self.result.stats.record(a)
-                emissions.append(self._emit(b, row[1:a + 2], {
-                    "step": step, "anchor": row[-1], "drafts": row[1 + width:-1], "accepted": a}))
-                # finished sequences stay in the batch, frozen: no new context, same anchor and start
+                emission = self._emit(b, row[1:a + 2], {
+                    "step": step, "anchor": row[-1], "drafts": row[1 + width:-1], "accepted": a})
+                emissions.append(emission)
+                if emission.finished:
+                    # it stays in the batch frozen (same anchor and start, no new context), so it
+                    # never writes past the rows its prompt and budget were given
+                    continue
                 counts[b] = a + 1
                 anchors[b] = row[1 + a]
                 positions[b] += a + 1

@@ -66,8 +66,8 @@ class OracleDrafts(TorchBackend):
     prefix of its proposals with the target's true continuation, so that 0..k drafts are accepted
     and every acceptance length, rollback and bonus path of the loop is taken."""
 
-    def __init__(self, target, draft, prompts, continuations, seed=0):
-        super().__init__(target, draft, capacity=96)
+    def __init__(self, target, draft, prompts, continuations, seed=0, capacity=96):
+        super().__init__(target, draft, capacity=capacity)
         self.prompt_lengths = [len(p) for p in prompts]
         self.continuations = continuations
         self.rng = random.Random(seed)
@@ -96,3 +96,35 @@ def test_every_acceptance_length_with_oracle_drafts(tiny):
     for b in range(len(PROMPTS)):
         emitted = [t for r in result.trace if r["sequence"] == b for t in r["emitted"]]
         assert emitted == result.token_ids[b]
+
+
+
+class GreedyFirstSequence(OracleDrafts):
+    """Every draft of sequence 0 is right, no draft of the others is: sequence 0 finishes many
+    steps before them, on a step that accepts all ``k`` drafts."""
+
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        self.rng.randint = lambda low, high: high
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        tokens[1:] = self.vocab_size - 1 - tokens[1:]      # wrong (the tiny targets never emit it)
+        return tokens, q
+
+
+def test_capacity_is_enough_when_sequences_finish_apart(tiny):
+    """The capacity ``generate`` asks for (prompt + max_new_tokens + lookahead) holds every step of
+    a ragged batch: a sequence that finishes early stays frozen where it stopped while the others go
+    on, rather than moving past its budget and writing beyond the end of its caches."""
+    target_dir, draft_dir = tiny(arch="qwen3")
+    target, draft = load_pair(target_dir, draft_dir)
+    # the first token, then steps of k + 1 tokens, leave sequence 0 one short of its budget; its
+    # last step accepts all k drafts, of which only one is kept
+    max_new = 2 + 9 * (draft.k + 1)
+    prompts = [PROMPTS[2], PROMPTS[0]]                    # the longest prompt finishes first
+    continuations = hf_greedy(target_dir, prompts, max_new + draft.k, eos=None)  # the oracle's truth
+    capacity = len(prompts[0]) + max_new + max(draft.k + 1, draft.config.block_size)
+    backend = GreedyFirstSequence(target, draft, prompts, continuations, capacity=capacity)
+    result = generate(backend, prompts, max_new_tokens=max_new)
+    assert result.token_ids == [c[:max_new] for c in continuations]
+    assert [r["accepted"] for r in result.trace if r["sequence"] == 0][-1] == draft.k
+    last_step = [max(r["step"] for r in result.trace if r["sequence"] == b) for b in range(2)]
+    assert last_step[0] < last_step[1]
