@@ -45,12 +45,15 @@ def cmd_build(args: argparse.Namespace) -> None:
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         args.k = args.k or demo_pair.K
+        if args.confidence_threshold is None:
+            args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     out = _output_dir(out, args.force)
     chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
     limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_prompt_chunk=chunk)
     try:
-        result = build(args.target, args.draft, out, k=args.k, limits=limits, dtype=args.dtype,
+        result = build(args.target, args.draft, out, k=args.k, limits=limits,
+                       confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
                        progress=not args.quiet)
     except BaseException:
@@ -127,13 +130,17 @@ def parser() -> argparse.ArgumentParser:
                                         "self-contained engine directory with manifest.json. With "
                                         "neither --target nor --draft it builds the demo pair: "
                                         "SmolLM2-135M-Instruct and its distilled DSpark draft, "
-                                        "k = 2 unless --k says otherwise.")
+                                        "k = 4 and --confidence-threshold 0.6 unless given.")
     b.add_argument("--target", help="target checkpoint: directory, .gguf file or hub id [the demo "
                                     "pair's SmolLM2-135M-Instruct GGUF]")
     b.add_argument("--draft", help="DSpark draft: directory or hub id [the demo pair's distilled "
                                    "draft, export/drafts/smollm2-135m-instruct]")
     b.add_argument("--out", help="engine directory [engines/<draft name>]")
     b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
+    b.add_argument("--confidence-threshold", type=float, metavar="P",
+                   help="the runtime's default: verify a step's drafts only up to the first whose "
+                        "top draft probability is below P, as transformers' "
+                        "assistant_confidence_threshold; 0 verifies all k [0]")
     b.add_argument("--max-batch", type=int, default=4, help="largest batch [4]")
     b.add_argument("--max-seq-len", type=int, default=2048,
                    help="KV-cache capacity per sequence, prompt + output + one block [2048]")

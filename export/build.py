@@ -32,10 +32,14 @@ class BuildResult:
 
 
 def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: Limits,
-          dtype: str = "fp32", opset: int = 23, backend: str = "onnx", gpus: tuple[str, ...] = (),
-          progress: bool = True) -> BuildResult:
+          confidence_threshold: float = 0.0, dtype: str = "fp32", opset: int = 23,
+          backend: str = "onnx", gpus: tuple[str, ...] = (), progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
-    ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``)."""
+    ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
+    ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``)."""
+    if not 0 <= confidence_threshold <= 1:
+        raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
+                         f"draft) .. 1")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if backend not in ("onnx", "trt", "trt-rtx"):
@@ -85,6 +89,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         "source": sources,
         "target": asdict(target_step.config),
         "draft": {**asdict(draft_step.config), "k": draft_step.k,
+                  "confidence_threshold": confidence_threshold,
                   "has_d2t": bool(draft_step.d2t.any()), "target_vocab_size": draft_step.target_vocab_size},
         "limits": asdict(limits),
         "dtype": dtype_name,

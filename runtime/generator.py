@@ -51,7 +51,8 @@ class Generator:
     def decodings(self, prompts: list[str], *, chat_template: bool = True,
                   batch_size: int | None = None, **options) -> Iterator[Decoding]:
         """One ``Decoding`` per batch of at most ``batch_size`` prompts (the engine's maximum by
-        default). Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``speculative``."""
+        default). Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``speculative``,
+        ``confidence_threshold`` (``Decoding``'s)."""
         size = min(batch_size or self.backend.max_batch, self.backend.max_batch)
         if size < 1:
             raise ValueError(f"batch_size {batch_size}: expected at least 1")

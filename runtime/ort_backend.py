@@ -12,12 +12,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.manifest import cache_output, is_cache
+
 from .engine_backend import EngineBackend
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class OrtBackend(EngineBackend):
+    # the loop's torch work between calls is small (argmax / sampling over a few rows); on more
+    # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
+    host_threads = 1
+
     def __init__(self, engine: str | Path, threads: int | None = None):
         import onnxruntime as ort
 
@@ -30,9 +36,10 @@ class OrtBackend(EngineBackend):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
-        # idle ONNX Runtime workers otherwise spin after each call and slow the loop's own work
-        # between calls (verification, sampling) several-fold on a small CPU
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # workers spin between the ops of a call (waking them for each op costs more than the op on
+        # a small CPU) but stop when it returns, so that they do not slow the loop's own work
+        # between calls (verification, sampling) or the other graph's call
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions = {name: ort.InferenceSession(str(self.directory / graph["file"]), options,
                                                     providers=["CPUExecutionProvider"])
                          for name, graph in m["graphs"].items()}
@@ -45,13 +52,13 @@ class OrtBackend(EngineBackend):
         self.check_batch(batch)
         self.bindings = {}
         for name, session in self.sessions.items():
-            caches = [t for t in self.manifest["graphs"][name]["inputs"] if "_cache_" in t["name"]]
+            caches = [t for t in self.manifest["graphs"][name]["inputs"] if is_cache(t["name"])]
             binding = session.io_binding()
             for cache in caches:
                 shape = [batch if s == "batch" else s for s in cache["shape"]]
                 value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
                 binding.bind_ortvalue_input(cache["name"], value)
-                binding.bind_ortvalue_output(cache["name"].replace("_cache_", "_cache_out_"), value)
+                binding.bind_ortvalue_output(cache_output(cache["name"]), value)
             self.bindings[name] = binding
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}

@@ -9,6 +9,7 @@ rows (old anchor + accepted drafts) become draft context, and both caches' valid
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -54,11 +55,14 @@ class Decoding:
 
     A sequence stops at its first EOS (kept in the output) or after ``max_new_tokens``.
     ``temperature == 0`` is greedy: the output is exactly the target's own greedy output.
-    Otherwise it is distributed as the target's sampling distribution (with ``top_p``)."""
+    Otherwise it is distributed as the target's sampling distribution (with ``top_p``).
+    ``confidence_threshold`` (default: the backend's, which an engine records at build; 0 verifies
+    all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
+    the target spends no verify rows on drafts that are unlikely to be accepted."""
 
     def __init__(self, backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_ids=(),
-                 speculative: bool = True):
+                 speculative: bool = True, confidence_threshold: float | None = None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if max_new_tokens < 1:
@@ -66,6 +70,12 @@ class Decoding:
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"temperature {temperature} / top_p {top_p}: expected temperature >= 0 "
                              f"and 0 < top_p <= 1")
+        if confidence_threshold is None:
+            confidence_threshold = getattr(backend, "confidence_threshold", 0.0)
+        if not 0 <= confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold {confidence_threshold}: expected 0 (verify every "
+                             f"draft) .. 1")
+        self.confidence_threshold = confidence_threshold
         self.speculative = speculative and backend.k > 0
         longest = max(map(len, prompts))
         needed = longest + max_new_tokens + (backend.lookahead if self.speculative else 1)
@@ -95,6 +105,15 @@ class Decoding:
         return Emission(b, out[before:], finished)
 
     def __iter__(self) -> Iterator[list[Emission]]:
+        steps = self._steps()
+        while True:
+            with _torch_threads(getattr(self.backend, "host_threads", None)):
+                emissions = next(steps, None)
+            if emissions is None:
+                return
+            yield emissions
+
+    def _steps(self) -> Iterator[list[Emission]]:
         backend, times = self.backend, self.result.times
         batch, device = len(self.prompts), self.device
         lengths = torch.tensor([len(p) for p in self.prompts], device=device)
@@ -122,6 +141,7 @@ class Decoding:
         zero_noise = torch.zeros(noise_shape, device=device) if self.speculative and greedy else None
         no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=device)
         no_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+        every_draft = torch.full((batch,), backend.k, device=device)
         anchor_pos = lengths.clone()                 # = each target cache's valid length
         positions = lengths.tolist()
         live = [b for b in range(batch) if not done[b]]
@@ -133,40 +153,69 @@ class Decoding:
                 noise = zero_noise if greedy else gumbel_noise(noise_shape, self.generator)
                 drafts, q = timed("draft", backend.draft_step, ctx_aux, ctx_start, ctx_count, anchor,
                                   temperatures, noise)
+                limit = every_draft                  # drafts proposed, per sequence
+                if self.confidence_threshold > 0:
+                    drafts, q, limit = self._confident(drafts, q, live)
                 logits, aux = timed("verify", backend.target_step,
                                     torch.cat([anchor[:, None], drafts], 1), anchor_pos)
                 if greedy:
-                    accepted, emitted = greedy_verify(drafts, logits)
+                    accepted, emitted = greedy_verify(drafts, logits, limit)
                 else:
                     p = probabilities(logits, self.temperature, self.top_p)
-                    accepted, emitted = rejection_verify(drafts, q, p, self.generator)
+                    accepted, emitted = rejection_verify(drafts, q, p, self.generator, limit)
             else:
-                drafts, accepted = no_drafts, no_accepted
+                drafts, accepted, limit = no_drafts, no_accepted, no_accepted
                 logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos)
                 emitted = next_token(logits, self.temperature, self.top_p, self.generator)
 
-            # the step's only device -> host copy: accepted count, emitted tokens, drafts, anchor
+            # the step's only device -> host copy: accepted and proposed counts, emitted tokens,
+            # drafts, anchor
             width = emitted.shape[1]
-            host = torch.cat([accepted[:, None], emitted, drafts, anchor[:, None]], 1).tolist()
+            host = torch.cat([accepted[:, None], limit[:, None], emitted, drafts, anchor[:, None]],
+                             1).tolist()
             emissions, counts, anchors = [], [0] * batch, [row[-1] for row in host]
             for b in live:
-                a, row = host[b][0], host[b]
+                a, proposed, row = host[b][0], host[b][1], host[b][2:]   # row: emitted, drafts, anchor
                 self.result.stats.record(a)
-                emission = self._emit(b, row[1:a + 2], {
-                    "step": step, "anchor": row[-1], "drafts": row[1 + width:-1], "accepted": a})
+                emission = self._emit(b, row[:a + 1], {
+                    "step": step, "anchor": row[-1], "drafts": row[width:width + proposed],
+                    "accepted": a})
                 emissions.append(emission)
                 if emission.finished:
                     # it stays in the batch frozen (same anchor and start, no new context), so it
                     # never writes past the rows its prompt and budget were given
                     continue
                 counts[b] = a + 1
-                anchors[b] = row[1 + a]
+                anchors[b] = row[a]
                 positions[b] += a + 1
             ctx_aux, ctx_start = aux, anchor_pos
             ctx_count, anchor, anchor_pos = torch.tensor([counts, anchors, positions], device=device).unbind()
             live = [e.sequence for e in emissions if not e.finished]
             times.total += time.perf_counter() - resumed
             yield emissions
+
+    def _confident(self, drafts: torch.Tensor, q: torch.Tensor, live: list[int]):
+        """Each sequence's drafts before the first whose distribution's top probability is below
+        ``confidence_threshold`` (``limit [B]`` of them); the batch verifies the widest live one.
+        The rule reads the draft's distributions, never the token drawn from them, so sampling
+        stays exact, and greedy output is the target's whatever is cut."""
+        limit = (q.amax(-1) >= self.confidence_threshold).cumprod(dim=1).sum(dim=1)
+        width = int(limit[live].max())
+        return drafts[:, :width], q[:, :width], limit
+
+@contextmanager
+def _torch_threads(count: int | None):
+    """Run the loop's own torch work on ``count`` threads (``None``: as configured), and restore
+    the setting whenever the loop hands control back to its consumer."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def generate(backend, prompts: list[list[int]], **options) -> GenerationResult:

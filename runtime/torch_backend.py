@@ -24,7 +24,7 @@ class TorchBackend:
 
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
                  max_batch: int = 1 << 16, max_prompt_chunk: int | None = None,
-                 device: str = "cpu", cuda_graphs: bool = False):
+                 confidence_threshold: float = 0.0, device: str = "cpu", cuda_graphs: bool = False):
         self.device = torch.device(device)
         target, draft = target.to(self.device), draft.to(self.device) if draft is not None else None
         self.target, self.draft, self.capacity = target, draft, capacity
@@ -39,6 +39,7 @@ class TorchBackend:
         self.eos_token_ids = target.config.eos_token_ids
         self.vocab_size = target.config.vocab_size
         self.k = draft.k if draft is not None else 0
+        self.confidence_threshold = confidence_threshold
         self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0
         self.lookahead = lookahead(self.k, draft.config.block_size) if draft is not None else 1
 
@@ -60,7 +61,7 @@ class TorchBackend:
                                   k=m["draft"]["k"], dtype=dtype)
         limits = m["limits"]
         return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"],
-                   device=device, cuda_graphs=cuda_graphs)
+                   m["draft"].get("confidence_threshold", 0.0), device=device, cuda_graphs=cuda_graphs)
 
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from export import manifest as manifest_file
+from export.manifest import cache_output, is_cache
 from export.trt_build import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
@@ -61,7 +62,7 @@ class TrtBackend(EngineBackend):
         self.check_batch(batch)
         self.caches = {}
         for graph in self.engines:
-            specs = [t for t in self.manifest["graphs"][graph]["inputs"] if "_cache_" in t["name"]]
+            specs = [t for t in self.manifest["graphs"][graph]["inputs"] if is_cache(t["name"])]
             self.caches[graph] = {t["name"]: torch.zeros([batch if d == "batch" else d for d in t["shape"]],
                                                          dtype=TORCH_DTYPES[t["dtype"]], device=self.device)
                                   for t in specs}
@@ -88,15 +89,15 @@ class TrtBackend(EngineBackend):
         context = self.contexts[graph, profile]
         spec = self.manifest["graphs"][graph]
         sizes = {"batch": batch, "rows": rows, "ctx_rows": rows}
-        plain = [t for t in spec["inputs"] if "_cache_" not in t["name"]]
+        plain = [t for t in spec["inputs"] if not is_cache(t["name"])]
         for tensor_spec, value in zip(plain, inputs):
             context.set_input_shape(tensor_spec["name"], tuple(value.shape))
             context.set_tensor_address(tensor_spec["name"], value.data_ptr())
         for name, cache in self.caches[graph].items():
             context.set_input_shape(name, tuple(cache.shape))
             context.set_tensor_address(name, cache.data_ptr())
-            context.set_tensor_address(name.replace("_cache_", "_cache_out_"), cache.data_ptr())
-        returned = [t for t in spec["outputs"] if "_cache_" not in t["name"]]
+            context.set_tensor_address(cache_output(name), cache.data_ptr())
+        returned = [t for t in spec["outputs"] if not is_cache(t["name"])]
         if self._key not in self._outputs:
             self._outputs[self._key] = [
                 torch.empty([sizes.get(d, d) for d in t["shape"]], dtype=TORCH_DTYPES[t["dtype"]],

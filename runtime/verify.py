@@ -11,16 +11,17 @@ import torch
 from .sampling import draw
 
 
-def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor):
-    """Accept the longest prefix of drafts equal to the target's argmax."""
+def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor, limit: torch.Tensor | None = None):
+    """Accept the longest prefix of drafts equal to the target's argmax (of at most ``limit [B]``
+    drafts: those after it count as never proposed)."""
     target = logits.argmax(-1)                                             # [B, k+1]
     matches = (drafts == target[:, :-1]).long()
     accepted = matches.cumprod(dim=1).sum(dim=1)
-    return accepted, target
+    return (accepted if limit is None else torch.minimum(accepted, limit)), target
 
 
 def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                     generator: torch.Generator):
+                     generator: torch.Generator, limit: torch.Tensor | None = None):
     """Standard speculative sampling (Leviathan et al.; Chen et al.): accept draft ``d`` at row
     ``j`` with probability ``min(1, p_j[d] / q_j[d])``; at the first rejection draw from
     ``normalize(max(p_j - q_j, 0))``; if all ``k`` are accepted draw the bonus from ``p_k``. The
@@ -28,7 +29,8 @@ def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     drawn from its ``q``.
 
     ``drafts [B, k]``, ``q [B, k, V]``, ``p [B, k + 1, V]`` (target probabilities after its own
-    temperature / top-p).
+    temperature / top-p). With ``limit [B]``, sequence ``b`` proposed only its first ``limit[b]``
+    drafts: it accepts at most those, and after all of them draws the bonus from ``p``.
     """
     batch, k = drafts.shape
     p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
@@ -36,9 +38,13 @@ def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     uniform = torch.rand(batch, k, generator=generator, device=generator.device)
     ok = (uniform * q_draft < p_draft).long()
     accepted = ok.cumprod(dim=1).sum(dim=1)
+    if limit is not None:
+        accepted = torch.minimum(accepted, limit)
 
     rows = torch.arange(batch, device=drafts.device)
     residual = torch.cat([(p[:, :k] - q).clamp_min(0), p[:, k:]], dim=1)[rows, accepted]
+    if limit is not None:    # no draft was proposed at row ``limit``: the bonus comes from p
+        residual = torch.where((accepted < limit)[:, None], residual, p[rows, accepted])
     mass = residual.sum(-1, keepdim=True)
     # p == q exactly leaves no residual, and then rejection is impossible: fall back to p
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[rows, accepted])

@@ -72,6 +72,26 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
     return outputs
 
 
+def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> float:
+    """The median top probability of the draft's distributions over a generation: as a
+    ``confidence_threshold`` it cuts about half the drafts, so sequences propose different counts."""
+    from runtime.speculative import generate
+    from runtime.torch_backend import TorchBackend
+
+    confidences = []
+
+    class Probe(TorchBackend):
+        def draft_step(self, *inputs):
+            tokens, q = super().draft_step(*inputs)
+            confidences.append(q.amax(-1).flatten())
+            return tokens, q
+
+    capacity = max(map(len, prompts)) + max_new_tokens + pair[1].config.block_size + 1
+    generate(Probe(*pair, capacity=capacity), prompts, max_new_tokens=max_new_tokens,
+             temperature=temperature, seed=2)
+    return float(torch.cat(confidences).median())
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where there is no CUDA GPU."""
     if not torch.cuda.is_available():

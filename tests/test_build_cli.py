@@ -9,6 +9,7 @@ import pytest
 
 import export.__main__ as cli
 import export.onnx_check
+from runtime.ort_backend import OrtBackend
 
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
 
@@ -21,7 +22,7 @@ def _build(target, draft, out, *extra):
 def built(tiny, tmp_path_factory):
     target, draft = tiny()
     out = tmp_path_factory.mktemp("cli") / "engine"
-    _build(target, draft, out, "--k", "3")
+    _build(target, draft, out, "--k", "3", "--confidence-threshold", "0.25")
     return out
 
 
@@ -29,9 +30,12 @@ def test_build_writes_the_engine_directory(built, capsys):
     assert {p.name for p in built.iterdir()} == {"manifest.json", "target.onnx", "draft.onnx", "tokenizer"}
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["draft"]["k"] == 3 and manifest["limits"]["max_seq_len"] == 64
+    assert manifest["draft"]["confidence_threshold"] == 0.25
+    assert OrtBackend(built).confidence_threshold == 0.25     # the runtime's default
     cli.main(["inspect", str(built)])
     text = capsys.readouterr().out
-    assert "k = 3 drafts per step" in text and "KV capacity 64" in text and "D2T" not in text
+    assert "k = 3 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
+    assert "D2T" not in text
 
 
 def test_build_summary_lists_files(tiny, tmp_path, capsys):
@@ -53,6 +57,7 @@ def test_non_empty_out_needs_force(built, tiny):
     ("--k", "9", "--k 9"),
     ("--max-prompt-chunk", "128", "--max-prompt-chunk 128"),
     ("--max-seq-len", "4096", "--max-seq-len 4096"),
+    ("--confidence-threshold", "1.5", "--confidence-threshold 1.5"),
 ])
 def test_bad_flags_are_named(tiny, tmp_path, flag, value, message):
     target, draft = tiny()

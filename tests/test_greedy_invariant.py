@@ -11,7 +11,7 @@ from export.pair import load_pair
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, hf_greedy, median_confidence
 
 MAX_NEW = 40
 
@@ -59,6 +59,19 @@ def test_target_only_decoding(tiny, expected):
     result = generate(TorchBackend(target, None, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
                       eos_token_ids=target.config.eos_token_ids)
     assert result.token_ids == expected["llama"]
+
+
+def test_confidence_threshold_keeps_greedy_output(tiny, expected):
+    """Drafts cut at the first unconfident one (about half, at the median confidence; or all, at
+    1.0) change what is verified, never what is generated."""
+    pair = load_pair(*tiny(arch="qwen3"))
+    median = median_confidence(pair, PROMPTS, MAX_NEW, temperature=1.0)
+    for threshold, counts in ((median, None), (1.0, {0})):
+        result = generate(TorchBackend(*pair, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
+                          eos_token_ids=pair[0].config.eos_token_ids, confidence_threshold=threshold)
+        assert result.token_ids == expected["qwen3"]
+        proposed = {len(r["drafts"]) for r in result.trace if r["step"] > 0}
+        assert proposed == counts if counts else len(proposed) > 2
 
 
 class OracleDrafts(TorchBackend):

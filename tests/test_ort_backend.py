@@ -3,6 +3,7 @@ PyTorch backend, chunked prefill, caches bound in place, and engine limits."""
 import pytest
 import torch
 
+from export.manifest import is_cache
 from export.onnx_export import Limits
 from export.pair import load_pair
 from runtime.ort_backend import OrtBackend
@@ -45,7 +46,7 @@ def test_caches_are_bound_in_place(case):
     backend, _ = case
     backend.start(2)
     binding = backend.bindings["target"]
-    count = sum("_cache_" in t["name"] for t in backend.manifest["graphs"]["target"]["inputs"])
+    count = sum(is_cache(t["name"]) for t in backend.manifest["graphs"]["target"]["inputs"])
     before = [v.data_ptr() for v in binding.get_outputs()[:count]]
     backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]))
     after = binding.get_outputs()[:count]

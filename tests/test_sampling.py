@@ -12,6 +12,8 @@ from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 from runtime.verify import rejection_verify
 
+from conftest import median_confidence
+
 PROMPT = [5, 6, 7, 8, 9, 10]
 SAMPLES = 4000
 
@@ -64,9 +66,9 @@ def _sample(pair, temperature, backend=None):
     return tokens, result.stats
 
 
-def _wrong_rule_resample_from_p(drafts, q, p, generator):
+def _wrong_rule_resample_from_p(drafts, q, p, generator, limit=None):
     """A classic bug: on rejection, draw from p instead of the residual max(p - q, 0)."""
-    accepted, emitted = rejection_verify(drafts, q, p, generator)
+    accepted, emitted = rejection_verify(drafts, q, p, generator, limit)
     rows = torch.arange(len(drafts))
     emitted[rows, accepted] = draw(p[rows, accepted], generator)
     return accepted, emitted
@@ -109,3 +111,41 @@ def test_rejection_verify_output_is_p_for_any_q():
     accepted, emitted = rejection_verify(drafts, q, p, g)
     assert 0 < accepted.float().mean() < k
     assert _chi_square_p(emitted[:, 0], p[0, 0]) > 1e-3
+
+
+def _sample_with_threshold(pair, threshold):
+    result = generate(TorchBackend(*pair, capacity=16), [PROMPT] * SAMPLES, max_new_tokens=3,
+                      temperature=1.0, seed=1, confidence_threshold=threshold)
+    proposed = {len(r["drafts"]) for r in result.trace if r["step"] > 0}
+    return torch.tensor(result.token_ids), result.stats, proposed
+
+
+def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair):
+    """Cutting each sequence's drafts at the first unconfident one (a threshold at the median, so
+    sequences propose from none to all k drafts side by side in one batch) keeps the output exact."""
+    tokens, stats, proposed = _sample_with_threshold(pair, median_confidence(pair, [PROMPT] * 64, 3, 1.0))
+    assert proposed == set(range(pair[1].k + 1))
+    assert 0.05 < stats.acceptance_per_position[0] < 0.9
+    p2, p3 = _exact_marginals(pair[0], 1.0)
+    assert _chi_square_p(tokens[:, 1], p2) > 1e-3
+    assert _chi_square_p(tokens[:, 2], p3) > 1e-3
+
+
+def _wrong_rule_residual_at_the_limit(drafts, q, p, generator, limit=None):
+    """A bug the limit invites: cap the accepted count, but draw the token after the last proposed
+    draft from the residual of the draft that was never proposed, instead of from p."""
+    accepted, emitted = rejection_verify(drafts, q, p, generator)
+    capped = torch.minimum(accepted, limit)
+    rows = torch.arange(len(drafts))
+    residual = torch.cat([(p[:, :-1] - q).clamp_min(0), p[:, -1:]], 1)[rows, capped]
+    cut = (capped == limit) & (limit < drafts.shape[1])
+    emitted[rows, capped] = torch.where(cut, draw(residual, generator), emitted[rows, capped])
+    return capped, emitted
+
+
+def test_a_wrong_rule_at_the_confidence_limit_is_detected(pair, monkeypatch):
+    threshold = median_confidence(pair, [PROMPT] * 64, 3, 1.0)
+    monkeypatch.setattr(runtime.speculative, "rejection_verify", _wrong_rule_residual_at_the_limit)
+    tokens, _, _ = _sample_with_threshold(pair, threshold)
+    p2, p3 = _exact_marginals(pair[0], 1.0)
+    assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6
