@@ -7,6 +7,7 @@ entries are the accepted drafts followed by the correction (or, when ``a == k``,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .sampling import draw
 
@@ -48,6 +49,6 @@ def rejection_verify(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     mass = residual.sum(-1, keepdim=True)
     # p == q exactly leaves no residual, and then rejection is impossible: fall back to p
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[rows, accepted])
-    emitted = torch.cat([drafts, drafts[:, :1]], dim=1)
+    emitted = F.pad(drafts, (0, 1))                # its slot ``accepted`` is filled below
     emitted[rows, accepted] = draw(residual, generator)
     return accepted, emitted

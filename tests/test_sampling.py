@@ -120,12 +120,18 @@ def _sample_with_threshold(pair, threshold):
     return torch.tensor(result.token_ids), result.stats, proposed
 
 
-def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair):
-    """Cutting each sequence's drafts at the first unconfident one (a threshold at the median, so
-    sequences propose from none to all k drafts side by side in one batch) keeps the output exact."""
-    tokens, stats, proposed = _sample_with_threshold(pair, median_confidence(pair, [PROMPT] * 64, 3, 1.0))
-    assert proposed == set(range(pair[1].k + 1))
-    assert 0.05 < stats.acceptance_per_position[0] < 0.9
+@pytest.mark.parametrize("cut", ["median", "all"])
+def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair, cut):
+    """Cutting each sequence's drafts at the first unconfident one keeps the output exact: at the
+    median confidence sequences propose from none to all k drafts side by side in one batch; at 1.0
+    no step verifies a draft."""
+    threshold = median_confidence(pair, [PROMPT] * 64, 3, 1.0) if cut == "median" else 1.0
+    tokens, stats, proposed = _sample_with_threshold(pair, threshold)
+    if cut == "median":
+        assert proposed == set(range(pair[1].k + 1))
+        assert 0.05 < stats.acceptance_per_position[0] < 0.9
+    else:
+        assert proposed == {0} and stats.tau == 1.0
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert _chi_square_p(tokens[:, 1], p2) > 1e-3
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
