@@ -203,6 +203,7 @@ class Decoding:
         width = int(limit[live].max())
         return drafts[:, :width], q[:, :width], limit
 
+
 @contextmanager
 def _torch_threads(count: int | None):
     """Run the loop's own torch work on ``count`` threads (``None``: as configured), and restore
