@@ -29,6 +29,11 @@ def cache_output(name: str) -> str:
     return name.replace("_cache_", "_cache_out_")
 
 
+def confidence_threshold(manifest: dict) -> float:
+    """The engine's default confidence threshold; engines built before it existed verify all k."""
+    return manifest["draft"].get("confidence_threshold", 0.0)
+
+
 def file_hashes(checkpoint: Path) -> dict[str, str]:
     """``sha256`` of each config, weight and tokenizer file of a checkpoint directory (or of the
     one file, for a GGUF target)."""
@@ -77,7 +82,7 @@ def describe(manifest: dict) -> str:
         f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
         f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
         f"k = {d['k']} drafts per step (cut at confidence < "
-        f"{d.get('confidence_threshold', 0.0)}), taps {d['target_layer_ids']} (DeepSpec convention), "
+        f"{confidence_threshold(manifest)}), taps {d['target_layer_ids']} (DeepSpec convention), "
         f"Markov rank {d['markov_rank']}, draft vocab {d['draft_vocab_size']}"
         + (" with d2t" if d["has_d2t"] else ""),
         f"limits   batch <= {limits['max_batch']}, KV capacity {limits['max_seq_len']} per "

@@ -13,7 +13,7 @@ class EngineBackend:
         m = self.manifest = manifest_file.read(self.directory)
         self.vocab_size = m["target"]["vocab_size"]
         self.k = m["draft"]["k"]
-        self.confidence_threshold = m["draft"].get("confidence_threshold", 0.0)   # older engines: 0
+        self.confidence_threshold = manifest_file.confidence_threshold(m)
         self.draft_vocab_size = m["draft"]["draft_vocab_size"]
         self.lookahead = lookahead(self.k, m["draft"]["block_size"])
         self.capacity = m["limits"]["max_seq_len"]

@@ -61,7 +61,7 @@ class TorchBackend:
                                   k=m["draft"]["k"], dtype=dtype)
         limits = m["limits"]
         return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"],
-                   m["draft"].get("confidence_threshold", 0.0), device=device, cuda_graphs=cuda_graphs)
+                   manifest_file.confidence_threshold(m), device=device, cuda_graphs=cuda_graphs)
 
     def start(self, batch: int) -> None:
         """Fresh, empty caches for ``batch`` sequences."""
