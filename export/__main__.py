@@ -90,6 +90,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
                        max_new_tokens=args.max_new_tokens,
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
+                       init_layer=args.init_layer,
                        steps=args.steps, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
                        loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
                        progress=not args.quiet)
@@ -98,6 +99,15 @@ def cmd_distill(args: argparse.Namespace) -> None:
         _output_dir(out, args.force)
     result = distill(args.target, out, spec)
     print(summary(result, out, spec.eval_prompts))
+
+
+def _init_layer(value: str) -> int | None:
+    if value == "random":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer index or 'random', not {value!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -190,6 +200,9 @@ def parser() -> argparse.ArgumentParser:
                         "most frequent ids of the training prompts and answers [the target's]")
     d.add_argument("--mask-token-id", type=int,
                    help="MASK token of the block [the tokenizer's pad/unk id, else 0]")
+    d.add_argument("--init-layer", type=_init_layer, default=-1, metavar="L",
+                   help="start the draft's decoder layers from the target's: the last one from "
+                        "layer L (negative counts from the end), or 'random' [-1: the last layer]")
     d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")
     d.add_argument("--lr", type=float, default=2e-3,
                    help="peak AdamW learning rate, cosine-decayed to a tenth at --steps [2e-3]")

@@ -5,7 +5,7 @@ itself:
 
 1. the target answers prompts greedily; those sequences are cached in ``OUT/data.pt``;
 2. a fresh draft (native DeepSpec config, the target's ``embed_tokens`` / ``lm_head`` copied and
-   frozen) learns to continue them: per step one sequence runs through the target (teacher
+   frozen, its decoder layers started from the target's last ones) learns to continue them: per step one sequence runs through the target (teacher
    forcing) for its taps, anchors are sampled in the generated part, and every anchor's block
    ``[token_p, MASK ...]`` at positions ``p ..`` attends to the context rows ``< p`` and to its own
    block, in one dense masked attention for all anchors; row ``j`` learns the token at
@@ -38,7 +38,8 @@ GENERATION_BATCH = 16         # prompts the target answers at a time
 TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when they fit in this
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
 DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens")
-MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id", "seed")
+MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id",
+                  "init_layer", "seed")
 # target config keys a Qwen3 draft must not inherit
 NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path",
                  "transformers_version", "mlp_bias", "pretraining_tp", "dtype", "torch_dtype",
@@ -60,6 +61,8 @@ class DistillSpec:
     taps: tuple[int, ...] | None = None        # DeepSpec convention; None: default_taps()
     draft_vocab: int | None = None
     mask_token_id: int | None = None           # None: the tokenizer's pad / unk id, else 0
+    init_layer: int | None = -1                # target layer the last draft layer starts from
+                                               # (Python index); None: random weights
     steps: int = 1000
     lr: float = 2e-3
     warmup: int = 50
@@ -125,6 +128,7 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     num_layers = _num_target_layers(target_dir)
     taps = tuple(spec.taps) if spec.taps is not None else default_taps(num_layers)
     _check_taps(taps, num_layers)
+    init_layers = _init_layers(spec, num_layers)
     target = load_target(target_dir, taps=taps)
     tokenizer = _tokenizer(target_dir)
     mask = spec.mask_token_id
@@ -143,7 +147,7 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     if spec.draft_vocab is not None:
         kept = draft_vocabulary(data["prompts"] + data["continuations"], spec.draft_vocab, mask, vocab)
     config = draft_config(_target_config_dict(target_dir), target, spec, taps, mask, kept)
-    draft = new_draft(out, target, config, kept)
+    draft = new_draft(out, target, config, kept, init_layers)
     if trainer is not None:
         unexpected = draft.load_state_dict(trainer["weights"], strict=False).unexpected_keys
         if unexpected:
@@ -172,6 +176,20 @@ def _check_taps(taps: tuple[int, ...], num_layers: int) -> None:
         raise ValueError(f"--taps {','.join(map(str, taps))}: layer {outside[0]} is outside "
                          f"-1..{num_layers - 2} (DeepSpec convention, -1 = the embedding output; the "
                          f"target has {num_layers} layers and its final one cannot be tapped)")
+
+
+def _init_layers(spec: DistillSpec, num_layers: int) -> list[int]:
+    """The target layers the draft's decoder layers start from, in order: the ``--layers``
+    consecutive ones ending at ``--init-layer`` (none for random weights)."""
+    if spec.init_layer is None:
+        return []
+    first = spec.layers - 1          # the lowest layer with --layers layers up to it
+    if not first - num_layers <= spec.init_layer < num_layers or 0 <= spec.init_layer < first:
+        raise ValueError(f"--init-layer {spec.init_layer}: expected {first}..{num_layers - 1} or "
+                         f"{first - num_layers}..-1 (counted from the last of the target's "
+                         f"{num_layers} layers) for a {spec.layers}-layer draft, or 'random'")
+    last = spec.init_layer % num_layers
+    return list(range(last - spec.layers + 1, last + 1))
 
 
 def _num_target_layers(target_dir: Path) -> int:
@@ -276,10 +294,15 @@ def draft_config(target_raw: dict, target: TargetStep, spec: DistillSpec, taps: 
     return config
 
 
-def new_draft(out: Path, target: TargetStep, config: dict, kept: torch.Tensor | None) -> DraftStep:
+def new_draft(out: Path, target: TargetStep, config: dict, kept: torch.Tensor | None,
+              init_layers: list[int]) -> DraftStep:
     """Write ``config.json`` and build its ``DraftStep``, read back through the loader's own config
     parser so that what is trained is what loads. ``embed_tokens`` / ``lm_head`` are the target's
-    (the kept rows for a reduced vocabulary) and frozen; the Markov head starts at zero bias."""
+    (the kept rows for a reduced vocabulary) and frozen; the Markov head starts at zero bias.
+
+    The decoder layers start from the target's ``init_layers`` (what both models have; a Qwen3
+    draft's q/k norms stay at one over a Llama target): on a CPU's worth of data that generalises
+    better than random weights (held-out tau 2.03 against 1.96 for the SmolLM2 demo pair)."""
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     decoder = target.config.decoder
     parsed = load_draft_config(out, decoder.num_layers, decoder.hidden_size)
@@ -291,6 +314,8 @@ def new_draft(out: Path, target: TargetStep, config: dict, kept: torch.Tensor | 
         if kept is not None:
             draft.d2t.copy_(kept - torch.arange(len(kept)))
         draft.markov_head.markov_w2.weight.zero_()
+        for layer, source in zip(draft.layers, init_layers):
+            layer.load_state_dict(target.layers[source].state_dict(), strict=False)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(False)
     return draft

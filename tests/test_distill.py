@@ -165,10 +165,29 @@ def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
     (["--held-out", "10"], "holds 10 prompts; --held-out 10 leaves none to train on"),
     (["--eval-prompts", "5"], "--eval-prompts 5: expected at most --held-out 4"),
     (["--draft-vocab", "85"], "--draft-vocab 85: expected fewer than the target's 85"),
+    (["--init-layer", "4"], "--init-layer 4: expected 0..3 or -4..-1 .* or 'random'"),
+    (["--init-layer", "0", "--layers", "2"], "--init-layer 0: expected 1..3 or -3..-1 .* 2-layer draft"),
 ])
 def test_bad_options_are_refused(tiny, prompts_file, tmp_path, case, message):
     with pytest.raises(SystemExit, match=message):
         _distill(tiny()[0], tmp_path / "draft", prompts_file, *case)
+
+
+@pytest.mark.parametrize("options, sources", [([], [3]), (["--init-layer", "-2", "--layers", "2"], [1, 2]),
+                                              (["--init-layer", "random"], [])])
+def test_draft_layers_start_from_the_targets_last_ones(tiny, prompts_file, tmp_path, options, sources):
+    """The saved draft after one step at a negligible learning rate is its initial weights."""
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--steps", "1", "--lr", "1e-12", "--eval-prompts", "0", *options)
+    target, draft = load_pair(target_dir, out)
+    for index, layer in enumerate(draft.layers):
+        source = target.layers[sources[index] if sources else -1].state_dict()
+        same = {name: torch.allclose(weight, source[name], atol=1e-3)
+                for name, weight in layer.state_dict().items()}
+        projections = [same[name] for name in same if name.endswith("proj.weight")]
+        assert len(projections) == 7
+        assert all(same.values()) if sources else not any(projections)
 
 
 def test_a_non_empty_out_is_refused_without_force(tiny, prompts_file, tmp_path):
