@@ -58,7 +58,7 @@ def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2):
     result = generate(TorchBackend(target, draft, capacity=192), ids, max_new_tokens=NEW_TOKENS,
                       eos_token_ids=target.config.eos_token_ids)
     assert result.token_ids == expected
-    assert result.stats.tau > 1.5, result.stats   # measured 1.70 at k = 4; a random draft: 1.0
+    assert result.stats.tau > 1.5, result.stats   # measured 1.95 at k = 4; a random draft: 1.0
 
 
 def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
@@ -72,4 +72,4 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
     result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1)
     assert result.token_ids == expected and "Paris" in result.texts[0]
-    assert result.stats.tau > 1.3        # measured 1.51 (confidence 0.6 cuts drafts); random: 1.0
+    assert result.stats.tau > 1.3        # measured 1.64 (confidence 0.6 cuts drafts); random: 1.0
