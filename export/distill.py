@@ -5,11 +5,12 @@ itself:
 
 1. the target answers prompts greedily; those sequences are cached in ``OUT/data.pt``;
 2. a fresh draft (native DeepSpec config, the target's ``embed_tokens`` / ``lm_head`` copied and
-   frozen, its decoder layers started from the target's last ones) learns to continue them: per step one sequence runs through the target (teacher
-   forcing) for its taps, anchors are sampled in the generated part, and every anchor's block
-   ``[token_p, MASK ...]`` at positions ``p ..`` attends to the context rows ``< p`` and to its own
-   block, in one dense masked attention for all anchors; row ``j`` learns the token at
-   ``p + j + 1`` with the Markov bias of the true predecessor ``token_{p + j}``;
+   frozen, its decoder layers started from the target's last ones) learns to continue them: per
+   step one sequence runs through the target (teacher forcing) for its taps, anchors are sampled
+   in the generated part, and every anchor's block ``[token_p, MASK ...]`` at positions ``p ..``
+   attends to the context rows ``< p`` and to its own block, in one dense masked attention for all
+   anchors; row ``j`` learns the token at ``p + j + 1`` with the Markov bias of the true
+   predecessor ``token_{p + j}``;
 3. every ``--save-every`` steps ``OUT`` holds a loadable draft (``config.json`` +
    ``model.safetensors``) and ``trainer.pt`` (fp32 weights, optimizer, step), so rerunning the
    same command resumes.
