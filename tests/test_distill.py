@@ -71,6 +71,8 @@ def test_distill_writes_a_draft_that_loads_and_keeps_the_greedy_invariant(tiny, 
         assert "embed_tokens.weight" not in f.keys()  # the target's, shared at load time
     draft = _assert_greedy_invariant(target_dir, out)
     assert draft.k == 3
+    # the user's umask decides who may read the draft, as for any file the command writes
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
 
 
 def test_the_training_loss_falls(tiny, prompts_file, tmp_path):

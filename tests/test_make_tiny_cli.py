@@ -22,6 +22,8 @@ def test_make_tiny_writes_loadable_pair(tmp_path):
     assert target.config.architecture == "LlamaForCausalLM"
     assert draft.config.draft_vocab_size == 30 and draft.k == 3
     assert (out / "target" / "tokenizer.json").is_file()
+    draft_files = out / "draft"
+    assert (draft_files / "model.safetensors").stat().st_mode == (draft_files / "config.json").stat().st_mode
 
 
 def test_make_tiny_refuses_a_non_empty_out_without_force(tmp_path):
