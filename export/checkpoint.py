@@ -95,6 +95,14 @@ def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Ten
     return tensors
 
 
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a ``.safetensors`` file as any other file is written, so the user's umask decides who
+    may read it (safetensors' ``save_file`` makes it readable by its owner only)."""
+    from safetensors.torch import save
+
+    path.write_bytes(save(tensors, metadata={"format": "pt"}))
+
+
 def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype):
     """``factory()`` built without allocating weights, then given the checkpoint's tensors (cast to
     ``dtype``; integer tables such as ``d2t`` keep theirs). Missing tensors are an error naming

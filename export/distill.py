@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save as safetensors_bytes
 
-from .checkpoint import hf_location, read_config, resolve
+from .checkpoint import hf_location, read_config, resolve, write_tensors
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
 from .prompts import encode_prompt, read_jsonl_prompts
@@ -488,9 +487,7 @@ def save(out: Path, draft: DraftStep, optimizer, step: int, losses: list[float],
     dropped = {"embed_tokens.weight"} | (set() if reduced else {"lm_head.weight", "d2t"})
     tensors = {name: (t.half() if t.is_floating_point() else t.long()).contiguous()
                for name, t in draft.state_dict().items() if name not in dropped}
-    # written as bytes: safetensors' save_file creates its file readable by the owner only
-    _atomic(lambda tmp: tmp.write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"})),
-            out / "model.safetensors")
+    _atomic(lambda tmp: write_tensors(tensors, tmp), out / "model.safetensors")
     weights = {name: p.detach().clone() for name, p in draft.named_parameters() if p.requires_grad}
     state = {"step": step, "losses": losses, "weights": weights, "optimizer": optimizer.state_dict(),
              "settings": settings}

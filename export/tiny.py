@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
+from .checkpoint import write_tensors
 from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
@@ -139,8 +139,7 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
         # Speculators exports carry their own embedding: exercise loading it rather than sharing.
         tensors["embed_tokens.weight"] = torch.randn(vocab, hidden) * 0.25
     directory.mkdir(parents=True, exist_ok=True)
-    # as bytes: safetensors' save_file creates its file readable by the owner only
-    (directory / "model.safetensors").write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
+    write_tensors(tensors, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
