@@ -6,32 +6,28 @@ import shutil
 import sys
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, resolve
 from .distill import DEFAULT_PROMPTS
 from .draft_config import LAYOUTS
 from .manifest import ManifestError
 from .onnx_check import VerificationError
+from .outputs import check_replaceable, staged_directory
 from .tiny import TinySpec, make_tiny
 from .trt_build import EngineBuildError
 
-
-def _output_dir(path: Path, force: bool, flag: str = "--out") -> Path:
-    """Refuse to write into a non-empty directory unless ``--force`` says it may be replaced."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        if not force:
-            raise SystemExit(f"error: {flag} {path} exists and is not empty; pass --force to replace it")
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+# what Ctrl-C leaves behind: outputs are staged beside OUT / --out and swapped in only when complete
+UNCHANGED = "no output was changed"
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
-    out = _output_dir(Path(args.out), args.force, flag="OUT")
+    out = Path(args.out)
     spec = TinySpec(arch=args.arch, draft_format=args.draft_format, draft_vocab=args.draft_vocab,
                     layout=args.layout, block_size=args.block_size, seed=args.seed)
-    target, draft = make_tiny(out, spec)
-    print(f"wrote tiny {args.arch} target to {target}\n"
-          f"wrote tiny {args.draft_format} DSpark draft ({args.layout}) to {draft}")
+    check_replaceable(out, args.force, "OUT")
+    with staged_directory(out, "OUT") as staging:
+        make_tiny(staging, spec)
+    print(f"wrote tiny {args.arch} target to {out / 'target'}\n"
+          f"wrote tiny {args.draft_format} DSpark draft ({args.layout}) to {out / 'draft'}")
 
 
 def cmd_build(args: argparse.Namespace) -> None:
@@ -48,17 +44,15 @@ def cmd_build(args: argparse.Namespace) -> None:
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
-    out = _output_dir(out, args.force)
+    check_replaceable(out, args.force, "--out", sources=(Path(args.target), Path(args.draft)))
     chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
     limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_prompt_chunk=chunk)
-    try:
-        result = build(args.target, args.draft, out, k=args.k, limits=limits,
+    # built beside --out and swapped in once verified: a failed build leaves the old one as it was
+    with staged_directory(out, "--out") as staging:
+        result = build(args.target, args.draft, staging, k=args.k, limits=limits,
                        confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
                        progress=not args.quiet)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # never leave a half-built directory behind
-        raise
     print(f"built {out} in {result.seconds:.1f}s")
     for name, size in result.files.items():
         print(f"  {name:40} {size / 1e6:10.2f} MB")
@@ -96,7 +90,9 @@ def cmd_distill(args: argparse.Namespace) -> None:
                        progress=not args.quiet)
     out = Path(args.out)
     if args.force or not is_run(out):  # a distill run in --out is resumed, anything else is refused
-        _output_dir(out, args.force)
+        check_replaceable(out, args.force, "--out", sources=(Path(args.target), *spec.prompts))
+        resolve(args.target, "target")   # a mistyped --target fails before a run is removed
+        shutil.rmtree(out, ignore_errors=True)
     result = distill(args.target, out, spec)
     print(summary(result, out, spec.eval_prompts))
 
@@ -131,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--block-size", type=int, default=4, help="trained block width [4]")
     tiny.add_argument("--seed", type=int, default=0, help="random seed [0]")
     tiny.add_argument("--force", action="store_true", help="replace a non-empty OUT")
-    tiny.set_defaults(run=cmd_make_tiny)
+    tiny.set_defaults(run=cmd_make_tiny, interrupted=UNCHANGED)
 
     b = commands.add_parser("build", help="export a target + DSpark draft to an engine directory",
                             description="Trace the target step and the DSpark draft step (block "
@@ -168,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
                         "sm86, sm89, sm120, sm121 (repeatable) [sm89]")
     b.add_argument("--force", action="store_true", help="replace a non-empty --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
-    b.set_defaults(run=cmd_build)
+    b.set_defaults(run=cmd_build, interrupted=UNCHANGED)
 
     d = commands.add_parser("distill", help="train a small DSpark draft for a target on the CPU",
                             description="Let the target answer prompts greedily, then train a fresh "
@@ -215,12 +211,13 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed [0]")
     d.add_argument("--force", action="store_true", help="replace a non-empty --out (and start over)")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
-    d.set_defaults(run=cmd_distill)
+    d.set_defaults(run=cmd_distill,
+                   interrupted="rerun the same command to resume from the last checkpoint in --out")
 
     inspect = commands.add_parser("inspect", help="describe an engine directory",
                                   description="Print an engine directory's manifest in human terms.")
     inspect.add_argument("engine", metavar="DIR", help="engine directory")
-    inspect.set_defaults(run=cmd_inspect)
+    inspect.set_defaults(run=cmd_inspect, interrupted="nothing was written")
     return root
 
 
@@ -230,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         args.run(args)
     except (CheckpointError, ManifestError, VerificationError, EngineBuildError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.interrupted}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ TOKENIZER_DIR = "tokenizer"
 
 @dataclass
 class BuildResult:
-    directory: Path
     files: dict[str, int]          # file name -> bytes
     seconds: float
     max_difference: dict[str, float | None]   # None: not run (bf16 has no ORT CPU kernels)
@@ -113,7 +112,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     bar.update()
     bar.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    return BuildResult(out, files, time.perf_counter() - started, differences)
+    return BuildResult(files, time.perf_counter() - started, differences)
 
 
 def _check_limits(limits: Limits) -> None:

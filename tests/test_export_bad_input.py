@@ -1,0 +1,127 @@
+"""``python -m export`` never loses what the user gave: a failed or interrupted ``build --force``
+leaves the previous engine byte-identical, and an ``--out`` whose replacement would delete a source
+checkpoint or the current folder is refused before any work."""
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+import export.__main__ as cli
+import export.build
+
+SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (hidden ones included) by relative path -> sha256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def build_args(target, draft, out, *extra) -> list[str]:
+    return ["build", "--target", str(target), "--draft", str(draft), "--out", str(out), *SMALL, *extra]
+
+
+def refused(argv: list[str], *words: str) -> str:
+    """Run the CLI, expect one ``error:`` line holding ``words``, and return it."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+@pytest.fixture(scope="module")
+def built_once(tiny, tmp_path_factory):
+    target, draft = tiny()
+    out = tmp_path_factory.mktemp("built") / "engine"
+    cli.main(build_args(target, draft, out))
+    return out
+
+
+@pytest.fixture
+def previous_engine(built_once, tmp_path):
+    """A copy of a built engine at ``tmp_path/engine``, and its snapshot."""
+    out = Path(shutil.copytree(built_once, tmp_path / "engine"))
+    return out, snapshot(out)
+
+
+def leftovers(out: Path) -> list[str]:
+    """Staging or retired folders a build left beside ``out``."""
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+@pytest.mark.parametrize("mistake", ["typo-in-target", "refused-k"])
+def test_failed_force_build_keeps_the_previous_engine(tiny, previous_engine, mistake):
+    out, before = previous_engine
+    target, draft = tiny()
+    if mistake == "typo-in-target":
+        refused(build_args(target.parent / "tagret", draft, out, "--force"), "--target", "tagret")
+    else:
+        refused(build_args(target, draft, out, "--force", "--k", "9"), "--k 9")
+    assert snapshot(out) == before
+    assert leftovers(out) == []
+
+
+def test_interrupted_force_build_keeps_the_previous_engine(tiny, previous_engine, monkeypatch):
+    out, before = previous_engine
+    real_export = export.build.export_graph
+
+    def export_then_interrupt(*args, **kwargs):
+        real_export(*args, **kwargs)
+        raise KeyboardInterrupt   # Ctrl-C after the first graph is written
+
+    monkeypatch.setattr(export.build, "export_graph", export_then_interrupt)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(build_args(*tiny(), out, "--force"))
+    assert exit_info.value.code == 130
+    assert snapshot(out) == before
+    assert leftovers(out) == []
+
+
+def test_force_build_replaces_the_engine_and_leaves_nothing_beside_it(tiny, previous_engine):
+    out, before = previous_engine
+    (out / "stale.txt").write_text("from an earlier build")
+    cli.main(build_args(*tiny(), out, "--force", "--k", "2"))
+    after = snapshot(out)
+    assert "stale.txt" not in after and after["manifest.json"] != before["manifest.json"]
+    assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("which", ["target", "draft", "parent-of-target"])
+def test_out_that_is_or_holds_a_source_is_refused(tiny, tmp_path, which):
+    pair = Path(shutil.copytree(tiny()[0].parent, tmp_path / "pair"))
+    target, draft = pair / "target", pair / "draft"
+    out = {"target": target, "draft": draft, "parent-of-target": pair}[which]
+    before = snapshot(pair)
+    refused(build_args(target, draft, out, "--force"), "--out", "would delete the input")
+    assert snapshot(pair) == before
+
+
+def test_out_that_is_or_holds_the_current_folder_is_refused(tiny, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "notes").mkdir(parents=True)
+    (work / "notes" / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work / "notes")
+    for out in (".", ".."):
+        refused(build_args(*tiny(), out, "--force"), f"--out {out}", "the current folder")
+    assert snapshot(work) == {"notes/keep.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def test_out_that_is_a_file_is_refused(tiny, tmp_path):
+    file = tmp_path / "engine"
+    file.write_text("not an engine")
+    refused(build_args(*tiny(), file, "--force"), "is a file")
+    assert file.read_text() == "not an engine"
+
+
+def test_make_tiny_force_that_fails_keeps_the_previous_pair(tmp_path):
+    out = tmp_path / "pair"
+    cli.main(["make-tiny", str(out)])
+    before = snapshot(out)
+    refused(["make-tiny", str(out), "--force", "--draft-vocab", "2"], "--draft-vocab 2")
+    assert snapshot(out) == before
+    assert leftovers(out) == []
