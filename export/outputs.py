@@ -30,23 +30,22 @@ def writable_file(path: Path, flag: str) -> Path:
 
 
 def check_replaceable(out: Path, force: bool, flag: str, sources: tuple[Path, ...] = ()) -> None:
-    """Refuse an output directory whose replacement would lose something the user gave: a
-    non-empty one without ``--force``, and even with it one that is, or holds, the current folder
-    or one of ``sources`` (the checkpoints being read)."""
+    """Refuse an output directory whose replacement would lose something the user gave: one that
+    is, or holds, the current folder or one of ``sources`` (the inputs being read), and a
+    non-empty one without ``--force``."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} {out}: is a file; expected a directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists():
         return
-    if not force:
-        raise ValueError(f"{flag} {out} exists and is not empty; pass --force to replace it")
+    if not out.is_dir():
+        raise ValueError(f"{flag} {out}: is a file; expected a directory")
     resolved = out.resolve()
     for kept, what in ((Path.cwd(), "the current folder"),
-                       *((Path(s), f"the checkpoint {s}") for s in sources)):
+                       *((Path(s), f"the input {s}") for s in sources)):
         kept = kept.resolve()
         if kept == resolved or resolved in kept.parents:
-            raise ValueError(f"{flag} {out}: replacing it would delete {what}; choose another "
-                             f"{flag}")
+            raise ValueError(f"{flag} {out}: replacing it would delete {what}; choose another {flag}")
+    if any(out.iterdir()) and not force:
+        raise ValueError(f"{flag} {out} exists and is not empty; pass --force to replace it")
 
 
 @contextmanager
