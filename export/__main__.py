@@ -31,6 +31,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
+    from . import manifest
     from .build import build
     from .onnx_export import Limits
 
@@ -54,6 +55,11 @@ def cmd_build(args: argparse.Namespace) -> None:
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
                        progress=not args.quiet)
     print(f"built {out} in {result.seconds:.1f}s")
+    # no tensor records the width a draft was trained at, so say where k came from
+    draft = manifest.read(out)["draft"]
+    origin = (f"--k {args.k}" if args.k else
+              f"the draft's config.json: block_size {draft['block_size']}, {draft['layout']}")
+    print(f"  k = {draft['k']} drafts per step (from {origin})")
     for name, size in result.files.items():
         print(f"  {name:40} {size / 1e6:10.2f} MB")
     if None in result.max_difference.values():

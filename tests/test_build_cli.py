@@ -43,6 +43,8 @@ def test_build_summary_lists_files(tiny, tmp_path, capsys):
     _build(target, draft, tmp_path / "e")
     out = capsys.readouterr().out
     assert "target.onnx" in out and "draft.onnx" in out and "ONNX Runtime vs PyTorch" in out
+    # the tiny draft's config says block_size 4 (anchor-first); no weight could contradict it
+    assert "k = 4 drafts per step (from the draft's config.json: block_size 4, anchor-first)" in out
 
 
 def test_non_empty_out_needs_force(built, tiny):
