@@ -7,19 +7,37 @@ from pathlib import Path
 
 
 def read_jsonl_prompts(path: Path, flag: str) -> list[str]:
-    """The first turn of every record; errors name ``flag``, the file and the line."""
+    """The first turn of every record; errors name ``flag``, the file and the line. A file with no
+    record is refused, so that a wrong file never reads as an empty set of prompts."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
+    text = utf8_text(path.read_bytes(), f"{flag} {path}")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
-                prompts.append(json.loads(line)["turns"][0])
+                prompt = json.loads(line)["turns"][0]
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                prompt = None
+            if not isinstance(prompt, str):
                 raise ValueError(f"{flag} {path}:{number}: expected a JSON object with a non-empty "
-                                 f"list 'turns'") from None
+                                 f"list 'turns' of strings")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{flag} {path}: no prompts; expected JSON Lines of {{\"turns\": [...]}}")
     return prompts
+
+
+def utf8_text(data: bytes, source: str) -> str:
+    """``data`` decoded as UTF-8; otherwise an error that names ``source`` and the line (a prompt
+    with undecodable bytes would reach the tokenizer as lone surrogates and fail deep inside it)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"{source}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); expected "
+                         f"UTF-8") from None
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:

@@ -2,23 +2,22 @@
 ``transformers`` ``generate`` on the original target as the outside baseline.
 
 Every prompt runs at batch 1. The result is printed, written as JSON, and plotted (acceptance per
-position and tokens/s) to a PNG.
+position and tokens/s) to a PNG. Ctrl-C stops it at any moment with one line (status 130); like
+``generate``, the module imports only small standard modules at the top.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from export.checkpoint import CheckpointError
-from export.manifest import ManifestError
-
 from .backends import BACKENDS
+from .generate import check_flags, read_prompts, stopping_on_ctrl_c
 
 
-def parser() -> argparse.ArgumentParser:
+def parser():
+    import argparse
+
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
     p.add_argument("--prompts-file", type=Path, required=True,
@@ -45,32 +44,55 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
     try:
-        report = run(args)
-    except (CheckpointError, ManifestError, ValueError) as err:
+        with stopping_on_ctrl_c():   # a benchmark cut short has nothing worth keeping
+            import json
+
+            args = parser().parse_args(argv)
+            report = checked_run(args)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, args.plot)
+        print(summary(report))
+        print(f"wrote {args.out} and {args.plot}")
+    except KeyboardInterrupt:        # raised by code rather than by a signal
+        print("[interrupted]", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def checked_run(args) -> dict:
+    """``run``, after the checks that need no engine (the outputs first, so that the result is
+    never lost at the end); one line on bad input."""
+    from export.outputs import writable_file
+
+    try:
+        check_flags(args)
+        writable_file(args.out, "--out")
+        writable_file(args.plot, "--plot")
+        return run(args)
+    except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.plot)
-    print(summary(report))
-    print(f"wrote {args.out} and {args.plot}")
 
 
 def run(args) -> dict:
+    args.prompt = []
+    prompts = read_prompts(args)
+
     import torch
     from tqdm.auto import tqdm
 
-    from .generate import read_prompts
     from .generator import Generator
 
-    args.prompt = []
-    prompts = read_prompts(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
+    target = None if args.no_transformers else _source_target(args.engine)
     chat = not args.no_chat_template
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                    chat_template=chat, confidence_threshold=args.confidence_threshold)
+    # every prompt of both modes is checked before any runs
+    decodings = {name: generator.decodings(prompts, batch_size=1, speculative=name == "speculative",
+                                           **options)
+                 for name in ("speculative", "target_only")}
     generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
 
     report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
@@ -81,15 +103,16 @@ def run(args) -> dict:
               "runs": {}}
     # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
     # machine falls on both modes alike
-    runs = {"speculative": [], "target_only": []}
-    for prompt in tqdm(prompts, desc="engine", leave=False):
-        for name in runs:
-            runs[name].append(generator.generate(prompt, speculative=name == "speculative", **options))
+    runs = {name: [] for name in decodings}
+    for index in tqdm(range(len(prompts)), desc="engine", leave=False):
+        for name, batches in decodings.items():
+            for _ in batches[index]:
+                pass
+            runs[name].append(generator.collect([batches[index]]))
     for name, results in runs.items():
         report["runs"][name] = _engine_run(results)
-    if not args.no_transformers:
+    if target:
         ids = [generator.encode(p, chat) for p in prompts]
-        target = json.loads((Path(args.engine) / "manifest.json").read_text())["source"]["target"]["path"]
         report["runs"]["transformers"] = _transformers_run(target, ids, args, lookup=0)
         if args.prompt_lookup:
             report["runs"]["transformers_prompt_lookup"] = _transformers_run(target, ids, args,
@@ -119,6 +142,18 @@ def _engine_run(runs) -> dict:
             "token_ids": [ids for r in runs for ids in r.token_ids]}
 
 
+def _source_target(engine: str) -> str:
+    """The source target recorded in manifest.json, which the transformers baseline loads; checked
+    before the benchmark, so that a missing one costs no time."""
+    from export import manifest as manifest_file
+
+    path = manifest_file.read(Path(engine))["source"]["target"]["path"]
+    if not Path(path).exists():
+        raise ValueError(f"the transformers baseline needs the source target ({path}, from "
+                         f"manifest.json); pass --no-transformers to skip it")
+    return path
+
+
 def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: int) -> dict:
     import torch
     from tqdm.auto import tqdm
@@ -126,9 +161,6 @@ def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: 
 
     from export.checkpoint import hf_location
 
-    if not Path(target_path).exists():
-        raise ValueError(f"the transformers baseline needs the source target ({target_path}, from "
-                         f"manifest.json); pass --no-transformers to skip it")
     location, gguf = hf_location(Path(target_path))
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **gguf).eval()
     sample = args.temperature > 0

@@ -24,6 +24,22 @@ class EngineBackend:
     def check_batch(self, batch: int) -> None:
         check_batch(batch, self.max_batch)
 
+    def file(self, name: str) -> Path:
+        """``name`` in the engine directory, refused with what to do when it is missing."""
+        path = self.directory / name
+        if not path.is_file():
+            raise damaged(path, "missing")
+        return path
+
+
+def damaged(path: Path, problem: str, cause: Exception | None = None) -> manifest_file.ManifestError:
+    """The error for a file of an engine directory that is missing or cannot be loaded (the reason
+    from ``cause``'s first line): the directory has to be rebuilt."""
+    if cause is not None:
+        problem += f" ({(str(cause).strip().splitlines() or [type(cause).__name__])[0]})"
+    return manifest_file.ManifestError(f"{path}: {problem}; rebuild the engine directory with "
+                                       f"`python -m export build`")
+
 
 def lookahead(k: int, block_size: int) -> int:
     """Cache rows a speculative step may write past a sequence's valid length: the verify block

@@ -1,19 +1,40 @@
-"""``python -m runtime.generate``: speculative decoding over an engine directory."""
+"""``python -m runtime.generate``: speculative decoding over an engine directory.
+
+Ctrl-C stops cleanly at any moment: while the command parses, imports torch and transformers and
+loads the engine, it ends the process at once with one line (status 130), and during generation
+it prints what was generated. So that this holds from the first moment, the module imports only
+small standard modules at the top; the rest is imported where it is used, inside ``main``.
+"""
 from __future__ import annotations
 
-import argparse
-import json
+import math
+import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-
-from export.checkpoint import CheckpointError
-from export.manifest import ManifestError
-from export.prompts import read_jsonl_prompts
 
 from .backends import BACKENDS
 
+# what each numeric flag of generate and bench accepts: checked before anything loads, so that no
+# value is clamped, ignored or taken to mean "all"
+EXPECTED = {
+    "skip": (lambda v: v >= 0, "at least 0"),
+    "limit": (lambda v: v >= 1, "at least 1"),
+    "threads": (lambda v: v >= 1, "at least 1"),
+    "batch_size": (lambda v: v >= 1, "at least 1"),
+    "max_new_tokens": (lambda v: v >= 1, "at least 1"),
+    "temperature": (lambda v: 0 <= v < math.inf, "a finite number, at least 0 (0 is greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "more than 0 and at most 1"),
+    "confidence_threshold": (lambda v: 0 <= v <= 1, "0 (verify every draft) .. 1"),
+    "prompt_lookup": (lambda v: v >= 0, "at least 0 (0: off)"),
+}
 
-def parser() -> argparse.ArgumentParser:
+
+def parser():
+    import argparse
+
     p = argparse.ArgumentParser(
         prog="python -m runtime.generate",
         description="Generate with DSpark speculative decoding over an engine directory built by "
@@ -49,54 +70,115 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args) -> None:
+    """Refuse the first numeric flag out of range (``EXPECTED``), naming it."""
+    for name, (ok, expected) in EXPECTED.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected {expected}")
+
+
 def read_prompts(args) -> list[str]:
+    """The --prompt values and --prompts-file records, or, when neither was given, the lines of
+    standard input; then --skip and --limit."""
+    from export.prompts import read_jsonl_prompts, utf8_text
+
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_jsonl_prompts(args.prompts_file, "--prompts-file")
-    if not prompts and not sys.stdin.isatty():
-        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if not args.prompt and not args.prompts_file and not sys.stdin.isatty():
+        lines = utf8_text(sys.stdin.buffer.read(), "standard input").splitlines()
+        prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise ValueError("no prompt: pass --prompt, --prompts-file or lines on standard input")
-    if args.skip < 0 or args.skip >= len(prompts):
+    if args.skip >= len(prompts):
         raise ValueError(f"--skip {args.skip}: expected at least 0 and fewer than the {len(prompts)} "
                          f"prompts given")
-    prompts = prompts[args.skip:]
-    return prompts[: args.limit] if args.limit else prompts
+    return prompts[args.skip:][:args.limit]
+
+
+@contextmanager
+def stopping_on_ctrl_c():
+    """While there is nothing to keep (parsing, imports, loading), Ctrl-C ends the process at once
+    with one line and status 130: a KeyboardInterrupt raised inside a library's import can be
+    swallowed by it, or end the process by signal after a traceback. Signal handlers belong to
+    the main thread; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop(signum, frame) -> None:
+    print("[interrupted]", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    from .generator import Generator
+    try:
+        with stopping_on_ctrl_c():
+            args = parser().parse_args(argv)
+            generator, prompts, decodings = prepare(args)
+        run(generator, prompts, decodings, args)
+    except KeyboardInterrupt:    # raised by code rather than by a signal, or after generation
+        print("[interrupted]", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def prepare(args):
+    """Check every input, then load the engine and make the batches (every prompt checked before
+    any runs): ``(generator, prompts, decodings)``, or one line on bad input."""
+    from export.outputs import writable_file
 
     try:
+        check_flags(args)
+        if args.trace:
+            writable_file(args.trace, "--trace")
         prompts = read_prompts(args)
+        from .generator import Generator
+
         generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
-        options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, speculative=not args.no_spec,
-                       confidence_threshold=args.confidence_threshold,
-                       chat_template=not args.no_chat_template,
-                       batch_size=1 if args.stream else args.batch_size)
-        if args.stream:
-            run_streaming(generator, prompts, options, args)
-        else:
-            run_batched(generator, prompts, options, args)
-    except (CheckpointError, ManifestError, ValueError) as err:
+        if args.batch_size and args.batch_size > generator.backend.max_batch:
+            raise ValueError(f"--batch-size {args.batch_size}: expected at most "
+                             f"{generator.backend.max_batch}, the engine's --max-batch")
+        decodings = generator.decodings(
+            prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, seed=args.seed, speculative=not args.no_spec,
+            confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
+            batch_size=1 if args.stream else args.batch_size)
+    except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
+    return generator, prompts, decodings
 
 
-def run_batched(generator, prompts: list[str], options: dict, args) -> None:
-    """Generate batch by batch; Ctrl-C stops cleanly and prints what was generated so far."""
-    decodings, interrupted = [], False
+def run(generator, prompts: list[str], decodings: list, args) -> None:
+    """Generate batch by batch (with --stream, prompt by prompt, printing text as it is
+    accepted), then print the texts, statistics and trace; Ctrl-C stops cleanly and still reports
+    what was generated."""
+    started, interrupted = [], False
     try:
-        for decoding in generator.decodings(prompts, **options):
-            decodings.append(decoding)
-            for _ in decoding:
-                pass
+        for decoding in decodings:
+            started.append(decoding)
+            if args.stream:
+                print(f"### {prompts[len(started) - 1]}", flush=True)
+                for piece in generator.pieces(decoding):
+                    print(piece, end="", flush=True)
+                print("\n", flush=True)
+            else:
+                for _ in decoding:
+                    pass
     except KeyboardInterrupt:
         interrupted = True
-    result = generator.collect(decodings)
-    for prompt, text in zip(prompts, result.texts):
-        print(f"### {prompt}\n{text}\n")
+    result = generator.collect(started)
+    if not args.stream:
+        for prompt, text in zip(prompts, result.texts):
+            print(f"### {prompt}\n{text}\n")
+    elif interrupted:
+        print(flush=True)   # end the line the interrupted text was on
     _report(result, args)
     if interrupted:
         print(f"[interrupted after {len(result.texts)} of {len(prompts)} prompts started]",
@@ -104,25 +186,14 @@ def run_batched(generator, prompts: list[str], options: dict, args) -> None:
         raise SystemExit(130)
 
 
-def run_streaming(generator, prompts: list[str], options: dict, args) -> None:
-    """Stream each prompt in turn; Ctrl-C stops cleanly after printing what was generated."""
-    try:
-        for prompt in prompts:
-            print(f"### {prompt}", flush=True)
-            for piece in generator.stream(prompt, **options):
-                print(piece, end="", flush=True)
-            print("\n", flush=True)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        raise SystemExit(130) from None
-
-
 def _report(result, args) -> None:
+    import json
+
     if args.trace:
         with args.trace.open("w") as f:
             for record in result.trace:
                 f.write(json.dumps(record) + "\n")
-    if args.stats:
+    if args.stats and result.times.total > 0:   # nothing to report when stopped in the first prefill
         s, t = result.stats, result.times
         tokens = sum(map(len, result.token_ids))
         lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s",

@@ -8,6 +8,7 @@ from typing import Iterator
 from export.prompts import encode_prompt
 
 from .backends import open_backend
+from .engine_backend import damaged
 from .speculative import Decoding, PhaseTimes
 from .stats import SpecStats
 
@@ -33,13 +34,11 @@ class Generator:
 
     @classmethod
     def from_engine(cls, engine: str | Path, backend: str = "ort", threads: int | None = None):
-        from transformers import AutoTokenizer
-
         from export import manifest as manifest_file
 
         engine = Path(engine)
-        tokenizer_dir = engine / manifest_file.read(engine)["tokenizer"]
-        return cls(open_backend(engine, backend, threads), AutoTokenizer.from_pretrained(tokenizer_dir))
+        tokenizer = _tokenizer(engine / manifest_file.read(engine)["tokenizer"])
+        return cls(open_backend(engine, backend, threads), tokenizer)
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""
@@ -49,24 +48,28 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decodings(self, prompts: list[str], *, chat_template: bool = True,
-                  batch_size: int | None = None, **options) -> Iterator[Decoding]:
+                  batch_size: int | None = None, **options) -> list[Decoding]:
         """One ``Decoding`` per batch of at most ``batch_size`` prompts (the engine's maximum by
-        default). Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``speculative``,
-        ``confidence_threshold`` (``Decoding``'s)."""
-        size = min(batch_size or self.backend.max_batch, self.backend.max_batch)
-        if size < 1:
-            raise ValueError(f"batch_size {batch_size}: expected at least 1")
+        default), none started yet: every batch is checked here, so a prompt that does not fit is
+        refused, by number and text, before the first batch's work. Options: ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``seed``, ``speculative``, ``confidence_threshold``
+        (``Decoding``'s)."""
+        max_batch = self.backend.max_batch
+        size = max_batch if batch_size is None else batch_size
+        if not 1 <= size <= max_batch:
+            raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
+                             f"--max-batch)")
         ids = [self.encode(p, chat_template) for p in prompts]
+        names = [f"prompt {i + 1} ({p if len(p) <= 40 else p[:37] + '...'!r})"
+                 for i, p in enumerate(prompts)]
         options.setdefault("eos_token_ids", self.backend.eos_token_ids)
-        for begin in range(0, len(ids), size):
-            yield Decoding(self.backend, ids[begin:begin + size], **options)
+        return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size], **options)
+                for begin in range(0, len(ids), size)]
 
     def generate(self, prompts: str | list[str], **options) -> Generation:
         """Generate for every prompt; options as ``decodings``."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        decodings = []
-        for decoding in self.decodings(prompts, **options):
-            decodings.append(decoding)
+        decodings = self.decodings([prompts] if isinstance(prompts, str) else list(prompts), **options)
+        for decoding in decodings:
             for _ in decoding:
                 pass
         return self.collect(decodings)
@@ -85,11 +88,29 @@ class Generator:
         return Generation([self.decode(ids) for ids in token_ids], token_ids, stats, times, trace)
 
     def stream(self, prompt: str, **options) -> Iterator[str]:
-        """The text of one prompt's continuation, piece by piece as drafts are accepted."""
-        decoding = next(self.decodings([prompt], **options))
+        """The text of one prompt's continuation, piece by piece as drafts are accepted (options as
+        ``decodings``). For its statistics, stream ``pieces`` of a ``Decoding`` and read its
+        ``result``."""
+        return self.pieces(self.decodings([prompt], **options)[0])
+
+    def pieces(self, decoding: Decoding) -> Iterator[str]:
+        """Run a one-prompt ``Decoding``, yielding its text piece by piece as drafts are accepted;
+        ``decoding.result`` (or ``collect``) then holds its statistics, times and trace."""
         shown = ""
         for _ in decoding:
             text = self.decode(decoding.result.token_ids[0])
             if text.startswith(shown) and not text.endswith("\ufffd"):  # wait for whole characters
                 yield text[len(shown):]
                 shown = text
+
+
+def _tokenizer(directory: Path):
+    """The engine's tokenizer; a missing or unreadable one is named with what to do."""
+    from transformers import AutoTokenizer
+
+    if not directory.is_dir():
+        raise damaged(directory, "missing")
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:   # transformers and tokenizers raise many types for a damaged file
+        raise damaged(directory, "cannot be loaded", err) from None

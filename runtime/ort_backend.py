@@ -14,7 +14,7 @@ import torch
 
 from export.manifest import cache_output, is_cache
 
-from .engine_backend import EngineBackend
+from .engine_backend import EngineBackend, damaged
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -27,6 +27,8 @@ class OrtBackend(EngineBackend):
     def __init__(self, engine: str | Path, threads: int | None = None):
         import onnxruntime as ort
 
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
         m = self.manifest
         if m["dtype"] not in NUMPY_DTYPES:
@@ -34,16 +36,23 @@ class OrtBackend(EngineBackend):
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
+        if threads is not None:
             options.intra_op_num_threads = threads
         # workers spin between the ops of a call (waking them for each op costs more than the op on
         # a small CPU) but stop when it returns, so that they do not slow the loop's own work
         # between calls (verification, sampling) or the other graph's call
         options.add_session_config_entry("session.force_spinning_stop", "1")
-        self.sessions = {name: ort.InferenceSession(str(self.directory / graph["file"]), options,
-                                                    providers=["CPUExecutionProvider"])
-                         for name, graph in m["graphs"].items()}
+        self.sessions = {name: self._session(graph["file"], options) for name, graph in m["graphs"].items()}
         self._dtype = NUMPY_DTYPES[m["dtype"]]
+
+    def _session(self, file: str, options):
+        import onnxruntime as ort
+
+        path = self.file(file)
+        try:
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:   # ONNX Runtime's errors (Fail, InvalidProtobuf, ...) share no base
+            raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
         """Fresh zeroed caches for ``batch`` sequences, bound in place to both graphs."""

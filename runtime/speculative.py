@@ -8,6 +8,7 @@ rows (old anchor + accepted drafts) become draft context, and both caches' valid
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,18 +59,22 @@ class Decoding:
     Otherwise it is distributed as the target's sampling distribution (with ``top_p``).
     ``confidence_threshold`` (default: the backend's, which an engine records at build; 0 verifies
     all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
-    the target spends no verify rows on drafts that are unlikely to be accepted."""
+    the target spends no verify rows on drafts that are unlikely to be accepted. ``names`` label the
+    prompts in errors (``prompt 1``, ... by default)."""
 
     def __init__(self, backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_ids=(),
-                 speculative: bool = True, confidence_threshold: float | None = None):
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+                 speculative: bool = True, confidence_threshold: float | None = None,
+                 names: list[str] | None = None):
+        if not prompts:
+            raise ValueError("no prompts: expected at least one")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens}: expected at least 1")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature {temperature} / top_p {top_p}: expected temperature >= 0 "
-                             f"and 0 < top_p <= 1")
+        if not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature {temperature}: expected a finite number, at least 0 "
+                             f"(0 is greedy)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p {top_p}: expected more than 0 and at most 1")
         if confidence_threshold is None:
             confidence_threshold = getattr(backend, "confidence_threshold", 0.0)
         if not 0 <= confidence_threshold <= 1:
@@ -77,12 +82,8 @@ class Decoding:
                              f"draft) .. 1")
         self.confidence_threshold = confidence_threshold
         self.speculative = speculative and backend.k > 0
-        longest = max(map(len, prompts))
-        needed = longest + max_new_tokens + (backend.lookahead if self.speculative else 1)
-        if needed > backend.capacity:
-            raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens "
-                             f"({max_new_tokens}) needs {needed} KV-cache rows; the capacity is "
-                             f"{backend.capacity}")
+        _check_capacity(backend, prompts, max_new_tokens, self.speculative,
+                        names or [f"prompt {i + 1}" for i in range(len(prompts))])
         self.backend, self.prompts = backend, prompts
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         # tensors live where the backend computes; one host copy per step brings the tokens back
@@ -217,6 +218,21 @@ def _torch_threads(count: int | None):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _check_capacity(backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
+                    names: list[str]) -> None:
+    """Refuse the first prompt that is empty or whose tokens, ``max_new_tokens`` and the rows a
+    step may write past them do not fit the KV cache, naming it; every prompt is checked before
+    any runs."""
+    rows = max_new_tokens + (backend.lookahead if speculative else 1)
+    for name, prompt in zip(names, prompts):
+        if not prompt:
+            raise ValueError(f"{name}: no tokens; expected at least one")
+        if len(prompt) + rows > backend.capacity:
+            raise ValueError(f"{name} has {len(prompt)} tokens: with max_new_tokens {max_new_tokens} "
+                             f"it needs {len(prompt) + rows} KV-cache rows; the capacity is "
+                             f"{backend.capacity} (build --max-seq-len)")
 
 
 def generate(backend, prompts: list[list[int]], **options) -> GenerationResult:

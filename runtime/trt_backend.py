@@ -44,7 +44,7 @@ class TrtBackend(EngineBackend):
                 f"{self.directory}: no {backend} engines for {gpu} (built for "
                 f"{', '.join(m[backend]['engines'])}); rebuild with --gpu {gpu}")
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engines = {graph: runtime.deserialize_cuda_engine((self.directory / file).read_bytes())
+        self.engines = {graph: runtime.deserialize_cuda_engine(self.file(file).read_bytes())
                         for graph, file in files.items()}
         profiles = list(m[backend]["profiles"]["target"])
         self.contexts = {}

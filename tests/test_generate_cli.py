@@ -127,7 +127,7 @@ def test_ctrl_c_prints_what_was_generated(engine, capsys, monkeypatch):
     (["--prompt", "hi", "--temperature", "-1"], "temperature -1"),
     (["--prompts-file", "/nonexistent.jsonl"], "--prompts-file /nonexistent.jsonl: no such file"),
     (["--prompt", "hi", "--skip", "1"], "--skip 1: expected at least 0 and fewer than the 1 prompts"),
-    (["--prompt", "hi", "--confidence-threshold", "1.5"], r"confidence_threshold 1.5: expected 0"),
+    (["--prompt", "hi", "--confidence-threshold", "1.5"], r"--confidence-threshold 1.5: expected 0"),
 ])
 def test_cli_bad_input(engine, args, message):
     with pytest.raises(SystemExit, match=message):
