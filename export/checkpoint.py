@@ -9,7 +9,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+# what a hub checkpoint needs: configs, weights, tokenizer files and chat templates
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
 class CheckpointError(ValueError):
@@ -17,30 +20,52 @@ class CheckpointError(ValueError):
 
 
 def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
-    """A local directory (or, for a target, a ``.gguf`` file) as is, otherwise a hub id fetched
-    through the local cache.
-
-    ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself: a cached snapshot is used and
-    nothing is downloaded.
-    """
+    """A local folder (or, for a target, a ``.gguf`` file) as is; otherwise a hub id 'org/name',
+    from the local Hugging Face cache when it is there, else downloaded into it (as
+    ``from_pretrained`` does). ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself:
+    only the cache is used."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf" and role == "target"):
         return path
     if path.exists():
-        expected = "a checkpoint directory or a .gguf file" if role == "target" else "a checkpoint directory"
+        expected = "a checkpoint folder or a .gguf file" if role == "target" else "a checkpoint folder"
         raise CheckpointError(f"--{role} {path}: expected {expected}, got a file")
     text = str(name_or_path)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise CheckpointError(f"--{role} {text}: no such directory (and not a hub id 'org/name')")
-    from huggingface_hub import snapshot_download
+    if not _is_hub_id(text):
+        raise CheckpointError(f"--{role} {text}: no such folder (and not a hub id 'org/name')")
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                            "*.txt", "*.jinja"]))
+        return Path(snapshot_download(text, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(f"--{role} {text}: neither a local folder nor a hub id in the local "
+                                  f"cache (HF_HUB_OFFLINE is set, so nothing is downloaded)") from None
+    try:
+        return Path(snapshot_download(text, allow_patterns=HUB_FILES))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
-        raise CheckpointError(f"--{role} {text}: not a local directory and the hub download "
-                              f"failed ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"--{role} {text}: neither a local folder nor a hub id in the local "
+                              f"cache, and the hub download failed ({type(err).__name__}: "
+                              f"{one_line(err)})") from None
+
+
+def _is_hub_id(text: str) -> bool:
+    """Whether ``text`` reads as a hub id 'org/name' rather than as a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def one_line(err: Exception) -> str:
+    """An error's message on one line (libraries' messages often span several)."""
+    return " ".join(str(err).split())
 
 
 def hf_location(path: Path) -> tuple[Path, dict]:
@@ -55,9 +80,14 @@ def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (every checkpoint needs a config.json)")
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or a ``CheckpointError`` naming the file."""
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object at the top level")
@@ -88,11 +118,27 @@ def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Ten
     """All tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names."""
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(directory):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
-                tensors[key] = f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
+                    tensors[key] = f.get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged "
+                                  f"({one_line(err)})") from None
     return tensors
+
+
+def check_layer_count(tensors: dict[str, torch.Tensor], num_layers: int, where: str) -> None:
+    """The weights hold decoder layers ``layers.0 .. layers.{num_layers - 1}``, no more and no fewer:
+    checked before the module is built (a wrong count in ``where``, the config's field, would
+    otherwise build that many layers, or silently leave the extra ones out)."""
+    found = {int(name.split(".")[1]) for name in tensors
+             if name.startswith("layers.") and name.split(".")[1].isdigit()}
+    if found != set(range(num_layers)):
+        held = f"layers.0 .. layers.{max(found)}" if found else "none"
+        raise CheckpointError(f"{where} = {num_layers}, but the weights hold {len(found)} decoder "
+                              f"layers ({held})")
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -113,7 +159,7 @@ def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dty
     missing = [name for name in expected if name not in tensors]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise CheckpointError(f"{directory}: missing tensor(s) {shown}")
+        raise CheckpointError(f"{directory}: missing tensor(s) {shown} (expected from config.json)")
     state = {}
     for name, meta in expected.items():
         tensor = tensors[name]

@@ -7,6 +7,7 @@ draft block over its context K/V.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.block_attention import block_attention
+
+try:  # transformers 5 validates configs as huggingface_hub strict dataclasses
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an earlier huggingface_hub has none; transformers 4 raises the built-in errors
+    StrictDataclassError = ValueError
+
+# What transformers raises on a config.json it cannot read (a field of the wrong type or value)
+CONFIG_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, StrictDataclassError)
+# Fields that fix tensor shapes. transformers fills a missing one with its class default (Qwen3:
+# hidden_size 4096, head_dim 128), which says nothing about the checkpoint, so it must be stated;
+# only where that default is None does transformers derive it (Llama: head_dim = hidden_size /
+# heads, as many KV heads as heads).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim")
+# Far above any released model's widths, and refused before a tensor of that size is allocated
+LARGEST_DIMENSION = 1 << 24
+
+
+def is_int(value) -> bool:
+    """A JSON integer (``true`` is not one, although Python's ``bool`` is an ``int``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_number(value) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+def check_fields(raw: dict, model_type: str) -> None:
+    """``ValueError`` naming the first field of ``raw`` (a Llama / Qwen3 config) that transformers
+    would take but the engine cannot: a shape field left out where transformers would assume a
+    number, or anything but an integer in 1..``LARGEST_DIMENSION``; a max_position_embeddings
+    below 1."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = inspect.signature(CONFIG_MAPPING[model_type]).parameters
+    for field in SHAPE_FIELDS:
+        derived = defaults[field].default is None
+        if field not in raw and not derived:
+            raise ValueError(f"missing field '{field}' (it fixes tensor shapes; expected an integer)")
+        value = raw.get(field)
+        if not (value is None and derived) and not (is_int(value) and 1 <= value <= LARGEST_DIMENSION):
+            raise ValueError(f"field '{field}' = {value!r}: expected an integer from 1 to "
+                             f"{LARGEST_DIMENSION}")
+    positions = raw.get("max_position_embeddings", 1)
+    if not is_int(positions) or positions < 1:
+        raise ValueError(f"field 'max_position_embeddings' = {positions!r}: expected an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -42,6 +90,8 @@ class DecoderConfig:
         inv_freq, scaling = rope_parameters(config, head_dim)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
+        if not is_positive_number(config.rms_norm_eps):
+            raise ValueError(f"field 'rms_norm_eps' = {config.rms_norm_eps!r}: expected a number > 0")
         return cls(
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers if num_layers is None else num_layers,
@@ -65,14 +115,16 @@ def rope_parameters(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     params = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", "default")
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if not is_positive_number(base):
+        raise ValueError(f"field 'rope_parameters.rope_theta' = {base!r}: expected a number > 0")
     if rope_type == "default":
-        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         # float32 exactly as transformers computes it, so positions far out rotate identically
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' changes the frequencies with the sequence length, "
                          "which a fixed engine cannot follow; not supported")
-    if rope_type not in ROPE_INIT_FUNCTIONS:
+    if not isinstance(rope_type, str) or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type {rope_type!r} is not supported "
                          f"(expected default or one of {sorted(ROPE_INIT_FUNCTIONS)})")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, read_config
-from .decoder import DecoderConfig
+from .checkpoint import CheckpointError, one_line, read_config
+from .decoder import CONFIG_ERRORS, LARGEST_DIMENSION, DecoderConfig, check_fields, is_int
 
 ANCHOR_FIRST = "anchor-first"
 BONUS_ANCHOR = "bonus-anchor"
 LAYOUTS = (ANCHOR_FIRST, BONUS_ANCHOR)
+BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
+# backbone fields not handed to transformers: the precision is --dtype's, the model type is checked
+IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype")
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
     path = directory / "config.json"
     if "speculators_model_type" in raw:
         config = _from_speculators(raw, path, target_hidden_size)
-    elif "Qwen3DSparkModel" in (raw.get("architectures") or []):
+    elif isinstance(raw.get("architectures"), list) and "Qwen3DSparkModel" in raw["architectures"]:
         config = _from_native(raw, path, target_hidden_size)
     else:
         raise CheckpointError(
@@ -95,28 +98,45 @@ def _require(raw: dict, key: str, path: Path, what: str):
     return raw[key]
 
 
-def _int_field(raw: dict, key: str, path: Path, what: str, minimum: int, default=None) -> int:
+def _int_field(raw: dict, key: str, path: Path, what: str, minimum: int,
+               maximum: int = LARGEST_DIMENSION, default: int | None = None) -> int:
     value = raw.get(key, default) if default is not None else _require(raw, key, path, what)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise CheckpointError(f"{path}: field '{key}' = {value!r}: expected an integer >= {minimum}")
+    if not is_int(value) or not minimum <= value <= maximum:
+        raise CheckpointError(f"{path}: field '{key}' = {value!r}: expected an integer from {minimum} "
+                              f"to {maximum} ({what})")
     return value
 
 
-def _decoder(backbone: dict, path: Path, field: str) -> tuple[DecoderConfig, int]:
+def _optional_int(raw: dict, key: str, path: Path, what: str, fallback: int) -> int:
+    """``raw[key]``, an integer >= 1, or ``fallback`` where the field is absent or null."""
+    return fallback if raw.get(key) is None else _int_field(raw, key, path, what, 1)
+
+
+def _bool_field(raw: dict, key: str, path: Path, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{path}: field '{key}' = {value!r}: expected true or false")
+    return value
+
+
+def _decoder(backbone: dict, path: Path, field: str) -> tuple[DecoderConfig, int, int]:
+    """The backbone's decoder, vocabulary size and max_position_embeddings; ``field`` says where
+    the backbone sits in the file ("" for a native config)."""
     from transformers import AutoConfig
 
     model_type = backbone.get("model_type", "qwen3")
     if model_type != "qwen3":
         raise CheckpointError(f"{path}: {field}model_type {model_type!r}: only qwen3 DSpark "
                               f"backbones are supported")
-    clean = {k: v for k, v in backbone.items() if k not in ("model_type", "architectures")}
+    clean = {k: v for k, v in backbone.items() if k not in IGNORED_BACKBONE_FIELDS}
     try:
+        check_fields(clean, "qwen3")
         hf = AutoConfig.for_model("qwen3", **clean)
         decoder = DecoderConfig.from_hf(hf, qk_norm=True)
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path}: {field or 'config'} cannot be read as a Qwen3 config "
-                              f"({err})") from None
-    return decoder, hf.vocab_size
+    except CONFIG_ERRORS as err:
+        where = f"{field[:-1]}: " if field else ""
+        raise CheckpointError(f"{path}: {where}{one_line(err)}") from None
+    return decoder, hf.vocab_size, hf.max_position_embeddings
 
 
 def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") -> int:
@@ -132,17 +152,19 @@ def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") ->
 
 
 def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
-    decoder, vocab = _decoder(raw, path, "")
+    decoder, vocab, positions = _decoder(raw, path, "")
     taps = _require(raw, "target_layer_ids", path, "DeepSpec tap layers")
-    bonus = raw.get("dspark_bonus_anchor", not raw.get("sample_from_anchor", True))
+    bonus = _bool_field(raw, "dspark_bonus_anchor", path,
+                        not _bool_field(raw, "sample_from_anchor", path, True))
     return DraftConfig(
         source_format="native",
         decoder=decoder,
         vocab_size=vocab,
-        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        draft_vocab_size=_optional_int(raw, "draft_vocab_size", path, "draft vocabulary", vocab),
         target_layer_ids=_taps(taps, path, "target_layer_ids", shift=0),
-        target_hidden_size=raw.get("target_hidden_size") or target_hidden_size,
-        block_size=_int_field(raw, "block_size", path, "trained block width", 2),
+        target_hidden_size=_optional_int(raw, "target_hidden_size", path, "the target's hidden size",
+                                         target_hidden_size),
+        block_size=_int_field(raw, "block_size", path, BLOCK_SIZE, 2, maximum=positions),
         layout=BONUS_ANCHOR if bonus else ANCHOR_FIRST,
         mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
         markov_rank=_markov(raw, path),
@@ -159,12 +181,14 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
         raise CheckpointError(f"{path}: must provide transformer_layer_config or transformer_config")
     if not isinstance(raw[backbone_key], dict):
         raise CheckpointError(f"{path}: '{backbone_key}' must be a dictionary")
-    decoder, vocab = _decoder(raw[backbone_key], path, f"{backbone_key}.")
+    decoder, vocab, positions = _decoder(raw[backbone_key], path, f"{backbone_key}.")
     try:
         method = raw["speculators_config"]["proposal_methods"][0]
     except (KeyError, IndexError, TypeError):
-        raise CheckpointError(f"{path}: invalid speculators config structure: expected "
-                              f"speculators_config.proposal_methods[0]") from None
+        method = None
+    if not isinstance(method, dict):
+        raise CheckpointError(f"{path}: invalid speculators config structure: expected an object "
+                              f"at speculators_config.proposal_methods[0]")
     default_k = _int_field(method, "speculative_tokens", path,
                            "speculators_config.proposal_methods[0]: drafts per step", 1)
     taps = _require(raw, "aux_hidden_state_layer_ids", path, "vLLM capture layer ids")
@@ -172,11 +196,12 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
         source_format="speculators",
         decoder=decoder,
         vocab_size=vocab,
-        draft_vocab_size=raw.get("draft_vocab_size") or vocab,
+        draft_vocab_size=_optional_int(raw, "draft_vocab_size", path, "draft vocabulary", vocab),
         target_layer_ids=_taps(taps, path, "aux_hidden_state_layer_ids", shift=-1),
-        target_hidden_size=raw.get("target_hidden_size") or target_hidden_size,
-        block_size=_int_field(raw, "block_size", path, "trained block width", 2, default=8),
-        layout=ANCHOR_FIRST if raw.get("sample_from_anchor", True) else BONUS_ANCHOR,
+        target_hidden_size=_optional_int(raw, "target_hidden_size", path, "the target's hidden size",
+                                         target_hidden_size),
+        block_size=_int_field(raw, "block_size", path, BLOCK_SIZE, 2, maximum=positions, default=8),
+        layout=ANCHOR_FIRST if _bool_field(raw, "sample_from_anchor", path, True) else BONUS_ANCHOR,
         mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
         markov_rank=_markov(raw, path, rank_default=256),
         default_k=default_k,
@@ -185,7 +210,7 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
 
 def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
     """Ascending DeepSpec-convention tap ids (concatenation order is ascending layer order)."""
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
         raise CheckpointError(f"{path}: field '{field}' = {ids!r}: expected a non-empty list of ints")
     if len(set(ids)) != len(ids):
         raise CheckpointError(f"{path}: field '{field}' = {ids}: repeats a layer")

@@ -13,7 +13,7 @@ from torch import nn
 
 from plugins.d2t_gather import d2t_gather
 
-from .checkpoint import CheckpointError, build_module, load_tensors, resolve
+from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .draft_config import DraftConfig, load_draft_config, resolve_k
 from .target_config import TargetConfig
@@ -137,12 +137,13 @@ def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
     tensors = {name: t for name, t in load_tensors(directory).items()
                if not name.startswith("confidence_head.") and name != "t2d"}
     where = f"{directory}/config.json"
+    check_layer_count(tensors, config.decoder.num_layers, f"{where}: field 'num_hidden_layers'")
 
     owns_embeddings = {"embed_tokens.weight", "lm_head.weight"} <= tensors.keys()
     if config.decoder.hidden_size != tc.decoder.hidden_size and not owns_embeddings:
-        raise CheckpointError(f"{directory}: the draft's hidden_size {config.decoder.hidden_size} "
-                              f"differs from the target's {tc.decoder.hidden_size}, so it must ship "
-                              f"its own embed_tokens.weight and lm_head.weight")
+        raise CheckpointError(f"{where}: hidden_size {config.decoder.hidden_size} differs from the "
+                              f"target's {tc.decoder.hidden_size}, so the draft must ship its own "
+                              f"embed_tokens.weight and lm_head.weight")
     if config.vocab_size > tc.vocab_size and "embed_tokens.weight" not in tensors:
         raise CheckpointError(f"{where}: vocab_size {config.vocab_size} is larger than the target's "
                               f"{tc.vocab_size}; such a draft must include embed_tokens.weight")

@@ -1,16 +1,15 @@
 """The target LLM's configuration, read through ``transformers.AutoConfig``."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, hf_location, read_config
-from .decoder import DecoderConfig
+from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
+from .decoder import CONFIG_ERRORS, DecoderConfig, check_fields, is_int
 
 # architecture -> whether its attention normalises q and k per head
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
 
 
 @dataclass(frozen=True)
@@ -30,51 +29,71 @@ def load_target_config(directory: Path) -> TargetConfig:
     gguf = directory.suffix == ".gguf"
     path = directory if gguf else directory / "config.json"
     if not gguf:
-        architectures = read_config(directory).get("architectures") or []
-        _supported(architectures, path)
+        raw = read_config(directory)
+        architectures = raw.get("architectures")
+        if architectures is None:  # transformers then picks the model by model_type alone
+            architectures = [ARCHITECTURES.get(raw.get("model_type"))]
+        _check_raw(raw, _supported(architectures, path), path)
     try:
         location, options = hf_location(directory)
         hf = AutoConfig.from_pretrained(location, **options)
     except ImportError as err:
         raise CheckpointError(f"{path}: reading a GGUF target needs the gguf extra "
                               f"(pip install -e '.[gguf]'): {err}") from None
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        raise CheckpointError(f"{path}: transformers cannot read it ({err})") from None
+    except (*CONFIG_ERRORS, OSError) as err:
+        raise CheckpointError(f"{path}: transformers cannot read it ({one_line(err)})") from None
     if gguf:
-        architectures = hf.architectures or [GGUF_ARCHITECTURES.get(hf.model_type, hf.model_type)]
+        architectures = hf.architectures or [ARCHITECTURES.get(hf.model_type, hf.model_type)]
     arch = _supported(architectures, path)
     if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
         raise CheckpointError(f"{path}: layer_types {hf.layer_types}: only full attention is "
                               f"supported (no sliding-window layers)")
     try:
         decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch])
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from None
+    except CONFIG_ERRORS as err:
+        raise CheckpointError(f"{path}: {one_line(err)}") from None
     return TargetConfig(
         architecture=arch,
         decoder=decoder,
         vocab_size=hf.vocab_size,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        eos_token_ids=_eos_token_ids(None if gguf else directory, hf),
+        eos_token_ids=_eos_token_ids(None if gguf else directory, hf, path),
         max_position_embeddings=hf.max_position_embeddings,
     )
 
 
-def _supported(architectures: list, path: Path) -> str:
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+def _supported(architectures, path: Path) -> str:
+    listed = architectures if isinstance(architectures, list) else []
+    arch = next((a for a in listed if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(f"{path}: architectures {architectures} is not a supported target; "
                               f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
 
 
-def _eos_token_ids(directory: Path | None, hf) -> tuple[int, ...]:
+def _check_raw(raw: dict, arch: str, path: Path) -> None:
+    """What transformers would read differently from the checkpoint: a model_type of another
+    architecture (transformers builds the config by model_type) or a missing or malformed shape
+    field (``decoder.check_fields``)."""
+    model_type = next(m for m, a in ARCHITECTURES.items() if a == arch)
+    if raw.get("model_type") != model_type:
+        raise CheckpointError(f"{path}: field 'model_type' = {raw.get('model_type')!r}: expected "
+                              f"{model_type!r} for {arch}")
+    try:
+        check_fields(raw, model_type)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def _eos_token_ids(directory: Path | None, hf, path: Path) -> tuple[int, ...]:
     """EOS ids from ``generation_config.json`` when present (chat models often list several),
-    else from the config."""
+    else from the config; each must be a token of the vocabulary."""
     eos = getattr(hf, "eos_token_id", None)
     generation = directory / "generation_config.json" if directory else None
     if generation is not None and generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos, path = read_json(generation).get("eos_token_id", eos), generation
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(is_int(i) and 0 <= i < hf.vocab_size for i in ids):
+        raise CheckpointError(f"{path}: field 'eos_token_id' = {eos!r}: expected a token id or a list "
+                              f"of them, each from 0 to {hf.vocab_size - 1}")
+    return tuple(ids)

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, build_module, hf_location, load_tensors, resolve
+from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .target_config import TargetConfig, load_target_config
 
@@ -70,6 +70,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
                                   f"(config.json: tie_word_embeddings is false)")
         tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
     tensors = {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")}
+    config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
+    check_layer_count(tensors, config.decoder.num_layers, f"{config_file}: field 'num_hidden_layers'")
     return build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
 
 

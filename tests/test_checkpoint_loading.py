@@ -141,7 +141,7 @@ def test_hub_id_offline_is_a_checkpoint_error_naming_the_flag(monkeypatch):
 
 
 def test_missing_local_path_is_a_checkpoint_error():
-    with pytest.raises(CheckpointError, match=r"--target \./does-not-exist.*no such directory"):
+    with pytest.raises(CheckpointError, match=r"--target \./does-not-exist.*no such folder"):
         load_target("./does-not-exist")
 
 
@@ -397,3 +397,208 @@ def test_native_taps_must_be_increasing(tiny, tmp_path):
     target, draft = copy_pair(tiny, tmp_path)
     edit_config(draft, update(target_layer_ids=[2, 0]))
     refused(lambda: load_draft_for(target, draft), draft, r"target_layer_ids.*increasing")
+
+
+# --- refusals: config fields that fix shapes, and unreadable weights ---------------------------
+
+def one_line_naming(err: Exception, *words: str) -> str:
+    message = str(err)
+    assert "\n" not in message and all(word in message for word in words), message
+    return message
+
+
+def backbone(config: dict) -> dict:
+    """The part of a draft config that describes its decoder (the whole of a native config)."""
+    return config.get("transformer_layer_config", config)
+
+
+@pytest.mark.parametrize("spec", [{}, SPECULATORS], ids=["native", "speculators"])
+@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"])
+def test_draft_missing_shape_field_is_named(tiny, tmp_path, spec, field):
+    """transformers fills a missing field with its class default (Qwen3: hidden_size 4096), which
+    says nothing about this checkpoint: the field is named as missing."""
+    target, draft = copy_pair(tiny, tmp_path, **spec)
+    edit_config(draft, lambda c: backbone(c).pop(field))
+    err = refused(lambda: load_pair(target, draft), draft / "config.json", rf"missing field '{field}'")
+    assert "4096" not in str(err) and "differs" not in str(err)
+
+
+@pytest.mark.parametrize("spec", [{}, SPECULATORS], ids=["native", "speculators"])
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", "1"), ("hidden_size", "64"),
+                                          ("head_dim", True), ("intermediate_size", 128.0),
+                                          ("num_attention_heads", -4), ("num_key_value_heads", 0),
+                                          ("vocab_size", 10 ** 12)])
+def test_draft_backbone_field_of_the_wrong_type_or_range_is_named(tiny, tmp_path, spec, field, value):
+    target, draft = copy_pair(tiny, tmp_path, **spec)
+    edit_config(draft, lambda c: backbone(c).update({field: value}))
+    err = refused(lambda: load_pair(target, draft), draft / "config.json", rf"'{field}' = {value!r}")
+    one_line_naming(err, "expected an integer")
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", "64"), ("num_hidden_layers", None),
+                                          ("max_position_embeddings", 0), ("use_cache", "yes")])
+def test_target_field_of_the_wrong_type_or_range_is_named(tiny, tmp_path, field, value):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(target, update(**{field: value}))
+    err = refused(lambda: load_pair(target, draft), target / "config.json", field)
+    one_line_naming(err)
+
+
+def test_target_missing_shape_field_is_named(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(target, drop("num_hidden_layers"))
+    refused(lambda: load_pair(target, draft), target / "config.json", r"missing field 'num_hidden_layers'")
+
+
+def test_llama_target_derives_head_dim_and_kv_heads_as_transformers_does(tiny, tmp_path):
+    """Llama configs may leave out head_dim and num_key_value_heads: transformers derives them
+    (hidden_size / heads, and as many KV heads as heads), so a missing one is no error."""
+    target, _ = copy_pair(tiny, tmp_path, arch="llama")
+    edit_config(target, lambda c: c.pop("head_dim"))
+    assert load_target(target).config.decoder.head_dim == HIDDEN // 4
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "1e6", None])
+def test_bad_rope_theta_is_named(tiny, tmp_path, value):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(target, lambda c: c["rope_parameters"].update(rope_theta=value))
+    err = refused(lambda: load_pair(target, draft), target / "config.json", "rope_theta")
+    one_line_naming(err, "expected a number > 0")
+
+
+@pytest.mark.parametrize("field, value", [("sample_from_anchor", "no"), ("dspark_bonus_anchor", 1),
+                                          ("draft_vocab_size", 0), ("target_hidden_size", "64"),
+                                          ("block_size", 10 ** 6)])
+def test_draft_dspark_field_of_the_wrong_type_or_range_is_named(tiny, tmp_path, field, value):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(draft, update(**{field: value}))
+    err = refused(lambda: load_pair(target, draft), draft / "config.json", rf"'{field}' = {value!r}")
+    one_line_naming(err, "expected")
+
+
+def test_extra_bias_from_config_names_config_json(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path)
+    edit_config(draft, update(attention_bias=True))
+    err = refused(lambda: load_pair(target, draft), draft,
+                  r"missing tensor\(s\) layers\.0\.self_attn\.q_proj\.bias")
+    one_line_naming(err, "config.json")
+
+
+def truncate(file: Path, keep: int) -> None:
+    file.write_bytes(file.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("side", ["target", "draft"])
+@pytest.mark.parametrize("keep", [4, 100, -100])
+def test_truncated_safetensors_is_named(tiny, tmp_path, side, keep):
+    target, draft = copy_pair(tiny, tmp_path)
+    file = (target if side == "target" else draft) / "model.safetensors"
+    truncate(file, keep)
+    err = refused(lambda: load_pair(target, draft), file, "not a readable safetensors file")
+    one_line_naming(err)
+
+
+def test_truncated_shard_is_named(tiny, tmp_path):
+    target, draft = copy_pair(tiny, tmp_path)
+    tensors = load_file(target / "model.safetensors")
+    (target / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, target / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    truncate(target / "model-00002-of-00002.safetensors", -10)
+    refused(lambda: load_pair(target, draft), target / "model-00002-of-00002.safetensors",
+            "not a readable safetensors file")
+
+
+# --- resolving a name: local folder, cached hub id, download -----------------------------------
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """An empty Hugging Face cache in tmp_path, and a record of every snapshot_download call; a
+    download (not local_files_only) fails as it would with no network."""
+    import huggingface_hub
+    import huggingface_hub.constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    calls = []
+    real = huggingface_hub.snapshot_download
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("local_files_only", False)))
+        if kwargs.get("local_files_only"):
+            return real(repo_id, **kwargs)
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\n"
+                                      "An error happened while trying to locate the files on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return cache, calls
+
+
+def cache_snapshot(cache: Path, repo_id: str, source: Path) -> Path:
+    """``source``'s files as the cached snapshot of ``repo_id`` (the layout huggingface_hub reads)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return Path(shutil.copytree(source, repo / "snapshots" / commit))
+
+
+def test_missing_relative_path_says_neither_folder_nor_cached_hub_id(hub):
+    _, calls = hub
+    with pytest.raises(CheckpointError) as info:
+        load_target("tiny/target")
+    one_line_naming(info.value, "--target tiny/target",
+                    "neither a local folder nor a hub id in the local cache")
+    assert calls[0] == ("tiny/target", True)  # the cache is asked before the network
+
+
+def test_cached_hub_id_loads_without_the_network(hub, tiny):
+    cache, calls = hub
+    snapshot = cache_snapshot(cache, "acme/tiny-target", tiny()[0])
+    assert load_target("acme/tiny-target").config.vocab_size == VOCAB
+    assert calls == [("acme/tiny-target", True)]
+    assert snapshot.is_dir()
+
+
+def test_hub_id_not_cached_is_downloaded(hub, tiny, monkeypatch):
+    import huggingface_hub
+
+    _, calls = hub
+    local = tiny()[0]
+    cached_only = huggingface_hub.snapshot_download
+
+    def download(repo_id, **kwargs):
+        return cached_only(repo_id, **kwargs) if kwargs.get("local_files_only") else str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert load_target("acme/tiny-target").config.vocab_size == VOCAB
+    assert calls == [("acme/tiny-target", True)]
+
+
+@pytest.mark.parametrize("name", ["./does-not-exist/x", "a/b/c", "not a/hub id", "nothing"])
+def test_name_neither_path_nor_hub_id_is_no_such_folder(hub, name):
+    _, calls = hub
+    with pytest.raises(CheckpointError) as info:
+        load_target(name)
+    one_line_naming(info.value, f"--target {name}", "no such folder")
+    assert calls == []
+
+
+@pytest.mark.parametrize("side, layers", [("target", 2), ("target", 5000), ("draft", 2)])
+def test_layer_count_must_match_the_weights(tiny, tmp_path, side, layers):
+    """Fewer layers than the weights hold would silently leave the rest out; many more would take
+    minutes to build before any shape is compared."""
+    target, draft = copy_pair(tiny, tmp_path)
+    checkpoint = target if side == "target" else draft
+    edit_config(checkpoint, update(num_hidden_layers=layers, layer_types=["full_attention"] * layers))
+    load = (lambda: load_target(target)) if side == "target" else (lambda: load_pair(target, draft))
+    err = refused(load, checkpoint / "config.json",
+                  rf"'num_hidden_layers' = {layers}, but the weights hold")
+    one_line_naming(err)

@@ -1,0 +1,171 @@
+"""Fuzzing the config.json of a target and of its draft (native and Speculators layouts): every
+field is deleted, set to a wrong type (string, list, null, object, bool, float) and out of range
+(0, -1, huge), and the pair is loaded. Each mutation either loads or is refused with a one-line
+``CheckpointError`` / ``ValueError`` that names the mutated config.json: never another exception.
+
+A mutation that loads is accepted on purpose only when it is listed below with the reason: either
+the loaded configuration is exactly the unmutated one (``UNUSED``: a field dspark-trt never
+reads, or one whose default is the fixture's value), or the value is a legitimate one that the
+pair really is loaded with (``VALID``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from export.pair import load_pair
+
+SPECULATORS = dict(draft_format="speculators", layout="bonus-anchor")  # as test_checkpoint_loading's
+DELETE = object()
+MUTATIONS = {"delete": DELETE, "string": "1", "list": [1], "null": None, "object": {"a": 1},
+             "true": True, "float": 1.5, "zero": 0, "negative": -1, "huge": 10 ** 12}
+# fields the fixture's configs leave out, that a checkpoint may give: set, never deleted
+OPTIONAL = {"target": [],
+            "native": ["dspark_bonus_anchor", "sample_from_anchor", "draft_vocab_size", "target_hidden_size"],
+            "speculators": ["draft_vocab_size"]}
+
+# field -> why a mutation of it that loads leaves the loaded configuration unchanged
+UNUSED = {
+    "transformers_version": "provenance only",
+    "dtype": "the engine's precision is --dtype's",
+    "use_cache": "generation setting of transformers",
+    "initializer_range": "training only",
+    "attention_dropout": "training only",
+    "bos_token_id": "not used: prompts are tokenized by the tokenizer",
+    "pad_token_id": "not used: batches are ragged, never padded",
+    "enable_confidence_head": "the confidence head is ignored (README: supported models)",
+    "confidence_head_with_markov": "the confidence head is ignored",
+    "num_anchors": "DeepSpec training setting",
+    "num_target_layers": "informational; the taps are checked against the target itself",
+    "max_window_layers": "sliding-window setting; layer_types (checked) decides",
+    "sliding_window": "used only with use_sliding_window; layer_types (checked) decides",
+    "use_sliding_window": "layer_types (checked: full attention only) decides",
+    "layer_types": "absent or null, transformers derives full attention from use_sliding_window",
+    "architectures": "a draft's format is decided by speculators_model_type or architectures; an "
+                     "absent target architectures is taken from model_type, as transformers does",
+    "speculators_config.verifier": "provenance of a Speculators draft",
+    "speculators_config.verifier.name_or_path": "provenance of a Speculators draft",
+    "speculators_config.proposal_methods.0.proposal_type": "Speculators' name of the method",
+    # absent, these take the default that transformers (or the draft format) documents, as
+    # transformers itself would load them; the fixture states the same values
+    "hidden_act": "transformers' default silu",
+    "attention_bias": "transformers' default false (the weights then have no biases)",
+    "rms_norm_eps": "transformers' default 1e-6",
+    "rope_parameters": "transformers' default RoPE (theta 10000)",
+    "rope_parameters.rope_type": "transformers' default RoPE",
+    "rope_parameters.rope_theta": "transformers' default 10000",
+    "tie_word_embeddings": "a checkpoint's own lm_head.weight is used either way, as in transformers",
+    "eos_token_id": "generation_config.json's eos_token_id is the one used (and checked)",
+    "model_type": "a draft backbone is qwen3 unless it says otherwise",
+    "markov_head_type": "DSpark's default 'vanilla'",
+    "target_hidden_size": "absent or null, the target's own hidden size",
+    "draft_vocab_size": "absent or null, the whole target vocabulary",
+}
+# (field, mutation) -> why a value that loads and changes the configuration is legitimate
+VALID = {
+    ("rope_parameters.rope_theta", "float"): "any positive RoPE base is a valid one",
+    ("rms_norm_eps", "float"): "any positive epsilon is a valid one",
+    ("rope_parameters.rope_theta", "huge"): "any positive RoPE base is a valid one",
+    ("max_position_embeddings", "huge"): "a longer context is the checkpoint's claim to make",
+    ("max_position_embeddings", "delete"): "transformers' default, as when it loads the checkpoint "
+                                           "(a draft's only bounds its block_size)",
+    ("mask_token_id", "zero"): "0 is a valid token id for MASK",
+    ("block_size", "delete"): "Speculators' documented default block_size 8",
+    ("tie_word_embeddings", "true"): "a checkpoint's own lm_head.weight is used, as in transformers",
+    ("dspark_bonus_anchor", "true"): "the bonus-anchor layout, spelled the DeepSpec way",
+    ("sample_from_anchor", "true"): "the anchor-first layout",
+    ("sample_from_anchor", "delete"): "Speculators' documented default true (anchor-first)",
+}
+
+
+def fields(config: dict, prefix: tuple = ()):
+    """Paths to every field of ``config``, nested objects and objects in lists included."""
+    for key, value in config.items():
+        yield (*prefix, key)
+        if isinstance(value, dict):
+            yield from fields(value, (*prefix, key))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, dict):
+                    yield from fields(item, (*prefix, key, index))
+
+
+def mutated(config: dict, path: tuple, value) -> dict:
+    config = json.loads(json.dumps(config))
+    parent = config
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is DELETE:
+        parent.pop(path[-1])
+    else:
+        parent[path[-1]] = value
+    return config
+
+
+def linked_pair(source: tuple[Path, Path], root: Path) -> tuple[Path, Path]:
+    """The pair with every file but config.json a symbolic link to the fixture's."""
+    copies = []
+    for directory in source:
+        copy = root / directory.name
+        copy.mkdir()
+        for file in directory.iterdir():
+            if file.name != "config.json":
+                (copy / file.name).symlink_to(file)
+        copies.append(copy)
+    return tuple(copies)
+
+
+def loaded(target: Path, draft: Path):
+    target_step, draft_step = load_pair(target, draft)
+    return asdict(target_step.config), asdict(draft_step.config), draft_step.k
+
+
+def name(path: tuple) -> str:
+    return ".".join(map(str, path))
+
+
+def verdict(path: tuple, mutation: str, outcome, baseline) -> str | None:
+    """None when the outcome is as it should be, else what is wrong."""
+    field = name(path)
+    key = field.removeprefix("transformer_layer_config.")
+    if isinstance(outcome, tuple):  # loaded
+        if outcome == baseline:
+            return None if key in UNUSED or (key, mutation) in VALID else "loaded, unlisted in UNUSED"
+        return None if (key, mutation) in VALID else "loaded with a changed configuration, unlisted in VALID"
+    return outcome
+
+
+@pytest.mark.parametrize("case", ["target", "native", "speculators"])
+def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case):
+    source = tiny(**SPECULATORS) if case == "speculators" else tiny()
+    target, draft = linked_pair(source, tmp_path)
+    for directory, original in zip((target, draft), source):
+        (directory / "config.json").write_text((original / "config.json").read_text())
+    checkpoint = target if case == "target" else draft
+    config_file = checkpoint / "config.json"
+    original = json.loads(config_file.read_text())
+    baseline = loaded(target, draft)
+
+    problems = []
+    for path in [*fields(original), *((key,) for key in OPTIONAL[case])]:
+        for mutation, value in MUTATIONS.items():
+            if mutation == "delete" and path[-1] in OPTIONAL[case]:
+                continue
+            config_file.write_text(json.dumps(mutated(original, path, value)))
+            try:
+                outcome = loaded(target, draft)
+            except ValueError as err:  # CheckpointError included
+                # a tensor that does not match names the folder, "expected from config.json"
+                message = str(err)
+                named = str(checkpoint) in message and "config.json" in message
+                one_line = named and "\n" not in message
+                outcome = None if one_line else f"not one line naming config.json: {message}"
+            except Exception as err:  # the point: no other exception type
+                outcome = f"{type(err).__name__}: {err}"
+            problem = verdict(path, mutation, outcome, baseline)
+            if problem:
+                problems.append(f"{name(path)} {mutation}: {problem[:300]}")
+    assert not problems, f"{len(problems)} mutations misbehave:\n" + "\n".join(problems)
