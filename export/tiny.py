@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import copy
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .checkpoint import write_tensors
-from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR
+from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
+VOCAB = len(SPECIALS) + len(CHARACTERS)
+MAX_POSITIONS = 1024
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
@@ -33,6 +36,23 @@ class TinySpec:
     block_size: int = 4
     taps: tuple[int, ...] = (0, 2)      # DeepSpec convention
     seed: int = 0
+
+    def __post_init__(self):
+        """Refuse, by the make-tiny flag, a pair that could not be written or loaded, before any
+        file is."""
+        if self.arch not in ("qwen3", "llama"):
+            raise ValueError(f"--arch {self.arch!r}: expected qwen3 or llama")
+        if self.draft_format not in ("native", "speculators"):
+            raise ValueError(f"--draft-format {self.draft_format!r}: expected native or speculators")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout {self.layout!r}: expected {ANCHOR_FIRST} or {BONUS_ANCHOR}")
+        if not 2 <= self.block_size <= MAX_POSITIONS:
+            raise ValueError(f"--block-size {self.block_size}: expected an integer from 2 to "
+                             f"{MAX_POSITIONS} (the anchor and at least one MASK slot, within the "
+                             f"tiny target's positions)")
+        if self.draft_vocab is not None and not len(SPECIALS) <= self.draft_vocab <= VOCAB:
+            raise ValueError(f"--draft-vocab {self.draft_vocab}: expected {len(SPECIALS)}..{VOCAB} "
+                             f"(the special tokens up to the whole target vocabulary)")
 
 
 def make_tiny(out: Path, spec: TinySpec = TinySpec()) -> tuple[Path, Path]:
@@ -65,22 +85,23 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
     tokenizer = _tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0,
+                  max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0,
                   bos_token_id=None, initializer_range=0.25)
     if spec.arch == "qwen3":
         config = AutoConfig.for_model("qwen3", tie_word_embeddings=False,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                       **common)
-    elif spec.arch == "llama":
+    else:
         config = AutoConfig.for_model("llama", tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                                       **common)
-    else:
-        raise ValueError(f"--arch {spec.arch!r}: expected qwen3 or llama")
     model = AutoModelForCausalLM.from_config(config).float()
     _randomise_norms(model)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    # safetensors' save_file under save_pretrained makes the weights readable by their owner only;
+    # give them the mode the user's umask gave the config.json written beside them
+    (directory / "model.safetensors").chmod(stat.S_IMODE((directory / "config.json").stat().st_mode))
     return json.loads((directory / "config.json").read_text())
 
 
@@ -94,13 +115,8 @@ def _randomise_norms(module: torch.nn.Module) -> None:
 def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     """A random DSpark draft for the target whose config.json is ``target``, laid out as ``spec``
     says (format, layout, block size, taps, reduced vocabulary)."""
-    if spec.layout not in (ANCHOR_FIRST, BONUS_ANCHOR):
-        raise ValueError(f"--layout {spec.layout!r}: expected {ANCHOR_FIRST} or {BONUS_ANCHOR}")
     vocab, hidden = target["vocab_size"], target["hidden_size"]
     draft_vocab = spec.draft_vocab or vocab
-    if not len(SPECIALS) <= draft_vocab <= vocab:
-        raise ValueError(f"--draft-vocab {draft_vocab}: expected {len(SPECIALS)}..{vocab} "
-                         f"(the special tokens up to the whole target vocabulary)")
     backbone = {key: target[key] for key in (
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
         "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "eos_token_id")}
@@ -120,7 +136,7 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
                       target_layer_ids=list(spec.taps), num_anchors=64)
         if spec.layout == BONUS_ANCHOR:
             config["dspark_bonus_anchor"] = True
-    elif spec.draft_format == "speculators":
+    else:
         config = dict(speculators_model_type="dspark", architectures=["DSparkSpeculator"],
                       transformer_layer_config=backbone,
                       aux_hidden_state_layer_ids=[t + 1 for t in spec.taps],  # vLLM capture ids
@@ -129,8 +145,6 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
                                                                 "speculative_tokens": drafts}],
                                           "verifier": {"name_or_path": "tiny-target"}},
                       **dspark)
-    else:
-        raise ValueError(f"--draft-format {spec.draft_format!r}: expected native or speculators")
 
     tensors = _draft_tensors(hidden, len(spec.taps), target["intermediate_size"],
                              target["num_attention_heads"], target["num_key_value_heads"],

@@ -1,5 +1,7 @@
 """``python -m export make-tiny``, and that every command-line entry point starts."""
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,7 @@ import pytest
 
 import export.__main__ as export_cli
 from export.pair import load_pair
+from export.tiny import TinySpec, make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +48,32 @@ def test_module_entry_points_run():
         result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
                                 capture_output=True, text=True, check=True)
         assert "usage: python -m" in result.stdout
+
+
+@pytest.mark.parametrize("size", ["0", "1", "-3", "5000"])
+def test_make_tiny_refuses_a_block_size_the_draft_cannot_use(tmp_path, size):
+    out = tmp_path / "pair"
+    with pytest.raises(SystemExit, match=rf"--block-size {size}: expected an integer from 2 to 1024") as info:
+        export_cli.main(["make-tiny", str(out), "--block-size", size, "--layout", "bonus-anchor"])
+    assert "\n" not in str(info.value)
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_tiny_spec_is_checked_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="--draft-vocab 3: expected"):
+        make_tiny(tmp_path, TinySpec(draft_vocab=3))
+    assert not any(tmp_path.iterdir())
+
+
+def test_make_tiny_files_follow_the_umask(tmp_path):
+    """safetensors' save_file (under transformers' save_pretrained) makes the weights readable by
+    their owner only; every file of the pair is created as the user's umask says."""
+    previous = os.umask(0o022)
+    try:
+        make_tiny(tmp_path, TinySpec())
+    finally:
+        os.umask(previous)
+    for file in (tmp_path / "target").iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o644, file.name
+    for file in (tmp_path / "draft").iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o644, file.name
