@@ -5,12 +5,14 @@ the original checkpoints are never read again, and where everything came from (i
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 
 SCHEMA_VERSION = 1
 FILENAME = "manifest.json"
+SCHEMA = Path(__file__).with_name("manifest.schema.json")  # of SCHEMA_VERSION; shipped as package data
 HASHED_SUFFIXES = (".json", ".safetensors", ".gguf", ".model", ".jinja", ".txt")
 
 
@@ -50,25 +52,60 @@ def file_hashes(checkpoint: Path) -> dict[str, str]:
 
 
 def write(directory: Path, manifest: dict) -> Path:
+    """Write ``manifest.json``, checked against the schema first: what build writes is what every
+    reader takes."""
     path = directory / FILENAME
-    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **manifest}, indent=2) + "\n")
+    text = json.dumps({"schema_version": SCHEMA_VERSION, **manifest}, indent=2) + "\n"
+    problem = violation(json.loads(text))
+    if problem:
+        raise ManifestError(f"{path}: {problem}; not written (a dspark-trt bug: the manifest "
+                            f"disagrees with {SCHEMA.name})")
+    path.write_text(text)
     return path
 
 
 def read(directory: Path) -> dict:
+    """The manifest of an engine directory, checked against the schema of its version."""
     path = Path(directory) / FILENAME
     if not path.is_file():
         raise ManifestError(f"{path}: missing; build an engine directory with "
                             f"`python -m export build --target ... --draft ... --out {directory}`")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ManifestError(f"{path}: not valid JSON ({err}); rebuild the engine directory") from None
-    version = manifest.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise ManifestError(f"{path}: schema_version {version!r} is newer than this dspark-trt "
                             f"understands ({SCHEMA_VERSION}); upgrade dspark-trt or rebuild")
+    problem = violation(manifest)
+    if problem:
+        raise ManifestError(f"{path}: {problem}; rebuild the engine directory")
     return manifest
+
+
+def violation(manifest) -> str | None:
+    """The first way ``manifest`` breaks ``manifest.schema.json``, as '$.json.path: what was
+    expected', or None."""
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_validator().iter_errors(manifest))
+    if error is None:
+        return None
+    if error.validator == "const":
+        message = f"expected {error.validator_value!r}, got {error.instance!r}"
+    else:
+        message = error.message
+    if len(message) > 200:  # the message quotes the value, which may be a whole section
+        message = message[:200] + "..."
+    return f"{error.json_path}: {message}"
+
+
+@functools.cache
+def _validator():
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(json.loads(SCHEMA.read_text()))
 
 
 def describe(manifest: dict) -> str:
