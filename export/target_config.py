@@ -32,7 +32,8 @@ def load_target_config(directory: Path) -> TargetConfig:
         raw = read_config(directory)
         architectures = raw.get("architectures")
         if architectures is None:  # transformers then picks the model by model_type alone
-            architectures = [ARCHITECTURES.get(raw.get("model_type"))]
+            by_type = ARCHITECTURES.get(str(raw.get("model_type")))
+            architectures = [by_type] if by_type else []
         _check_raw(raw, _supported(architectures, path), path)
     try:
         location, options = hf_location(directory)
