@@ -5,6 +5,7 @@ Phases: load (resolve, hash, build the PyTorch modules), export (trace each step
 """
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -69,18 +70,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     paths = {}
     for name in ("target", "draft"):
         phase(steps[1 + len(paths)])
-        paths[name] = export_graph(modules[name], specs[name], inputs[name]["trace"], limits, out, opset)
-        bar.update()
-
-    differences = {}
-    for name in ("target", "draft"):
-        phase(f"verify {name}")
-        check_model(paths[name])
-        differences[name] = None
-        if dtype != "bf16":
-            outputs = [t.name for t in specs[name].outputs]
-            differences[name] = compare_with_reference(paths[name], modules[name],
-                                                       inputs[name]["verify"], outputs, dtype_name)
+        paths[name] = export_graph(modules[name], specs[name], inputs[name].pop("trace"), limits, out,
+                                   opset)
         bar.update()
 
     manifest = {
@@ -98,6 +89,25 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         "tools": _tool_versions(),
         "tokenizer": tokenizer,
     }
+    # the reference outputs are computed, then the PyTorch weights are let go, so that ONNX Runtime's
+    # view of the weights never sits beside PyTorch's copy (peak memory stays near one copy)
+    references = {name: None if dtype == "bf16" else _outputs(modules[name], inputs[name]["verify"])
+                  for name in modules}
+    del modules, target_step, draft_step
+    gc.collect()
+
+    differences = {}
+    for name in ("target", "draft"):
+        phase(f"verify {name}")
+        check_model(paths[name])
+        differences[name] = None
+        if references[name] is not None:
+            outputs = [t.name for t in specs[name].outputs]
+            differences[name] = compare_with_reference(paths[name], inputs[name]["verify"],
+                                                       dict(zip(outputs, references.pop(name))),
+                                                       dtype_name)
+        bar.update()
+
     if backend != "onnx":
         from .trt_build import build_engines
 
@@ -113,6 +123,12 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     bar.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     return BuildResult(files, time.perf_counter() - started, differences)
+
+
+def _outputs(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``module``'s outputs on ``inputs``; the caches among them are updated copies of inputs."""
+    with torch.no_grad():
+        return list(module(*inputs.values()))
 
 
 def _check_limits(limits: Limits) -> None:

@@ -22,7 +22,6 @@ from .manifest import is_cache
 from .target_model import TargetStep
 
 OPSETS = (23, 24)
-EXTERNAL_DATA_BYTES = 1 << 30   # weights above this go to NAME.onnx.data
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.int64: "int64"}
 
@@ -109,8 +108,9 @@ def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Gener
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
                  limits: Limits, directory: Path, opset: int) -> Path:
-    """Trace ``module`` on ``example`` and write ``directory / spec.file`` (plus ``.data`` when
-    the weights are large)."""
+    """Trace ``module`` on ``example`` and write ``directory / spec.file``, its weights in
+    ``spec.file + ".data"``: streamed there one tensor at a time (an in-memory protobuf would hold
+    about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy."""
     if opset not in OPSETS:
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
@@ -135,8 +135,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
             custom_translation_table=translations, verbose=False, optimize=True)
     _attach_functions(program, opset)
     path = directory / spec.file
-    weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    program.save(path, external_data=weights > EXTERNAL_DATA_BYTES)
+    program.save(path, external_data=True)
     return path
 
 

@@ -1,8 +1,7 @@
-"""Build options beyond the fp32 / opset 23 default: opset 24, fp16, bf16, external data."""
+"""Build options beyond the fp32 / opset 23 default (opset 24, fp16, bf16), and where the weights go."""
 import onnx
 import pytest
 
-import export.onnx_export
 from export.build import build
 from export.onnx_export import Limits
 from runtime.ort_backend import OrtBackend
@@ -47,11 +46,14 @@ def test_bf16_builds_but_is_not_run_on_cpu(tiny, tmp_path):
         OrtBackend(tmp_path)
 
 
-def test_external_data(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(export.onnx_export, "EXTERNAL_DATA_BYTES", 0)
+def test_weights_live_in_external_data(tiny, tmp_path):
     result = _build(tiny, tmp_path)
-    assert {"target.onnx.data", "draft.onnx.data"} <= set(result.files)
-    assert result.files["target.onnx"] < result.files["target.onnx.data"]
+    for name in ("target", "draft"):
+        model = onnx.load(tmp_path / f"{name}.onnx", load_external_data=False)
+        weights = [t for t in model.graph.initializer if t.dims and onnx.numpy_helper.to_array(
+            t, base_dir=str(tmp_path)).size >= 1024]
+        assert weights and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
+        assert result.files[f"{name}.onnx"] < result.files[f"{name}.onnx.data"]
     backend = OrtBackend(tmp_path)
     assert generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.eos_token_ids).token_ids \
         == hf_greedy(tiny()[0], PROMPTS, 30)
