@@ -602,3 +602,12 @@ def test_layer_count_must_match_the_weights(tiny, tmp_path, side, layers):
     err = refused(load, checkpoint / "config.json",
                   rf"'num_hidden_layers' = {layers}, but the weights hold")
     one_line_naming(err)
+
+
+@pytest.mark.parametrize("content", ['{"eos_token_id": 1000}', '{"eos_token_id": ["1"]}', "{not json"])
+def test_bad_generation_config_is_named(tiny, tmp_path, content):
+    """An EOS id outside the vocabulary would never end a generation."""
+    target, _ = copy_pair(tiny, tmp_path)
+    (target / "generation_config.json").write_text(content)
+    err = refused(lambda: load_target(target), target / "generation_config.json", "eos_token_id|JSON")
+    one_line_naming(err)
