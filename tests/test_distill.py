@@ -115,8 +115,10 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
             raise KeyboardInterrupt
 
     monkeypatch.setattr(distill_module, "save", interrupted_after_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exit_info:
         _distill(target_dir, out, prompts_file, *args)
+    assert exit_info.value.code == 130   # Ctrl-C: the status of a run stopped by SIGINT
+    assert "rerun the same command to resume" in capsys.readouterr().err
     monkeypatch.setattr(distill_module, "save", save)
     first = torch.load(out / "trainer.pt")
     data_written = (out / "data.pt").stat().st_mtime_ns
