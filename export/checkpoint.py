@@ -115,12 +115,18 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names."""
+    """All tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names.
+
+    ``safe_open`` maps the file, and the mapped pages it reads count as this process's memory until
+    it is closed: it is reopened for each tensor, so a checkpoint is held once (as tensors), not
+    twice."""
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(directory):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                names = list(f.keys())
+            for name in names:
+                with safe_open(file, framework="pt") as f:
                     key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
                     tensors[key] = f.get_tensor(name)
         except SafetensorError as err:
@@ -152,7 +158,11 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype):
     """``factory()`` built without allocating weights, then given the checkpoint's tensors (cast to
     ``dtype``; integer tables such as ``d2t`` keep theirs). Missing tensors are an error naming
-    them; ``tensors`` must hold exactly the module's state."""
+    them.
+
+    ``tensors`` is consumed: each source tensor is let go as soon as its cast is made, so loading
+    peaks near one copy of the weights rather than the checkpoint's plus the module's. Names that
+    hold the same tensor (tied embeddings) get the same cast tensor."""
     with torch.device("meta"):
         module = factory()
     expected = module.state_dict()
@@ -160,12 +170,18 @@ def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dty
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise CheckpointError(f"{directory}: missing tensor(s) {shown} (expected from config.json)")
-    state = {}
     for name, meta in expected.items():
-        tensor = tensors[name]
-        if tensor.shape != meta.shape:
-            raise CheckpointError(f"{directory}: tensor {name} has shape {list(tensor.shape)}, "
+        if tensors[name].shape != meta.shape:
+            raise CheckpointError(f"{directory}: tensor {name} has shape {list(tensors[name].shape)}, "
                                   f"expected {list(meta.shape)} from config.json")
-        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    first_name: dict[int, str] = {}   # while every source is alive, ids tell tied names apart
+    tied_to = {name: first_name.setdefault(id(tensors[name]), name) for name in expected}
+    state = {}
+    for name in expected:
+        tensor = tensors.pop(name)
+        if tied_to[name] != name:
+            state[name] = state[tied_to[name]]
+        else:
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     module.load_state_dict(state, assign=True)
     return module.eval().requires_grad_(False)
