@@ -15,6 +15,7 @@ from .outputs import check_replaceable, staged_directory
 from .tiny import TinySpec, make_tiny
 from .trt_build import EngineBuildError
 
+DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
 # what Ctrl-C leaves behind: outputs are staged beside OUT / --out and swapped in only when complete
 UNCHANGED = "no output was changed"
 
@@ -44,6 +45,11 @@ def cmd_build(args: argparse.Namespace) -> None:
         args.k = args.k or demo_pair.K
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
+    if args.max_seq_len is None:
+        from .target_config import load_target_config
+
+        supported = load_target_config(resolve(args.target, "target")).max_position_embeddings
+        args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, supported)
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     check_replaceable(out, args.force, "--out", sources=(Path(args.target), Path(args.draft)))
     chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
@@ -154,8 +160,9 @@ def parser() -> argparse.ArgumentParser:
                         "top draft probability is below P, as transformers' "
                         "assistant_confidence_threshold; 0 verifies all k [0]")
     b.add_argument("--max-batch", type=int, default=4, help="largest batch [4]")
-    b.add_argument("--max-seq-len", type=int, default=2048,
-                   help="KV-cache capacity per sequence, prompt + output + one block [2048]")
+    b.add_argument("--max-seq-len", type=int,
+                   help="KV-cache capacity per sequence, prompt + output + one block [2048, or the "
+                        "target's max_position_embeddings if smaller]")
     b.add_argument("--max-prompt-chunk", type=int,
                    help="most prompt tokens per prefill call; longer prompts are chunked "
                         "[512 or --max-seq-len if smaller]")

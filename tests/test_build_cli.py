@@ -119,3 +119,16 @@ def test_polygraphy_inspects_and_runs_the_graphs(built):
                           "--val-range", "input_ids:[0,80]", "start:[0,50]"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr
+
+
+def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path):
+    target, draft = tiny()
+    short = Path(shutil.copytree(target, tmp_path / "short"))
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    args = ["build", "--target", str(short), "--draft", str(draft), "--max-batch", "1", "--quiet"]
+    cli.main([*args, "--out", str(tmp_path / "e")])
+    limits = json.loads((tmp_path / "e" / "manifest.json").read_text())["limits"]
+    assert limits["max_seq_len"] == 96 and limits["max_prompt_chunk"] == 96
+    with pytest.raises(SystemExit, match="--max-seq-len 97: the target supports at most 96"):
+        cli.main([*args, "--out", str(tmp_path / "e2"), "--max-seq-len", "97"])
