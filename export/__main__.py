@@ -12,9 +12,11 @@ from .draft_config import LAYOUTS
 from .manifest import ManifestError
 from .onnx_check import VerificationError
 from .outputs import check_replaceable, staged_directory
+from .presets import PRESETS
 from .tiny import TinySpec, make_tiny
 from .trt_build import EngineBuildError
 
+TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
 DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
 # what Ctrl-C leaves behind: outputs are staged beside OUT / --out and swapped in only when complete
 UNCHANGED = "no output was changed"
@@ -22,13 +24,27 @@ UNCHANGED = "no output was changed"
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    spec = TinySpec(arch=args.arch, draft_format=args.draft_format, draft_vocab=args.draft_vocab,
-                    layout=args.layout, block_size=args.block_size, seed=args.seed)
+    shape_flags = {name: value for name in TINY_SHAPE if (value := getattr(args, name)) is not None}
+    if args.preset:
+        if shape_flags:
+            given = ", ".join("--" + name.replace("_", "-") for name in shape_flags)
+            raise ValueError(f"--preset {args.preset}: a preset fixes every shape; leave out {given}")
+        from .presets import make_preset
+
+        def write(directory):
+            return make_preset(directory, args.preset, seed=args.seed)
+        described = (f"{args.preset}-shaped Qwen3 target (random bf16 weights, sharded)",
+                     "release-shaped native DSpark draft (5 layers, block 7)")
+    else:
+        spec = TinySpec(**shape_flags, seed=args.seed)
+
+        def write(directory):
+            return make_tiny(directory, spec)
+        described = (f"tiny {spec.arch} target", f"tiny {spec.draft_format} DSpark draft ({spec.layout})")
     check_replaceable(out, args.force, "OUT")
     with staged_directory(out, "OUT") as staging:
-        make_tiny(staging, spec)
-    print(f"wrote tiny {args.arch} target to {out / 'target'}\n"
-          f"wrote tiny {args.draft_format} DSpark draft ({args.layout}) to {out / 'draft'}")
+        write(staging)
+    print(f"wrote {described[0]} to {out / 'target'}\nwrote {described[1]} to {out / 'draft'}")
 
 
 def cmd_build(args: argparse.Namespace) -> None:
@@ -123,20 +139,25 @@ def parser() -> argparse.ArgumentParser:
                                    description="Export DSpark speculative decoding pairs.")
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    tiny = commands.add_parser("make-tiny", help="write a tiny random target + DSpark draft pair",
+    tiny = commands.add_parser("make-tiny", help="write a small random target + DSpark draft pair",
                                description="Write OUT/target (a transformers checkpoint with a "
                                            "character tokenizer) and OUT/draft (a DSpark draft), "
-                                           "random weights, for tests and demos.")
+                                           "random weights, for tests and demos; with --preset, "
+                                           "in the exact shapes of a released model, for scale "
+                                           "benchmarks.")
     tiny.add_argument("out", metavar="OUT", help="output directory")
-    tiny.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3",
+    tiny.add_argument("--preset", choices=list(PRESETS),
+                      help="a Qwen3 target of this release's shape (bf16, sharded) and a draft of "
+                           "DeepSeek's released DSpark drafts' shape [the tiny pair]")
+    tiny.add_argument("--arch", choices=["qwen3", "llama"],
                       help="target architecture (llama ties its embeddings) [qwen3]")
-    tiny.add_argument("--draft-format", choices=["native", "speculators"], default="native",
+    tiny.add_argument("--draft-format", choices=["native", "speculators"],
                       help="DeepSpec native config or Speculators config [native]")
-    tiny.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    tiny.add_argument("--draft-vocab", type=int, metavar="N",
                       help="reduced draft vocabulary of N ids with a d2t map [the target's]")
-    tiny.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0],
-                      help="block layout the draft is declared with [anchor-first]")
-    tiny.add_argument("--block-size", type=int, default=4, help="trained block width [4]")
+    tiny.add_argument("--layout", choices=LAYOUTS,
+                      help=f"block layout the draft is declared with [{LAYOUTS[0]}]")
+    tiny.add_argument("--block-size", type=int, help="trained block width [4]")
     tiny.add_argument("--seed", type=int, default=0, help="random seed [0]")
     tiny.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     tiny.set_defaults(run=cmd_make_tiny, interrupted=UNCHANGED)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -153,6 +154,15 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save
 
     path.write_bytes(save(tensors, metadata={"format": "pt"}))
+
+
+def match_config_mode(directory: Path) -> None:
+    """Give the ``.safetensors`` files that ``save_pretrained`` / ``save_torch_state_dict`` wrote the
+    mode the user's umask gave ``config.json`` beside them (safetensors' ``save_file`` makes them
+    readable by their owner only)."""
+    mode = stat.S_IMODE((directory / "config.json").stat().st_mode)
+    for file in directory.glob("*.safetensors"):
+        file.chmod(mode)
 
 
 def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype):

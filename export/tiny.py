@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import write_tensors
+from .checkpoint import match_config_mode, write_tensors
 from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
@@ -99,9 +98,7 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
     _randomise_norms(model)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    # safetensors' save_file under save_pretrained makes the weights readable by their owner only;
-    # give them the mode the user's umask gave the config.json written beside them
-    (directory / "model.safetensors").chmod(stat.S_IMODE((directory / "config.json").stat().st_mode))
+    match_config_mode(directory)
     return json.loads((directory / "config.json").read_text())
 
 

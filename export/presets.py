@@ -1,0 +1,124 @@
+"""Random-weight pairs in the exact shapes of released models, for scale benchmarks
+(``python -m export make-tiny OUT --preset qwen3-4b``).
+
+The target is a Qwen3 checkpoint as the hub ships it: ``config.json``, bf16 weights in sharded
+safetensors with ``model.safetensors.index.json``, tied embeddings where the release ties them.
+The draft has the shape of DeepSeek's released DSpark drafts (``deepseek-ai/dspark_qwen3_4b_block7``,
+spec §1.1): a native DeepSpec config that is the target's with the DSpark fields overwritten,
+5 decoder layers, block 7, Markov rank 256, the full vocabulary, its own ``embed_tokens`` and
+``lm_head``, taps spread as in the releases, and a confidence head. Only the shapes are real: the
+weights are random, so these pairs measure time and memory, never acceptance.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import match_config_mode, write_tensors
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+
+
+# the Qwen3 releases' config.json shapes
+PRESETS = {
+    "qwen3-0.6b": Preset(1024, 28, 16, 3072, tie_word_embeddings=True),
+    "qwen3-1.7b": Preset(2048, 28, 16, 6144, tie_word_embeddings=True),
+    "qwen3-4b": Preset(2560, 36, 32, 9728, tie_word_embeddings=True),
+    "qwen3-8b": Preset(4096, 36, 32, 12288, tie_word_embeddings=False),
+}
+DRAFT_LAYERS, BLOCK_SIZE, MARKOV_RANK, MASK_TOKEN_ID = 5, 7, 256, 151669
+SHARD_SIZE = "4GB"   # the Qwen3 releases' shards are about this size
+SCALE = 0.02         # the releases' initializer_range: activations stay finite through every layer
+
+
+def make_preset(out: Path, name: str, seed: int = 0) -> tuple[Path, Path]:
+    """Write ``out/target`` and ``out/draft`` in the shapes of preset ``name``; returns their paths."""
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
+    torch.manual_seed(seed)
+    target = _write_target(out / "target", PRESETS[name])
+    _write_draft(out / "draft", target)
+    return out / "target", out / "draft"
+
+
+def release_taps(num_layers: int, count: int = 5) -> list[int]:
+    """Taps spread from layer 1 to layer ``N - 3`` as in the releases: ``[1, 9, 17, 25, 33]`` of 36."""
+    step = (num_layers - 4) / (count - 1)
+    return [int(1 + i * step + 0.5) for i in range(count)]
+
+
+def _random(shape, name: str) -> torch.Tensor:
+    """bf16 weights as a release stores them: norms at one, matrices small and random."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return torch.randn(shape, dtype=torch.bfloat16) * SCALE
+
+
+def _write_target(directory: Path, preset: Preset) -> dict:
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .tiny import _tokenizer
+
+    config = AutoConfig.for_model(
+        "qwen3", **{k: getattr(preset, k) for k in preset.__dataclass_fields__},
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1000000.0},
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if preset.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    directory.mkdir(parents=True)
+    save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
+                          max_shard_size=SHARD_SIZE)
+    config.save_pretrained(directory)
+    match_config_mode(directory)
+    _tokenizer().save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())
+
+
+def _write_draft(directory: Path, target: dict) -> None:
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    taps = release_taps(target["num_hidden_layers"])
+    config = {**target, "architectures": ["Qwen3DSparkModel"],
+              "num_target_layers": target["num_hidden_layers"], "num_hidden_layers": DRAFT_LAYERS,
+              "block_size": BLOCK_SIZE, "tie_word_embeddings": False,
+              "layer_types": ["full_attention"] * DRAFT_LAYERS, "mask_token_id": MASK_TOKEN_ID,
+              "target_layer_ids": taps, "num_anchors": 512, "markov_rank": MARKOV_RANK,
+              "markov_head_type": "vanilla", "enable_confidence_head": True,
+              "confidence_head_with_markov": True}
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim, intermediate = target["head_dim"], target["intermediate_size"]
+    shapes = {"embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "fc.weight": (hidden, len(taps) * hidden), "hidden_norm.weight": (hidden,),
+              "norm.weight": (hidden,), "markov_head.markov_w1.weight": (vocab, MARKOV_RANK),
+              "markov_head.markov_w2.weight": (vocab, MARKOV_RANK),
+              "confidence_head.proj.weight": (1, hidden + MARKOV_RANK), "confidence_head.proj.bias": (1,)}
+    for layer in range(DRAFT_LAYERS):
+        shapes |= {f"layers.{layer}.{name}": shape for name, shape in (
+            ("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)),
+            ("self_attn.q_proj.weight", (heads * head_dim, hidden)),
+            ("self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+            ("self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+            ("self_attn.o_proj.weight", (hidden, heads * head_dim)),
+            ("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,)),
+            ("mlp.gate_proj.weight", (intermediate, hidden)), ("mlp.up_proj.weight", (intermediate, hidden)),
+            ("mlp.down_proj.weight", (hidden, intermediate)))}
+    directory.mkdir(parents=True)
+    write_tensors({name: _random(shape, name) for name, shape in shapes.items()},
+                  directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

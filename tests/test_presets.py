@@ -1,0 +1,70 @@
+"""``make-tiny --preset``: random pairs in the exact shapes of released models. The real presets are
+benchmarks (scripts/scale_bench.py); here their shapes are checked on the meta device and a
+scaled-down preset is written and loaded."""
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+import export.__main__ as cli
+from export import presets
+from export.pair import load_pair
+
+
+@pytest.mark.parametrize("name, non_embedding", [
+    ("qwen3-0.6b", 0.44e9), ("qwen3-1.7b", 1.4e9), ("qwen3-4b", 3.6e9), ("qwen3-8b", 6.95e9)])
+def test_preset_shapes_have_the_released_parameter_counts(name, non_embedding):
+    """The model cards' non-embedding parameter counts, to their printed precision."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = presets.PRESETS[name]
+    config = AutoConfig.for_model("qwen3", **{k: getattr(p, k) for k in p.__dataclass_fields__})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embeddings = p.vocab_size * p.hidden_size * (1 if p.tie_word_embeddings else 2)
+    count = sum(t.numel() for t in model.parameters()) - embeddings
+    assert abs(count - non_embedding) < 0.01 * non_embedding, count
+
+
+def test_release_taps():
+    assert presets.release_taps(36) == [1, 9, 17, 25, 33]       # deepseek-ai/dspark_qwen3_4b_block7
+    assert presets.release_taps(28) == [1, 7, 13, 19, 25]
+
+
+@pytest.fixture
+def small_preset(monkeypatch):
+    """A preset with the real vocabulary and draft shape but a narrow, short target, in shards."""
+    monkeypatch.setitem(presets.PRESETS, "qwen3-small", presets.Preset(64, 8, 4, 128, True,
+                                                                        num_key_value_heads=2, head_dim=16))
+    monkeypatch.setattr(presets, "SHARD_SIZE", "8MB")
+    return "qwen3-small"
+
+
+def test_preset_pair_is_written_in_release_layouts_and_loads(small_preset, tmp_path):
+    cli.main(["make-tiny", str(tmp_path / "pair"), "--preset", small_preset])
+    target_dir, draft_dir = tmp_path / "pair" / "target", tmp_path / "pair" / "draft"
+    index = json.loads((target_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in [*target_dir.glob("*.safetensors"), draft_dir / "model.safetensors"]:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file
+
+    draft_config = json.loads((draft_dir / "config.json").read_text())
+    assert draft_config["num_hidden_layers"] == 5 and draft_config["block_size"] == 7
+    assert draft_config["markov_rank"] == 256 and draft_config["mask_token_id"] == 151669
+    target, draft = load_pair(target_dir, draft_dir)
+    assert draft.k == 7 and draft.config.target_layer_ids == (1, 2, 3, 4, 5)
+    assert draft.embed_tokens.weight.shape == (151936, 64)
+    # the draft's own embeddings, not the target's shared ones
+    assert not torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
+    assert target.lm_head.weight.data_ptr() == target.embed_tokens.weight.data_ptr()   # tied, held once
+
+
+def test_preset_refuses_tiny_shape_flags(tmp_path):
+    with pytest.raises(SystemExit, match="--preset qwen3-4b: a preset fixes every shape; leave out --arch"):
+        cli.main(["make-tiny", str(tmp_path / "p"), "--preset", "qwen3-4b", "--arch", "llama"])
+    assert not Path(tmp_path / "p").exists()
