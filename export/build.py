@@ -163,18 +163,20 @@ def _save_tokenizer(target_dir: Path, destination: Path) -> str:
 
 def _example_inputs(target, draft, specs: dict[str, GraphSpec], limits: Limits) -> dict:
     """Deterministic inputs: one set to trace with, another (other sizes) to verify with, so that
-    the dynamic axes are really dynamic."""
+    the dynamic axes are really dynamic. Each sequence's ``logit_rows`` are drawn apart (a ragged
+    choice, as the loop's prefill makes), and every axis size differs from the others and from 1,
+    which torch.export would otherwise take for a constant or for a link between axes."""
     generator = torch.Generator().manual_seed(0)
     vocab, capacity, block = target.config.vocab_size, limits.max_seq_len, draft.config.block_size
     sets: dict[str, dict] = {"target": {}, "draft": {}}
-    for purpose, batch, rows in (("trace", 2, 3), ("verify", min(3, limits.max_batch), 5)):
+    for purpose, batch, rows, logit_rows in (("trace", 2, 3, 4), ("verify", min(3, limits.max_batch), 5, 2)):
         rows = min(rows, limits.max_prompt_chunk) if purpose == "verify" else rows
         if capacity < rows + block:
             raise ValueError(f"--max-seq-len {capacity}: too small to hold a prompt chunk and a "
                              f"draft block of {block}")
         sets["target"][purpose] = sample_inputs(
-            specs["target"], {"batch": batch, "rows": rows}, generator,
-            {"input_ids": vocab, "start": capacity - rows + 1})
+            specs["target"], {"batch": batch, "rows": rows, "logit_rows": logit_rows}, generator,
+            {"input_ids": vocab, "start": capacity - rows + 1, "logit_rows": rows})
         draft_inputs = sample_inputs(
             specs["draft"], {"batch": batch, "ctx_rows": rows}, generator,
             {"ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1, "anchor": vocab})

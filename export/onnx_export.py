@@ -63,9 +63,10 @@ def target_spec(target: TargetStep, limits: Limits) -> GraphSpec:
     return GraphSpec("target.onnx", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "rows")),
         TensorSpec("start", "int64", ("batch",)),
+        TensorSpec("logit_rows", "int64", ("batch", "logit_rows")),
         *_caches(d, limits.max_seq_len, dtype),
     ), outputs=(
-        TensorSpec("logits", dtype, ("batch", "rows", c.vocab_size)),
+        TensorSpec("logits", dtype, ("batch", "logit_rows", c.vocab_size)),
         TensorSpec("aux", dtype, ("batch", "rows", len(target.taps) * d.hidden_size)),
         *_caches(d, limits.max_seq_len, dtype, "_out"),
     ))
@@ -114,7 +115,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     if opset not in OPSETS:
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
-              "ctx_rows": limits.max_prompt_chunk}
+              "ctx_rows": limits.max_prompt_chunk, "logit_rows": limits.max_prompt_chunk}
     # torch.export needs max > min and the tracing sizes inside; the runtime enforces the limits
     dims = {name: torch.export.Dim(name, min=1, max=max(top, 8)) for name, top in bounds.items()}
     dynamic = [{axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}

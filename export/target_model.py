@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
@@ -18,13 +19,19 @@ from .target_config import TargetConfig, load_target_config
 
 class TargetStep(nn.Module):
     """``input_ids [B, S]``, ``start [B]`` (each row's valid cache length, where its block is
-    written; positions are ``start + i``), per-layer caches ``k_0, v_0, k_1, ...`` each
+    written; positions are ``start + i``), ``logit_rows [B, L]`` (the rows, ``0 .. S - 1``, of each
+    sequence whose logits are wanted), per-layer caches ``k_0, v_0, k_1, ...`` each
     ``[B, Hkv, C, D]`` ->
 
-    - ``logits [B, S, V]``,
+    - ``logits [B, L, V]``: row ``j`` is the logits of row ``logit_rows[b, j]``;
     - ``aux [B, S, T*H]``: the raw residual stream after each tap layer (DeepSpec convention,
       ``-1`` = embeddings), concatenated in ascending layer order, which is the draft's input;
     - the updated caches.
+
+    The loop reads one row per prompt in prefill and the ``k + 1`` rows of a verify step, so the
+    hidden rows are picked before the final norm and ``lm_head``: a 512-row prefill chunk of a
+    152k-token vocabulary computes and returns 1 row of logits instead of 512. The rows are an
+    input, not a count of last rows, because a ragged batch's prompts end at different rows.
     """
 
     def __init__(self, config: TargetConfig, taps: Sequence[int] = ()):
@@ -38,7 +45,7 @@ class TargetStep(nn.Module):
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(d)
 
-    def forward(self, input_ids, start, *caches):
+    def forward(self, input_ids, start, logit_rows, *caches):
         positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -49,9 +56,13 @@ class TargetStep(nn.Module):
             new_caches += [k, v]
             if index in self.taps:
                 aux.append(h)
-        logits = self.lm_head(self.norm(h))
         aux = torch.cat(aux, dim=-1) if aux else h.new_zeros(*h.shape[:2], 0)
-        return logits, aux, *new_caches
+        picked = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
+        # 2-D: exports as one Gemm(transB=1) that reads the weight as it is stored; a 3-D linear
+        # exports as MatMul(x, Transpose(W)), which the optimizer folds into a transposed copy
+        # of W, a second copy of a tied embedding
+        logits = F.linear(self.norm(picked).flatten(0, 1), self.lm_head.weight)
+        return logits.unflatten(0, logit_rows.shape), aux, *new_caches
 
     def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
         weight = self.lm_head.weight
@@ -72,7 +83,18 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     tensors = {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")}
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
     check_layer_count(tensors, config.decoder.num_layers, f"{config_file}: field 'num_hidden_layers'")
-    return build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
+    target = build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
+    if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
+        # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
+        # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
+        # over the same storage still become two initializers)
+        target.lm_head.weight = target.embed_tokens.weight
+    return target
+
+
+def every_row(input_ids: torch.Tensor) -> torch.Tensor:
+    """``logit_rows`` that ask for the logits of every row of ``input_ids [B, S]``."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
 
 
 def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,10 +1,11 @@
 """CUDA-graph capture and replay of a step function, shared by the TensorRT backend and the
 PyTorch backend on CUDA.
 
-One graph per key (phase, batch, rows): the step's per-call inputs are copied into static buffers,
-the graph replays, and its static outputs are returned. State the step updates in place (the KV
-caches) is passed by reference and captured as it is. Our steps are idempotent for equal inputs
-(they write the same cache rows), so the warm-up runs before capture change nothing.
+One graph per key (phase and the sizes of the step's dynamic axes: batch, rows, logit rows): the
+step's per-call inputs are copied into static buffers, the graph replays, and its static outputs
+are returned. State the step updates in place (the KV caches) is passed by reference and captured
+as it is. Our steps are idempotent for equal inputs (they write the same cache rows), so the
+warm-up runs before capture change nothing.
 """
 from __future__ import annotations
 

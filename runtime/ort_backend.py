@@ -102,10 +102,10 @@ class OrtBackend(EngineBackend):
 
         return {name: buffer(name) for name in feeds}, [buffer(name) for name in outputs]
 
-    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         batch, rows = input_ids.shape
-        return self._run("target", {"input_ids": input_ids, "start": start}, ("logits", "aux"),
-                         {"batch": batch, "rows": rows})
+        return self._run("target", {"input_ids": input_ids, "start": start, "logit_rows": logit_rows},
+                         ("logits", "aux"), {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]})
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,

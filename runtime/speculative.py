@@ -142,6 +142,7 @@ class Decoding:
         zero_noise = torch.zeros(noise_shape, device=device) if self.speculative and greedy else None
         no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=device)
         no_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+        first_row = torch.zeros(batch, 1, dtype=torch.long, device=device)   # logit rows of 1 anchor
         every_draft = torch.full((batch,), backend.k, device=device)
         anchor_pos = lengths.clone()                 # = each target cache's valid length
         positions = lengths.tolist()
@@ -157,8 +158,9 @@ class Decoding:
                 limit = every_draft                  # drafts proposed, per sequence
                 if self.confidence_threshold > 0:
                     drafts, q, limit = self._confident(drafts, q, live)
-                logits, aux = timed("verify", backend.target_step,
-                                    torch.cat([anchor[:, None], drafts], 1), anchor_pos)
+                block = torch.cat([anchor[:, None], drafts], 1)
+                every_row = torch.arange(block.shape[1], device=device).expand(block.shape)
+                logits, aux = timed("verify", backend.target_step, block, anchor_pos, every_row)
                 if greedy:
                     accepted, emitted = greedy_verify(drafts, logits, limit)
                 else:
@@ -166,7 +168,8 @@ class Decoding:
                     accepted, emitted = rejection_verify(drafts, q, p, self.generator, limit)
             else:
                 drafts, accepted, limit = no_drafts, no_accepted, no_accepted
-                logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos)
+                logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos,
+                                    first_row)
                 emitted = next_token(logits, self.temperature, self.top_p, self.generator)
 
             # the step's only device -> host copy: accepted and proposed counts, emitted tokens,
@@ -247,20 +250,25 @@ def _prefill(backend, prompts, lengths, speculative: bool):
     """Run the prompts through the target in chunks of at most ``backend.max_prompt_chunk`` rows
     (right-padded: rows past a prompt's end are scratch). Every chunk but the last is inserted into
     the draft's context right away (its proposals are discarded); the last one is returned as the
-    first draft step's context. Returns each prompt's last-position logits and that context."""
+    first draft step's context. Returns each prompt's last-position logits and that context.
+
+    Each chunk asks the target for one row of logits per prompt: its last row where the prompt
+    ends in the chunk, a row that is not read otherwise (clamped into the chunk)."""
     batch, longest, device = len(prompts), max(map(len, prompts)), lengths.device
     padded = torch.zeros(batch, longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         padded[b, : len(prompt)] = torch.tensor(prompt)
     padded = padded.to(device)
-    chunk, everyone = backend.max_prompt_chunk, torch.arange(batch, device=device)
+    chunk = backend.max_prompt_chunk
     last_logits = None
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
-        logits, aux = backend.target_step(ids, torch.full((batch,), begin, device=device))
         last_row = lengths - 1 - begin
         here = (last_row >= 0) & (last_row < ids.shape[1])
-        picked = logits[everyone, last_row.clamp(0, ids.shape[1] - 1)]
+        logits, aux = backend.target_step(ids, torch.full((batch,), begin, device=device),
+                                          last_row.clamp(0, ids.shape[1] - 1)[:, None])
+        # a copy: an engine backend reuses its output buffer for the next chunk of this shape
+        picked = logits[:, 0].clone()
         last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)
         context = (aux, lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
         if speculative and begin + chunk < longest:

@@ -19,8 +19,8 @@ from .engine_backend import check_batch, lookahead
 
 
 class TorchBackend:
-    """``device="cuda"`` with ``cuda_graphs=True`` captures each (step, batch, rows) once and
-    replays it, the same way the TensorRT backend does (``cuda_graphs.py``)."""
+    """``device="cuda"`` with ``cuda_graphs=True`` captures each (step, batch, rows, logit rows)
+    once and replays it, the same way the TensorRT backend does (``cuda_graphs.py``)."""
 
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
                  max_batch: int = 1 << 16, max_prompt_chunk: int | None = None,
@@ -78,10 +78,11 @@ class TorchBackend:
             graphs.clear()
 
     @torch.no_grad()
-    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor):
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         if self.graphs is not None:
-            return self.graphs["target"](tuple(input_ids.shape), [input_ids, start])
-        logits, aux, *self.target_cache = self.target(input_ids, start, *self.target_cache)
+            return self.graphs["target"]((*input_ids.shape, logit_rows.shape[1]),
+                                         [input_ids, start, logit_rows])
+        logits, aux, *self.target_cache = self.target(input_ids, start, logit_rows, *self.target_cache)
         return logits, aux
 
     @torch.no_grad()

@@ -1,8 +1,8 @@
 """The TensorRT / TensorRT-RTX backend: an engine directory's engines on a CUDA GPU.
 
 Device buffers are torch CUDA tensors; each cache is one buffer bound as both the cache input and
-its output, so the plugin writes in place. Every (graph, profile, batch, rows) shape is run twice
-to warm up, captured once as a CUDA graph and replayed from then on (``cuda_graphs.py``). Outputs
+its output, so the plugin writes in place. Every (graph, profile, sizes of the dynamic axes) is run
+twice to warm up, captured once as a CUDA graph and replayed from then on (``cuda_graphs.py``). Outputs
 stay on the device; the loop's verification runs there too, so a step's only host copy is the
 accepted tokens.
 """
@@ -70,25 +70,29 @@ class TrtBackend(EngineBackend):
             graphs.clear()
         self._outputs.clear()
 
-    def target_step(self, input_ids, start):
-        return self._run("target", [input_ids, start], tuple(input_ids.shape))
+    def target_step(self, input_ids, start, logit_rows):
+        batch, rows = input_ids.shape
+        return self._run("target", [input_ids, start, logit_rows],
+                         {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]})
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        batch, rows = ctx_aux.shape[:2]
         return self._run("draft", [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise],
-                         tuple(ctx_aux.shape[:2]))
+                         {"batch": batch, "ctx_rows": rows})
 
-    def _run(self, graph: str, inputs: list[torch.Tensor], shape: tuple):
-        batch, rows = shape
+    def _run(self, graph: str, inputs: list[torch.Tensor], sizes: dict[str, int]):
+        """``sizes``: the step's dynamic axes; the rows (``rows`` or ``ctx_rows``) pick the profile."""
+        rows = sizes.get("rows", sizes.get("ctx_rows"))
         profile = "decode" if rows <= self.k + 1 else "prefill"
-        self._key = (graph, profile, batch, rows)
+        self._key = (graph, profile, *sizes.items())
         return self.graphs[graph](self._key[1:], [t.to(self.device) for t in inputs])
 
     def _execute(self, graph: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """Bind and enqueue one step (called for warm-up and inside the graph capture)."""
-        _, profile, batch, rows = self._key
+        _, profile, *sizes = self._key
+        sizes = dict(sizes)
         context = self.contexts[graph, profile]
         spec = self.manifest["graphs"][graph]
-        sizes = {"batch": batch, "rows": rows, "ctx_rows": rows}
         plain = [t for t in spec["inputs"] if not is_cache(t["name"])]
         for tensor_spec, value in zip(plain, inputs):
             context.set_input_shape(tensor_spec["name"], tuple(value.shape))

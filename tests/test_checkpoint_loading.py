@@ -18,7 +18,7 @@ from export.checkpoint import CheckpointError
 from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR, load_draft_config, resolve_k
 from export.draft_model import load_draft
 from export.pair import load_pair
-from export.target_model import load_target
+from export.target_model import every_row, load_target
 from export.tiny import CHARACTERS, SPECIALS
 
 VOCAB = len(SPECIALS) + len(CHARACTERS)
@@ -75,7 +75,7 @@ def refused(load, where: Path, match: str) -> CheckpointError:
 def run_target(target, ids: list[int]):
     batch = torch.tensor([ids])
     start = torch.zeros(1, dtype=torch.long)
-    return target(batch, start, *target.empty_cache(1, 16))
+    return target(batch, start, every_row(batch), *target.empty_cache(1, 16))
 
 
 # --- targets -----------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_llama_target_ties_lm_head_to_embeddings(tiny):
     target = load_target(target_dir)
     assert target.config.architecture == "LlamaForCausalLM"
     assert target.config.tie_word_embeddings and not target.config.decoder.qk_norm
-    assert torch.equal(target.lm_head.weight, target.embed_tokens.weight)
+    assert target.lm_head.weight is target.embed_tokens.weight   # one tensor: one ONNX initializer
 
 
 def test_eos_ids_come_from_generation_config(tiny, tmp_path):

@@ -216,7 +216,8 @@ def test_training_forward_matches_the_inference_forward(tiny, vocab):
     the Markov bias of the true predecessors."""
     target, draft = load_pair(*tiny(draft_vocab=vocab))
     tokens = torch.tensor(PROMPTS[2] + PROMPTS[0])
-    _, aux, *_ = target(tokens[None], torch.zeros(1, dtype=torch.long), *target.empty_cache(1, 32))
+    _, aux, *_ = target(tokens[None], torch.zeros(1, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long),
+                        *target.empty_cache(1, 32))
     anchors = torch.tensor([3, 7, 11, 14])
     logits, labels = teacher_forced_logits(draft, aux[0], tokens, anchors)
     block = draft.config.block_size

@@ -12,6 +12,7 @@ import torch
 import export.__main__ as cli
 from export import demo_pair
 from export.pair import load_pair
+from export.target_model import every_row
 from runtime import Generator
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
@@ -47,7 +48,8 @@ def test_gguf_target_matches_transformers(smollm2):
     assert target.config.architecture == "LlamaForCausalLM" and target.config.decoder.num_layers == 30
     with torch.no_grad():
         reference = hf(torch.tensor([ids[0]])).logits
-        logits, *_ = target(torch.tensor([ids[0]]), torch.tensor([0]), *target.empty_cache(1, 64))
+        prompt = torch.tensor([ids[0]])
+        logits, *_ = target(prompt, torch.tensor([0]), every_row(prompt), *target.empty_cache(1, 64))
     assert (logits - reference).abs().max() < 1e-4
     assert "Paris" in tokenizer.decode(expected[0])
 

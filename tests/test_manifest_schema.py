@@ -93,6 +93,10 @@ WRONG_SHAPES = {  # name: (the manifest made from a built one, the JSON path, wh
     "schema_version true": (lambda m: m | {"schema_version": True}, "$.schema_version",
                             "expected 1, got True"),
     "dtype int8": (lambda m: m | {"dtype": "int8"}, "$.dtype", "'int8' is not one of"),
+    "a target graph built before logit_rows": (
+        lambda m: m | {"graphs": m["graphs"] | {"target": m["graphs"]["target"] | {
+            "inputs": [t for t in m["graphs"]["target"]["inputs"] if t["name"] != "logit_rows"]}}},
+        "$.graphs.target.inputs[2].name", "expected 'logit_rows', got 'k_cache_0'"),
 }
 
 

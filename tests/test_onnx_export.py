@@ -68,6 +68,17 @@ def test_graph_io_matches_the_manifest(engine):
             assert actual == declared
 
 
+def test_a_tied_target_holds_its_embedding_once(engine):
+    """The Llama pair ties lm_head to the embeddings, the Qwen3 pair does not: a [V, H] weight
+    (or its transpose) is stored once, respectively twice, in target.onnx.data."""
+    directory, *_ = engine
+    target = _manifest(directory)["target"]
+    vocab, hidden = target["vocab_size"], target["decoder"]["hidden_size"]
+    model = onnx.load(directory / "target.onnx", load_external_data=False)
+    embeddings = [i.name for i in model.graph.initializer if sorted(i.dims) == sorted([vocab, hidden])]
+    assert len(embeddings) == (1 if target["tie_word_embeddings"] else 2), embeddings
+
+
 def test_manifest_makes_the_directory_self_contained(engine):
     directory, target_dir, draft_dir = engine
     manifest = _manifest(directory)
@@ -92,9 +103,10 @@ class Recorder(TorchBackend):
         """``k_cache_0, v_cache_0, k_cache_1, ...`` feeds, copied before the step writes."""
         return {f"{'kv'[i % 2]}_cache_{i // 2}": t.clone() for i, t in enumerate(tensors)}
 
-    def target_step(self, input_ids, start):
-        feeds = {"input_ids": input_ids, "start": start, **self._caches(self.target_cache)}
-        out = super().target_step(input_ids, start)
+    def target_step(self, input_ids, start, logit_rows):
+        feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows,
+                 **self._caches(self.target_cache)}
+        out = super().target_step(input_ids, start, logit_rows)
         self.calls["target"].append((feeds, [*out, *self.target_cache]))
         return out
 

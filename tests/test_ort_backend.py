@@ -48,7 +48,7 @@ def test_caches_are_bound_in_place(case):
     binding = backend.bindings["target"]
     count = sum(is_cache(t["name"]) for t in backend.manifest["graphs"]["target"]["inputs"])
     before = [v.data_ptr() for v in binding.get_outputs()[:count]]
-    backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]))
+    backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]), torch.tensor([[2], [0]]))
     after = binding.get_outputs()[:count]
     assert [v.data_ptr() for v in after] == before
     k0 = after[0].numpy()

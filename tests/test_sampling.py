@@ -34,9 +34,10 @@ def _exact_marginals(target, temperature):
     """Exact distributions of generated tokens 2 and 3 under the target alone."""
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
-        logits, *_ = target(ids, torch.zeros(len(ids), dtype=torch.long),
+        last = torch.full((len(ids), 1), ids.shape[1] - 1)
+        logits, *_ = target(ids, torch.zeros(len(ids), dtype=torch.long), last,
                             *target.empty_cache(len(ids), ids.shape[1]))
-        return probabilities(logits[:, -1], temperature)
+        return probabilities(logits[:, 0], temperature)
 
     vocab = target.config.vocab_size
     p1 = next_probs([PROMPT])[0]

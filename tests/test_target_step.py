@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from export.target_model import load_target
+from export.target_model import every_row, load_target
 
 TOL = 1e-4
 
@@ -23,7 +23,7 @@ def test_prefill_logits_and_taps(pair):
     target, hf = pair
     ids = _ids(12)
     reference = hf(ids, output_hidden_states=True)
-    logits, aux, *_ = target(ids, torch.tensor([0]), *target.empty_cache(1, 32))
+    logits, aux, *_ = target(ids, torch.tensor([0]), every_row(ids), *target.empty_cache(1, 32))
     assert (logits - reference.logits).abs().max() < TOL
     # taps are raw residual streams: embeddings (-1), after layer 0, after layer 2, in that order
     hidden = target.config.decoder.hidden_size
@@ -37,28 +37,32 @@ def test_incremental_steps_match_full_forward(pair, step):
     ids = _ids(16, seed=1)
     reference = hf(ids).logits
     cache = target.empty_cache(1, 32)
-    logits, _, *cache = target(ids[:, :6], torch.tensor([0]), *cache)
+    logits, _, *cache = target(ids[:, :6], torch.tensor([0]), every_row(ids[:, :6]), *cache)
     pieces = [logits]
     for begin in range(6, 16, step):
         chunk = ids[:, begin:begin + step]
-        logits, _, *cache = target(chunk, torch.tensor([begin]), *cache)
+        logits, _, *cache = target(chunk, torch.tensor([begin]), every_row(chunk), *cache)
         pieces.append(logits)
     assert (torch.cat(pieces, dim=1) - reference).abs().max() < TOL
 
 
 def test_batch_rows_are_independent_with_ragged_lengths(pair):
-    """Each row writes at its own start; rows past a row's valid length are scratch."""
+    """Each row writes at its own start; rows past a row's valid length are scratch. The prefill
+    asks for each prompt's last two rows (``logit_rows`` differ per sequence), the step for all."""
     target, hf = pair
     prompts = [_ids(n, seed=n)[0] for n in (3, 9, 6)]
     padded = torch.zeros(3, 9, dtype=torch.long)
     for b, p in enumerate(prompts):
         padded[b, :len(p)] = p
     cache = target.empty_cache(3, 32)
-    logits, _, *cache = target(padded, torch.zeros(3, dtype=torch.long), *cache)
+    last_two = torch.tensor([[len(p) - 2, len(p) - 1] for p in prompts])
+    logits, _, *cache = target(padded, torch.zeros(3, dtype=torch.long), last_two, *cache)
+    assert logits.shape == (3, 2, target.config.vocab_size)
     next_ids = torch.tensor([[7, 8], [9, 10], [11, 12]])
-    step_logits, _, *cache = target(next_ids, torch.tensor([len(p) for p in prompts]), *cache)
+    step_logits, _, *cache = target(next_ids, torch.tensor([len(p) for p in prompts]), every_row(next_ids),
+                                    *cache)
     for b, p in enumerate(prompts):
         full = torch.cat([p, next_ids[b]])[None]
         reference = hf(full).logits[0]
-        assert (logits[b, :len(p)] - reference[:len(p)]).abs().max() < TOL
+        assert (logits[b] - reference[len(p) - 2:len(p)]).abs().max() < TOL
         assert (step_logits[b] - reference[len(p):]).abs().max() < TOL

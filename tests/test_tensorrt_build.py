@@ -56,6 +56,9 @@ def test_profiles_follow_the_limits(engine):
     profiles = manifest["trt-rtx"]["profiles"]
     assert profiles["target"]["prefill"]["input_ids"] == [[1, 1], [4, 16], [4, 16]]
     assert profiles["target"]["decode"]["input_ids"] == [[1, 1], [4, k + 1], [4, k + 1]]
+    # logits for one row per prompt in prefill, k + 1 rows when verifying
+    assert profiles["target"]["prefill"]["logit_rows"] == [[1, 1], [4, 1], [4, k + 1]]
+    assert profiles["target"]["decode"]["logit_rows"] == [[1, 1], [4, k + 1], [4, k + 1]]
     assert profiles["draft"]["decode"]["ctx_aux"][2][1] == k + 1
     assert profiles["draft"]["prefill"]["k_cache_0"][2][0] == 4
 
