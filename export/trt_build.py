@@ -136,7 +136,7 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
                                f"{logger.last_error or 'see the TensorRT log'}")
     if cache_path is not None:
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return bytes(serialized), plugins
+    return serialized, plugins   # IHostMemory: written through its buffer, never copied to bytes
 
 
 def _plugin_layers(trt, network) -> dict[str, int]:
