@@ -74,7 +74,7 @@ class DraftStep(nn.Module):
         written at rows ``ctx_start + i``. Context rows bypass the layers' ``input_layernorm``."""
         rows = ctx_aux.shape[1]
         positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
-        context = self.hidden_norm(self.fc(ctx_aux))
+        context = self.context_input(ctx_aux)
         cos, sin = self.rotary.cos_sin(positions, context.dtype)
         batch, kv_heads, _, head_dim = caches[0].shape
         index = positions[:, None, :, None].expand(batch, kv_heads, rows, head_dim)
@@ -84,6 +84,17 @@ class DraftStep(nn.Module):
             new_caches += [caches[2 * layer_index].scatter(2, index, k),
                            caches[2 * layer_index + 1].scatter(2, index, v)]
         return new_caches
+
+    def context_input(self, ctx_aux):
+        """``hidden_norm(fc(ctx_aux))`` in ``fc``'s precision, fp32 even in an fp16 / bf16 draft
+        (see ``keep_context_input_fp32``), then cast to the model dtype for the layers."""
+        island = self.fc.weight.dtype
+        return self.hidden_norm(self.fc(ctx_aux.to(island))).to(self.lm_head.weight.dtype)
+
+    def precision(self) -> dict[str, torch.dtype]:
+        """Which parts compute in which dtype, for the manifest."""
+        return {"fc": self.fc.weight.dtype, "hidden_norm": self.hidden_norm.weight.dtype,
+                "rest": self.lm_head.weight.dtype}
 
     def block_logits(self, anchor, anchor_pos, *caches):
         """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
@@ -179,7 +190,24 @@ def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
         config = replace(config, draft_vocab_size=tc.vocab_size)
         for name in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
             tensors[name] = tensors[name][:tc.vocab_size]
-    return build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
+    island = {name: tensors[name] for name in FP32_ISLAND}  # build_module consumes ``tensors``
+    draft = build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
+    return keep_context_input_fp32(draft, island)
+
+
+# The draft's context input, kept in fp32 whatever the model dtype: Qwen3's tap activations reach
+# ~2e4, so the concatenated taps times ``fc`` overflow fp16 (TensorRT Edge-LLM accumulates its
+# DSpark ``fc`` in fp32 for the same reason), and bf16 has the range but only 8 significant bits.
+FP32_ISLAND = ("fc.weight", "hidden_norm.weight")
+
+
+def keep_context_input_fp32(draft: DraftStep, tensors: dict[str, torch.Tensor]) -> DraftStep:
+    """Give ``fc`` and ``hidden_norm`` their checkpoint ``tensors`` in fp32 (``build_module`` cast
+    them to the model dtype); ``DraftStep.context_input`` then computes in fp32."""
+    for name in FP32_ISLAND:
+        module = draft.get_submodule(name.removesuffix(".weight"))
+        module.weight = nn.Parameter(tensors[name].float(), requires_grad=False)
+    return draft
 
 
 def _check_d2t(d2t: torch.Tensor, draft_vocab: int, target_vocab: int, directory: Path) -> None:
