@@ -15,6 +15,7 @@ def _context(target, prompts):
     for b, p in enumerate(prompts):
         padded[b, :len(p)] = torch.tensor(p)
     _, aux, *_ = target(padded, torch.zeros(len(prompts), dtype=torch.long),
+                          torch.zeros(len(prompts), 1, dtype=torch.long),
                           *target.empty_cache(len(prompts), 64))
     return aux, lengths
 
