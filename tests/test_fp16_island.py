@@ -61,7 +61,8 @@ def test_module_fp16_drafts_equal_fp32_drafts_on_large_taps(drafts):
     assert fp16.precision() == {"fc": torch.float32, "hidden_norm": torch.float32, "rest": torch.float16}
     # the same draft with fc and hidden_norm in fp16, as it was before the island: overflow, wrong drafts
     without = copy.deepcopy(fp16)
-    without.fc.half(), without.hidden_norm.half()
+    without.fc.half()
+    without.hidden_norm.half()
     assert without.fc(_inputs(without)["ctx_aux"]).isinf().any()
     assert not torch.equal(_module_tokens(without), expected)
 
