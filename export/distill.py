@@ -464,7 +464,9 @@ class _TapCache:
     @torch.no_grad()
     def _taps(self, index: int) -> torch.Tensor:
         tokens = self.sequences[index][0]
-        _, aux, *_ = self.target(tokens[None], torch.zeros(1, dtype=torch.long),
+        # no logit rows: distillation reads the taps only, so the lm_head is not run
+        no_rows = torch.zeros(1, 0, dtype=torch.long)
+        _, aux, *_ = self.target(tokens[None], torch.zeros(1, dtype=torch.long), no_rows,
                                  *self.target.empty_cache(1, tokens.numel()))
         return aux[0]
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: the target graph takes logit_rows; the draft records its precision
 FILENAME = "manifest.json"
 SCHEMA = Path(__file__).with_name("manifest.schema.json")  # of SCHEMA_VERSION; shipped as package data
 HASHED_SUFFIXES = (".json", ".safetensors", ".gguf", ".model", ".jinja", ".txt")

@@ -88,10 +88,12 @@ WRONG_SHAPES = {  # name: (the manifest made from a built one, the JSON path, wh
                            "$.limits.max_batch", "'4' is not of type 'integer'"),
     "max_batch 0": (lambda m: m | {"limits": m["limits"] | {"max_batch": 0}},
                     "$.limits.max_batch", "0 is less than the minimum of 1"),
-    "schema_version 0": (lambda m: m | {"schema_version": 0}, "$.schema_version", "expected 1, got 0"),
-    "schema_version '1'": (lambda m: m | {"schema_version": "1"}, "$.schema_version", "expected 1, got '1'"),
+    "schema_version 0": (lambda m: m | {"schema_version": 0}, "$.schema_version", "expected 2, got 0"),
+    "schema_version '2'": (lambda m: m | {"schema_version": "2"}, "$.schema_version", "expected 2, got '2'"),
+    "schema_version 1 (before logit_rows)": (lambda m: m | {"schema_version": 1}, "$.schema_version",
+                                             "expected 2, got 1"),
     "schema_version true": (lambda m: m | {"schema_version": True}, "$.schema_version",
-                            "expected 1, got True"),
+                            "expected 2, got True"),
     "dtype int8": (lambda m: m | {"dtype": "int8"}, "$.dtype", "'int8' is not one of"),
     "a target graph built before logit_rows": (
         lambda m: m | {"graphs": m["graphs"] | {"target": m["graphs"]["target"] | {
@@ -116,7 +118,7 @@ def test_inspect_names_the_bad_field_in_one_line(built, tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("version", [2, 99])
+@pytest.mark.parametrize("version", [3, 99])
 def test_a_future_schema_version_says_upgrade(built, tmp_path, version):
     """Whatever else a newer manifest holds, it is refused as newer, not as malformed."""
     message = refusal(engine_with(tmp_path, {**built, "schema_version": version, "new_field": 1}))
