@@ -114,9 +114,9 @@ def test_polygraphy_inspects_and_runs_the_graphs(built):
                            capture_output=True, text=True, check=True).stdout
     assert "Other Opsets: {'dspark': 1}" in shown and "tokens" in shown
     run = subprocess.run([*polygraphy, "run", str(built / "target.onnx"), "--onnxrt",
-                          "--input-shapes", "input_ids:[2,5]", "start:[2]",
+                          "--input-shapes", "input_ids:[2,5]", "start:[2]", "logit_rows:[2,1]",
                           *[f"{kind}_cache_{layer}:[2,2,64,16]" for layer in range(4) for kind in "kv"],
-                          "--val-range", "input_ids:[0,80]", "start:[0,50]"],
+                          "--val-range", "input_ids:[0,80]", "start:[0,50]", "logit_rows:[0,4]"],
                          capture_output=True, text=True)
     assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr
 
