@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import runtime.generate as cli
+from export.manifest import SCHEMA_VERSION
 from export.onnx_export import Limits
 from runtime import Generator
 from runtime.ort_backend import OrtBackend
@@ -147,8 +148,9 @@ def test_cli_refuses_missing_or_newer_manifest(engine, tmp_path):
     manifest = json.loads((engine / "manifest.json").read_text())
     newer = tmp_path / "newer"
     newer.mkdir()
-    (newer / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 2}))
-    with pytest.raises(SystemExit, match="schema_version 2 is newer .* upgrade dspark-trt or rebuild"):
+    future = SCHEMA_VERSION + 1
+    (newer / "manifest.json").write_text(json.dumps({**manifest, "schema_version": future}))
+    with pytest.raises(SystemExit, match=f"schema_version {future} is newer .* upgrade dspark-trt"):
         cli.main(["--engine", str(newer), "--prompt", "hi"])
 
 

@@ -307,8 +307,11 @@ def test_importing_the_package_does_not_import_torch():
 
 def _interrupted(command: list, when) -> subprocess.CompletedProcess:
     """Run ``command``, send SIGINT after ``when`` seconds (or once it printed a line), return the run."""
+    # a shell without job control starts background commands with SIGINT ignored, and children
+    # inherit that (Python then installs no KeyboardInterrupt handler): give the command the default
     process = subprocess.Popen([sys.executable, "-m", *map(str, command)], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if when == "first output":
         process.stdout.readline()
     else:
