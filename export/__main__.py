@@ -12,7 +12,7 @@ from .draft_config import LAYOUTS
 from .manifest import ManifestError
 from .onnx_check import VerificationError
 from .outputs import check_replaceable, staged_directory
-from .presets import PRESETS
+from .presets import PRESETS, make_preset
 from .tiny import TinySpec, make_tiny
 from .trt_build import EngineBuildError
 
@@ -29,8 +29,6 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
         if shape_flags:
             given = ", ".join("--" + name.replace("_", "-") for name in shape_flags)
             raise ValueError(f"--preset {args.preset}: a preset fixes every shape; leave out {given}")
-        from .presets import make_preset
-
         def write(directory):
             return make_preset(directory, args.preset, seed=args.seed)
         described = (f"{args.preset}-shaped Qwen3 target (random bf16 weights, sharded)",
