@@ -1,10 +1,14 @@
 """``python -m export build``: checkpoints -> a self-contained engine directory.
 
-Phases: load (resolve, hash, build the PyTorch modules), export (trace each step to ONNX), verify
-(checker, shape inference, ONNX Runtime vs PyTorch), then the manifest and the tokenizer.
+One model at a time (the draft, then the target): load it, trace it to ONNX, compute the reference
+outputs, let its PyTorch weights go, then verify the written graph (checker, shape inference, ONNX
+Runtime vs those references). The process never holds both models, nor one model's weights twice,
+so a build's peak memory stays near the larger model's weights. Then the engines, the manifest and
+the tokenizer.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import platform
 import time
@@ -16,9 +20,12 @@ from tqdm.auto import tqdm
 
 from . import manifest as manifest_file
 from .checkpoint import CheckpointError, hf_location, resolve
+from .draft_config import load_draft_config
+from .draft_model import DraftStep, load_draft
 from .onnx_check import check_model, compare_with_reference
 from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
-from .pair import load_pair
+from .target_config import load_target_config
+from .target_model import TargetStep, load_target
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOKENIZER_DIR = "tokenizer"
@@ -47,8 +54,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     _check_limits(limits)
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()
-    steps = ["load checkpoints", "export target", "export draft", "verify target", "verify draft",
-             *([f"build {backend} engines"] if backend != "onnx" else []), "write manifest"]
+    steps = ["read configs", "draft", "target", *([f"build {backend} engines"] if backend != "onnx" else []),
+             "write manifest"]
     bar = tqdm(total=len(steps), disable=not progress, unit="phase", leave=False)
 
     def phase(name: str) -> None:
@@ -56,59 +63,60 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
 
     phase(steps[0])
     target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
-    target_step, draft_step = load_pair(target_dir, draft_dir, k=k, dtype=DTYPES[dtype])
-    if limits.max_seq_len > target_step.config.max_position_embeddings:
+    target_config = load_target_config(target_dir)
+    if limits.max_seq_len > target_config.max_position_embeddings:
         raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "
-                         f"{target_step.config.max_position_embeddings} positions")
+                         f"{target_config.max_position_embeddings} positions")
+    decoder = target_config.decoder
+    draft_config = load_draft_config(draft_dir, decoder.num_layers, decoder.hidden_size)
     sources = {"target": _source(target, target_dir), "draft": _source(draft, draft_dir)}
     tokenizer = _save_tokenizer(target_dir, out / TOKENIZER_DIR)
     bar.update()
 
-    specs = {"target": target_spec(target_step, limits), "draft": draft_spec(draft_step, limits)}
-    modules = {"target": target_step, "draft": draft_step}
-    inputs = _example_inputs(target_step, draft_step, specs, limits)
-    paths = {}
-    for name in ("target", "draft"):
-        phase(steps[1 + len(paths)])
-        paths[name] = export_graph(modules[name], specs[name], inputs[name].pop("trace"), limits, out,
-                                   opset)
+    torch_dtype = DTYPES[dtype]
+    loaders = {"draft": lambda: load_draft(draft_dir, target_dir, k=k, dtype=torch_dtype),
+               "target": lambda: load_target(target_dir, taps=draft_config.target_layer_ids,
+                                             dtype=torch_dtype)}
+    generator = torch.Generator().manual_seed(0)
+    described, specs, differences = {}, {}, {}
+    for name in ("draft", "target"):   # the draft first: the smaller model's load errors come early
+        phase(f"{name}: load")
+        module = loaders[name]()
+        spec = specs[name] = draft_spec(module, limits) if name == "draft" else target_spec(module, limits)
+        described[name] = _describe(module, confidence_threshold)
+        trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
+                                        draft_config.block_size, generator)
+        phase(f"{name}: export")
+        path = export_graph(module, spec, trace, limits, out, opset)
+        del trace
+        # the reference outputs are computed, then the PyTorch weights are let go, so that ONNX
+        # Runtime's view of the weights never sits beside PyTorch's copy
+        expected = None if dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
+                                                         _outputs(module, verify)))
+        release_weights(module)
+        del module
+        release_freed_memory()
+        phase(f"{name}: verify")
+        check_model(path)
+        differences[name] = None if expected is None else compare_with_reference(
+            path, verify, expected, dtype_name)
+        del expected, verify
+        release_freed_memory()
         bar.update()
 
     manifest = {
         "created_by": "dspark-trt",
         "source": sources,
-        "target": asdict(target_step.config),
-        "draft": {**asdict(draft_step.config), "k": draft_step.k,
-                  "confidence_threshold": confidence_threshold,
-                  "has_d2t": bool(draft_step.d2t.any()), "target_vocab_size": draft_step.target_vocab_size,
-                  "precision": {part: DTYPE_NAMES[t] for part, t in draft_step.precision().items()}},
+        "target": described["target"],
+        "draft": described["draft"],
         "limits": asdict(limits),
         "dtype": dtype_name,
         "opset": opset,
-        "graphs": {name: spec.to_json() for name, spec in specs.items()},
+        "graphs": {name: specs[name].to_json() for name in ("target", "draft")},
         "backends": ["onnx"],
         "tools": _tool_versions(),
         "tokenizer": tokenizer,
     }
-    # the reference outputs are computed, then the PyTorch weights are let go, so that ONNX Runtime's
-    # view of the weights never sits beside PyTorch's copy (peak memory stays near one copy)
-    references = {name: None if dtype == "bf16" else _outputs(modules[name], inputs[name]["verify"])
-                  for name in modules}
-    del modules, target_step, draft_step
-    gc.collect()
-
-    differences = {}
-    for name in ("target", "draft"):
-        phase(f"verify {name}")
-        check_model(paths[name])
-        differences[name] = None
-        if references[name] is not None:
-            outputs = [t.name for t in specs[name].outputs]
-            differences[name] = compare_with_reference(paths[name], inputs[name]["verify"],
-                                                       dict(zip(outputs, references.pop(name))),
-                                                       dtype_name)
-        bar.update()
-
     if backend != "onnx":
         from .trt_build import build_engines
 
@@ -126,10 +134,40 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     return BuildResult(files, time.perf_counter() - started, differences)
 
 
+def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> dict:
+    """The manifest's entry for a loaded model: its config and, for the draft, the loop's facts."""
+    if isinstance(module, TargetStep):
+        return asdict(module.config)
+    return {**asdict(module.config), "k": module.k, "confidence_threshold": confidence_threshold,
+            "has_d2t": bool(module.d2t.any()), "target_vocab_size": module.target_vocab_size,
+            "precision": {part: DTYPE_NAMES[t] for part, t in module.precision().items()}}
+
+
 def _outputs(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """``module``'s outputs on ``inputs``; the caches among them are updated copies of inputs."""
     with torch.no_grad():
         return list(module(*inputs.values()))
+
+
+def release_weights(module: torch.nn.Module) -> None:
+    """Empty ``module``'s tensors in place. Deleting the module is not enough: the exporter keeps
+    references to them (onnxscript's rewrite rules hold the last graph they matched, whose
+    initializers wrap the module's own parameters), which would keep this model's weights in memory
+    beside the next one's."""
+    for tensor in module.state_dict(keep_vars=True).values():
+        tensor.data = torch.empty(0, dtype=tensor.dtype)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and give freed heap pages back to the system. A model's weights are
+    thousands of tensors of a few MB, which glibc serves from its heap rather than from their own
+    mappings once a few have been freed, and it keeps those pages after they are freed: without
+    ``malloc_trim`` a freed model would still count in the process's memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass
 
 
 def _check_limits(limits: Limits) -> None:
@@ -162,29 +200,28 @@ def _save_tokenizer(target_dir: Path, destination: Path) -> str:
     return TOKENIZER_DIR
 
 
-def _example_inputs(target, draft, specs: dict[str, GraphSpec], limits: Limits) -> dict:
-    """Deterministic inputs: one set to trace with, another (other sizes) to verify with, so that
-    the dynamic axes are really dynamic. Each sequence's ``logit_rows`` are drawn apart (a ragged
-    choice, as the loop's prefill makes), and every axis size differs from the others and from 1,
-    which torch.export would otherwise take for a constant or for a link between axes."""
-    generator = torch.Generator().manual_seed(0)
-    vocab, capacity, block = target.config.vocab_size, limits.max_seq_len, draft.config.block_size
-    sets: dict[str, dict] = {"target": {}, "draft": {}}
+def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
+                    generator: torch.Generator) -> tuple[dict, dict]:
+    """Deterministic inputs for one graph: one set to trace with, another (other sizes) to verify
+    with, so that the dynamic axes are really dynamic. Each sequence's ``logit_rows`` are drawn
+    apart (a ragged choice, as the loop's prefill makes), and every axis size differs from the
+    others and from 1, which torch.export would otherwise take for a constant or for a link between
+    axes. Tracing reads shapes only, so its caches are never filled (they cost no memory)."""
+    capacity, sets = limits.max_seq_len, []
     for purpose, batch, rows, logit_rows in (("trace", 2, 3, 4), ("verify", min(3, limits.max_batch), 5, 2)):
         rows = min(rows, limits.max_prompt_chunk) if purpose == "verify" else rows
         if capacity < rows + block:
             raise ValueError(f"--max-seq-len {capacity}: too small to hold a prompt chunk and a "
                              f"draft block of {block}")
-        sets["target"][purpose] = sample_inputs(
-            specs["target"], {"batch": batch, "rows": rows, "logit_rows": logit_rows}, generator,
-            {"input_ids": vocab, "start": capacity - rows + 1, "logit_rows": rows})
-        draft_inputs = sample_inputs(
-            specs["draft"], {"batch": batch, "ctx_rows": rows}, generator,
-            {"ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1, "anchor": vocab})
-        draft_inputs["temperature"] = torch.ones(batch)
-        draft_inputs["noise"] = torch.zeros_like(draft_inputs["noise"])  # greedy: tokens compare exactly
-        sets["draft"][purpose] = draft_inputs
-    return sets
+        sizes = {"batch": batch, "rows": rows, "ctx_rows": rows, "logit_rows": logit_rows}
+        high = {"input_ids": vocab, "start": capacity - rows + 1, "logit_rows": rows,
+                "ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1, "anchor": vocab}
+        inputs = sample_inputs(spec, sizes, generator, high, fill_caches=purpose == "verify")
+        if "noise" in inputs:
+            inputs["temperature"] = torch.ones(batch)
+            inputs["noise"] = torch.zeros_like(inputs["noise"])  # greedy: tokens compare exactly
+        sets.append(inputs)
+    return sets[0], sets[1]
 
 
 def _tool_versions() -> dict[str, str]:

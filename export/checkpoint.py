@@ -115,8 +115,10 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names.
+def load_tensors(directory: Path, strip_prefix: str = "",
+                 only: frozenset[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names;
+    with ``only``, just those (named without the prefix).
 
     ``safe_open`` maps the file, and the mapped pages it reads count as this process's memory until
     it is closed: it is reopened for each tensor, so a checkpoint is held once (as tensors), not
@@ -127,8 +129,10 @@ def load_tensors(directory: Path, strip_prefix: str = "") -> dict[str, torch.Ten
             with safe_open(file, framework="pt") as f:
                 names = list(f.keys())
             for name in names:
+                key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
+                if only is not None and key not in only:
+                    continue
                 with safe_open(file, framework="pt") as f:
-                    key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
                     tensors[key] = f.get_tensor(name)
         except SafetensorError as err:
             raise CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged "

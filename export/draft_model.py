@@ -16,8 +16,8 @@ from plugins.d2t_gather import d2t_gather
 from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .draft_config import DraftConfig, load_draft_config, resolve_k
-from .target_config import TargetConfig
-from .target_model import TargetStep
+from .target_config import TargetConfig, load_target_config
+from .target_model import TargetStep, load_embeddings
 
 
 class MarkovHead(nn.Module):
@@ -136,13 +136,27 @@ class DraftStep(nn.Module):
         return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
 
 
-def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
+def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None = None,
                dtype: torch.dtype = torch.float32) -> DraftStep:
     """Load a native or Speculators DSpark draft for ``target`` (spec §1.3, §7): ``embed_tokens``
     and ``lm_head`` are shared from the target when the draft has none; ``t2d`` is ignored; the
-    confidence head is not used for proposals."""
+    confidence head is not used for proposals.
+
+    ``target`` is a loaded ``TargetStep``, or the target's checkpoint: then only its config is read,
+    and its embeddings only if the draft shares them (``build`` exports one model at a time)."""
     directory = resolve(path, "draft")
-    tc: TargetConfig = target.config
+    if isinstance(target, TargetStep):
+        tc: TargetConfig = target.config
+
+        def shared() -> dict[str, torch.Tensor]:
+            return {"embed_tokens.weight": target.embed_tokens.weight.detach(),
+                    "lm_head.weight": target.lm_head.weight.detach()}
+    else:
+        target_dir = resolve(target, "target")
+        tc = load_target_config(target_dir)
+
+        def shared() -> dict[str, torch.Tensor]:
+            return load_embeddings(target_dir)
     config = load_draft_config(directory, tc.decoder.num_layers, tc.decoder.hidden_size)
     k = resolve_k(config, k)
     tensors = {name: t for name, t in load_tensors(directory).items()
@@ -178,8 +192,9 @@ def load_draft(path: str | Path, target: TargetStep, k: int | None = None,
                               f"{config.target_hidden_size} = {expected_fc} (config.json "
                               f"target_layer_ids / aux_hidden_state_layer_ids)")
 
-    tensors.setdefault("embed_tokens.weight", target.embed_tokens.weight.detach())
-    tensors.setdefault("lm_head.weight", target.lm_head.weight.detach())
+    if not owns_embeddings:
+        for name, tensor in shared().items():
+            tensors.setdefault(name, tensor)
     if "d2t" in tensors:
         _check_d2t(tensors["d2t"], config.draft_vocab_size, tc.vocab_size, directory)
         tensors["d2t"] = tensors["d2t"].long()

@@ -91,15 +91,17 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
 
 
 def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator,
-                  high: dict[str, int]) -> dict[str, torch.Tensor]:
+                  high: dict[str, int], fill_caches: bool = True) -> dict[str, torch.Tensor]:
     """Deterministic inputs of ``spec`` with the dynamic axes set to ``sizes``; integer inputs
     are drawn below ``high[name]``, caches are zero (random keys would make attention of a deep
-    model numerically unlike any real run), other floats come from a normal distribution."""
+    model numerically unlike any real run), other floats come from a normal distribution. Without
+    ``fill_caches`` the caches are left unwritten (for tracing, which reads only their shapes)."""
     out = {}
     for t in spec.inputs:
         shape = [sizes[s] if isinstance(s, str) else s for s in t.shape]
         if is_cache(t.name):
-            out[t.name] = torch.zeros(shape, dtype=getattr(torch, t.dtype))
+            allocate = torch.zeros if fill_caches else torch.empty
+            out[t.name] = allocate(shape, dtype=getattr(torch, t.dtype))
         elif t.dtype == "int64":
             out[t.name] = torch.randint(0, high[t.name], shape, generator=generator)
         else:
@@ -137,6 +139,11 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     _attach_functions(program, opset)
     path = directory / spec.file
     program.save(path, external_data=True)
+    # onnxscript's rewrite rules keep the last graph they matched (module-level pattern matchers),
+    # which would keep the tensors the optimizer made (folded transposes and casts of weights) alive
+    # after this graph is written: drop the graph's references to them
+    for initializer in program.model.graph.initializers.values():
+        initializer.const_value = None
     return path
 
 

@@ -73,14 +73,7 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
                 role: str = "target") -> TargetStep:
     directory = resolve(path, role)
     config = load_target_config(directory)
-    tensors = _gguf_tensors(directory) if directory.suffix == ".gguf" else load_tensors(
-        directory, strip_prefix="model.")
-    if "lm_head.weight" not in tensors:
-        if not config.tie_word_embeddings:
-            raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
-                                  f"(config.json: tie_word_embeddings is false)")
-        tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
-    tensors = {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")}
+    tensors = _tensors(directory, config)
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
     check_layer_count(tensors, config.decoder.num_layers, f"{config_file}: field 'num_hidden_layers'")
     target = build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
@@ -90,6 +83,36 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
         # over the same storage still become two initializers)
         target.lm_head.weight = target.embed_tokens.weight
     return target
+
+
+def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
+    """The target's ``embed_tokens.weight`` and ``lm_head.weight`` (the same tensor when tied),
+    read without the rest of its weights: what a draft that shares them needs."""
+    directory = resolve(path, "target")
+    tensors = _tensors(directory, load_target_config(directory), only=SHARED)
+    missing = SHARED - tensors.keys()
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {', '.join(sorted(missing))}")
+    return tensors
+
+
+SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})
+
+
+def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None):
+    """The checkpoint's tensors under the module's names (``model.`` prefix stripped, a tied
+    ``lm_head.weight`` filled in from the embedding, no RoPE tables)."""
+    if directory.suffix == ".gguf":
+        tensors = _gguf_tensors(directory)
+    else:
+        tensors = load_tensors(directory, strip_prefix="model.", only=only and only | SHARED)
+    if "lm_head.weight" not in tensors:
+        if not config.tie_word_embeddings:
+            raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
+                                  f"(config.json: tie_word_embeddings is false)")
+        tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
+    return {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")
+            and (only is None or k in only)}
 
 
 def every_row(input_ids: torch.Tensor) -> torch.Tensor:

@@ -76,9 +76,9 @@ def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]
         entry["engines"][gpu] = {}
         for graph, spec in manifest["graphs"].items():
             profiles = _profiles(spec, manifest)
-            engine, plugins = _build(trt, logger, directory / spec["file"], profiles, gpu, cache_path)
             name = f"{graph}.{gpu}.engine"
-            (directory / name).write_bytes(engine)
+            plugins = _build(trt, logger, directory / spec["file"], profiles, gpu, cache_path,
+                             directory / name)
             entry["engines"][gpu][graph] = name
             entry["profiles"][graph] = {profile: {n: list(s) for n, s in shapes.items()}
                                         for profile, shapes in profiles.items()}
@@ -105,7 +105,9 @@ def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
     return profiles
 
 
-def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path | None):
+def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path | None,
+           engine_path: Path) -> dict[str, int]:
+    """Build one engine into ``engine_path``; returns the plugin layers found."""
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
@@ -130,13 +132,17 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
     if gpu != "local":
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, gpu.upper()), 0)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
+    with engine_path.open("wb") as file:
+        # streamed to the file as it is serialized: the engine is never held whole in memory
+        # beside the builder's own copy of the weights
+        built = builder.build_serialized_network_to_stream(network, config, _FileWriter(trt, file))
+    if not built:
+        engine_path.unlink()
         raise EngineBuildError(f"{onnx_path.name}: the engine build for {gpu} failed: "
                                f"{logger.last_error or 'see the TensorRT log'}")
     if cache_path is not None:
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return serialized, plugins   # IHostMemory: written through its buffer, never copied to bytes
+    return plugins
 
 
 def _plugin_layers(trt, network) -> dict[str, int]:
@@ -158,6 +164,19 @@ def _custom_nodes(onnx_path: Path) -> dict[str, int]:
         if node.domain == DOMAIN:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return counts
+
+
+def _FileWriter(trt, file):
+    class FileWriter(trt.IStreamWriter):
+        """Writes each piece of the serialized engine to ``file`` as the builder hands it over."""
+
+        def __init__(self):
+            trt.IStreamWriter.__init__(self)
+
+        def write(self, data) -> int:
+            return file.write(data)
+
+    return FileWriter()
 
 
 def _Logger(trt):
