@@ -1,10 +1,10 @@
 """``python -m export build``: checkpoints -> a self-contained engine directory.
 
-One model at a time (the draft, then the target): load it, trace it to ONNX, compute the reference
-outputs, let its PyTorch weights go, then verify the written graph (checker, shape inference, ONNX
-Runtime vs those references). The process never holds both models, nor one model's weights twice,
-so a build's peak memory stays near the larger model's weights. Then the engines, the manifest and
-the tokenizer.
+The configs and the tokenizer first, then one model at a time (the draft, then the target): load
+it, trace it to ONNX, compute the reference outputs, let its PyTorch weights go, then verify the
+written graph (checker, shape inference, ONNX Runtime vs those references). The process never holds
+both models, nor one model's weights twice, so a build's peak memory stays near the larger model's
+weights. Then the engines and the manifest.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
     with, so that the dynamic axes are really dynamic. Each sequence's ``logit_rows`` are drawn
     apart (a ragged choice, as the loop's prefill makes), and every axis size differs from the
     others and from 1, which torch.export would otherwise take for a constant or for a link between
-    axes. Tracing reads shapes only, so its caches are never filled (they cost no memory)."""
+    axes."""
     capacity, sets = limits.max_seq_len, []
     for purpose, batch, rows, logit_rows in (("trace", 2, 3, 4), ("verify", min(3, limits.max_batch), 5, 2)):
         rows = min(rows, limits.max_prompt_chunk) if purpose == "verify" else rows
@@ -216,7 +216,7 @@ def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
         sizes = {"batch": batch, "rows": rows, "ctx_rows": rows, "logit_rows": logit_rows}
         high = {"input_ids": vocab, "start": capacity - rows + 1, "logit_rows": rows,
                 "ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1, "anchor": vocab}
-        inputs = sample_inputs(spec, sizes, generator, high, fill_caches=purpose == "verify")
+        inputs = sample_inputs(spec, sizes, generator, high)
         if "noise" in inputs:
             inputs["temperature"] = torch.ones(batch)
             inputs["noise"] = torch.zeros_like(inputs["noise"])  # greedy: tokens compare exactly

@@ -8,10 +8,12 @@ for in-place writes); batch and row counts are dynamic up to the build limits.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from plugins.block_attention import onnx_function as block_attention_onnx
@@ -91,22 +93,28 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
 
 
 def sample_inputs(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator,
-                  high: dict[str, int], fill_caches: bool = True) -> dict[str, torch.Tensor]:
+                  high: dict[str, int]) -> dict[str, torch.Tensor]:
     """Deterministic inputs of ``spec`` with the dynamic axes set to ``sizes``; integer inputs
     are drawn below ``high[name]``, caches are zero (random keys would make attention of a deep
-    model numerically unlike any real run), other floats come from a normal distribution. Without
-    ``fill_caches`` the caches are left unwritten (for tracing, which reads only their shapes)."""
+    model numerically unlike any real run), other floats come from a normal distribution."""
     out = {}
     for t in spec.inputs:
         shape = [sizes[s] if isinstance(s, str) else s for s in t.shape]
         if is_cache(t.name):
-            allocate = torch.zeros if fill_caches else torch.empty
-            out[t.name] = allocate(shape, dtype=getattr(torch, t.dtype))
+            out[t.name] = untouched_zeros(shape, getattr(torch, t.dtype))
         elif t.dtype == "int64":
             out[t.name] = torch.randint(0, high[t.name], shape, generator=generator)
         else:
             out[t.name] = torch.randn(shape, generator=generator).to(getattr(torch, t.dtype))
     return out
+
+
+def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from ``calloc``: the system maps their pages only when they are written, so caches
+    that are only read (by tracing, by a step that writes its new rows to a copy) cost no memory.
+    A release-shaped target's zero caches are hundreds of MB, ``torch.zeros`` writes every byte."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
