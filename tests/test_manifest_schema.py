@@ -69,8 +69,12 @@ def test_a_tensorrt_section_as_build_engines_writes_it_matches_the_schema(engine
     directory, built = engine
     for graph in built["graphs"].values():
         shutil.copy(directory / graph["file"], tmp_path)
-    monkeypatch.setattr(trt_build, "_build", lambda trt, logger, onnx_path, *rest:
-                        (b"engine", trt_build._custom_nodes(onnx_path)))
+
+    def fake_build(trt, logger, onnx_path, profiles, gpu, cache_path, engine_path):
+        engine_path.write_bytes(b"engine")
+        return trt_build._custom_nodes(onnx_path)
+
+    monkeypatch.setattr(trt_build, "_build", fake_build)
     entry = trt_build.build_engines(tmp_path, built, "trt-rtx", ["sm89", "sm120"])
     with_rtx = {**built, "backends": [*built["backends"], "trt-rtx"],
                 "tools": {**built["tools"], "trt-rtx": entry.pop("version")}, "trt-rtx": entry}
