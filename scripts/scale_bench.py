@@ -1,9 +1,10 @@
 """Build release-shaped random pairs and record wall time, peak RSS and output sizes.
 
     .venv/bin/python scripts/scale_bench.py [--presets qwen3-0.6b qwen3-1.7b qwen3-4b]
-        [--backends onnx trt-rtx] [--work /tmp/dspark-scale] [--out docs/scale.json]
+        [--backends onnx trt-rtx] [--dtypes fp16 fp32 bf16] [--work /tmp/dspark-scale]
+        [--out docs/scale.json]
 
-Each build runs in its own process under ``/usr/bin/time -v`` (fp16, batch 1, 2048 positions;
+Each build runs in its own process under ``/usr/bin/time -v`` (batch 1, 2048 positions;
 TensorRT-RTX ahead of time for SM89), so its peak RSS is that process's alone. The pairs
 (``make-tiny --preset``) are kept in ``--work`` and reused. A benchmark, not a test: the 4B pair
 takes tens of minutes on 2 cores.
@@ -40,6 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["qwen3-0.6b", "qwen3-1.7b"])
     p.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    p.add_argument("--dtypes", nargs="+", choices=["fp16", "fp32", "bf16"], default=["fp16"])
     p.add_argument("--work", type=Path, default=Path("/tmp/dspark-scale"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "scale.json")
     args = p.parse_args()
@@ -50,21 +52,21 @@ def main() -> None:
         pair = args.work / preset
         if not (pair / "draft" / "config.json").is_file():
             timed([*python, "make-tiny", str(pair), "--preset", preset, "--force"])
-        for backend in args.backends:
-            out = args.work / f"{preset}-{backend}"
+        for backend, dtype in ((b, d) for b in args.backends for d in args.dtypes):
+            out = args.work / f"{preset}-{backend}-{dtype}"
             seconds, peak = timed([*python, "build", "--target", str(pair / "target"), "--draft",
-                                   str(pair / "draft"), "--out", str(out), "--dtype", "fp16",
+                                   str(pair / "draft"), "--out", str(out), "--dtype", dtype,
                                    "--max-batch", "1", "--max-seq-len", "2048", "--quiet", "--force",
                                    *BACKENDS[backend]])
             sizes = {f.name: f.stat().st_size for f in out.iterdir() if f.is_file()}
             weights = sum(size for name, size in sizes.items() if name.endswith(".onnx.data"))
-            rows[f"{preset} {backend}"] = {
-                "preset": preset, "backend": backend, "seconds": round(seconds, 1),
+            rows[f"{preset} {backend} {dtype}"] = {
+                "preset": preset, "backend": backend, "dtype": dtype, "seconds": round(seconds, 1),
                 "peak_rss_bytes": peak, "onnx_weight_bytes": weights,
                 "peak_over_weights": round(peak / weights, 2),
                 "engine_bytes": sum(s for name, s in sizes.items() if name.endswith(".engine")),
                 "files": sizes, "date": time.strftime("%Y-%m-%d")}
-            print(f"{preset:12} {backend:8} {seconds:7.0f} s   peak RSS {peak / 1e9:6.2f} GB   "
+            print(f"{preset:12} {backend:8} {dtype:5} {seconds:7.0f} s   peak RSS {peak / 1e9:6.2f} GB   "
                   f"ONNX weights {weights / 1e9:6.2f} GB   ratio {peak / weights:.2f}", flush=True)
             args.out.write_text(json.dumps(rows, indent=2) + "\n")
 
