@@ -4,8 +4,12 @@ where its packages are importable (a lent GPU machine may have torch and Triton 
 1. The Triton kernels against their PyTorch references on CUDA (needs torch, triton).
 2. The PyTorch backend on CUDA with CUDA graphs against ONNX Runtime's greedy tokens on a tiny
    engine (needs the project's dependencies: transformers, onnx, onnxruntime, ...).
-3. Where TensorRT or TensorRT-RTX is importable: tiny fp16 engines with our plugins, built for this
-   GPU and run, against ONNX Runtime's greedy tokens.
+3. Where TensorRT or TensorRT-RTX is importable and builds for this GPU (TensorRT-RTX does not
+   target Hopper): tiny fp16 engines with our plugins, built for this GPU and run, against ONNX
+   Runtime's greedy tokens.
+
+Each step prints one verdict line (passed, skipped with the reason, or FAILED with the error); the
+script runs every step and exits 1 if any failed.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import importlib.util
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -21,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
 
 
-def check_kernels() -> None:
+def limits():
+    from export.onnx_export import Limits
+
+    return Limits(max_batch=4, max_seq_len=128, max_prompt_chunk=8)
+
+
+def check_kernels() -> str:
     from plugins.block_attention.reference import block_attention as attention_reference
     from plugins.block_attention.triton_kernel import block_attention
     from plugins.d2t_gather.reference import d2t_gather as d2t_reference
@@ -47,57 +58,109 @@ def check_kernels() -> None:
     d2t_gather(scores.cuda(), d2t.cuda(), w1.cuda(), ids, rows)
     expected_ids, expected_rows = d2t_reference(scores, d2t, w1)
     assert torch.equal(ids.cpu(), expected_ids) and torch.equal(rows.cpu(), expected_rows), "d2t_gather"
-    print("kernels: block_attention (fp32/fp16/bf16, causal and not) and d2t_gather match the references")
+    return "block_attention (fp32/fp16/bf16, causal and not) and d2t_gather match the references"
 
 
-def check_backends() -> None:
-    from export.build import build
-    from export.onnx_export import Limits
+class Skipped(Exception):
+    """A step that cannot run on this machine; the message says why."""
+
+
+def engine_gpus(backend: str, capability: tuple[int, int]) -> tuple[str, ...]:
+    """What ``build --gpu`` gets for ``backend`` on a GPU of ``capability``, or ``Skipped`` where
+    the backend is not installed or does not build for it."""
+    from export.trt_build import GPUS, MODULES
+
+    if importlib.util.find_spec(MODULES[backend]) is None:
+        raise Skipped(f"{MODULES[backend]} is not importable")
+    if backend == "trt":
+        return ()   # TensorRT builds for the GPU it runs on
+    gpu = "sm{}{}".format(*capability)
+    if gpu not in GPUS:
+        raise Skipped(f"TensorRT-RTX does not build for {gpu} (it targets {', '.join(GPUS)})")
+    return (gpu,)
+
+
+def tiny_pair(tmp: Path) -> tuple[Path, Path]:
+    """The tiny random pair the engine steps share, made by the first that needs it."""
     from export.tiny import TinySpec, make_tiny
+
+    pair = tmp / "pair"
+    if (pair / "draft" / "config.json").is_file():
+        return pair / "target", pair / "draft"
+    return make_tiny(pair, TinySpec())
+
+
+def check_torch_backend(tmp: Path) -> str:
+    from export.build import build
     from runtime.ort_backend import OrtBackend
     from runtime.speculative import generate
     from runtime.torch_backend import TorchBackend
 
-    with tempfile.TemporaryDirectory() as tmp:
-        target, draft = make_tiny(Path(tmp) / "pair", TinySpec())
-        limits = Limits(max_batch=4, max_seq_len=128, max_prompt_chunk=8)
-        build(str(target), str(draft), Path(tmp) / "fp32", limits=limits, progress=False)
-        expected = generate(OrtBackend(Path(tmp) / "fp32"), PROMPTS, max_new_tokens=48).token_ids
-        cuda = TorchBackend.from_engine(Path(tmp) / "fp32", device="cuda", cuda_graphs=True)
-        for attempt in range(2):  # the second run replays the graphs captured by the first
-            got = generate(cuda, PROMPTS, max_new_tokens=48).token_ids
-            assert got == expected, f"torch-cuda with CUDA graphs differs from ORT (run {attempt})"
-        print("backends: torch on CUDA with CUDA graphs == ONNX Runtime greedy tokens "
-              "(captured and replayed)")
-        for backend, module in (("trt", "tensorrt"), ("trt-rtx", "tensorrt_rtx")):
-            if importlib.util.find_spec(module) is None:
-                print(f"backends: {module} not importable; {backend} engines not checked")
-                continue
-            from runtime.trt_backend import TrtBackend
+    engine = tmp / "fp32"
+    build(*map(str, tiny_pair(tmp)), engine, limits=limits(), progress=False)
+    expected = generate(OrtBackend(engine), PROMPTS, max_new_tokens=48).token_ids
+    cuda = TorchBackend.from_engine(engine, device="cuda", cuda_graphs=True)
+    for attempt in range(2):  # the second run replays the graphs captured by the first
+        got = generate(cuda, PROMPTS, max_new_tokens=48).token_ids
+        assert got == expected, f"torch-cuda with CUDA graphs differs from ORT (run {attempt})"
+    return "torch on CUDA with CUDA graphs == ONNX Runtime greedy tokens (captured and replayed)"
 
-            out = Path(tmp) / backend
-            major, minor = torch.cuda.get_device_capability()
-            gpus = () if backend == "trt" else (f"sm{major}{minor}",)
-            build(str(target), str(draft), out, limits=limits, dtype="fp16", backend=backend, gpus=gpus,
-                  progress=False)
-            reference = generate(OrtBackend(out), PROMPTS, max_new_tokens=48).token_ids
-            got = generate(TrtBackend(out, backend=backend), PROMPTS, max_new_tokens=48).token_ids
-            assert got == reference, f"{backend} engines differ from ONNX Runtime on the fp16 graphs"
-            print(f"backends: {backend} engines with our plugins == ONNX Runtime greedy tokens (fp16)")
+
+def check_engines(backend: str, tmp: Path) -> str:
+    from export.build import build
+    from runtime.ort_backend import OrtBackend
+    from runtime.speculative import generate
+    from runtime.trt_backend import TrtBackend
+
+    gpus = engine_gpus(backend, torch.cuda.get_device_capability())
+    out = tmp / backend
+    build(*map(str, tiny_pair(tmp)), out, limits=limits(), dtype="fp16", backend=backend, gpus=gpus,
+          progress=False)
+    reference = generate(OrtBackend(out), PROMPTS, max_new_tokens=48).token_ids
+    got = generate(TrtBackend(out, backend=backend), PROMPTS, max_new_tokens=48).token_ids
+    assert got == reference, f"{backend} engines differ from ONNX Runtime on the fp16 graphs"
+    return f"{backend} engines with our plugins == ONNX Runtime greedy tokens (fp16)"
+
+
+def run_steps(steps: dict) -> bool:
+    """Run each ``name -> callable`` step, print one verdict line each; whether none failed."""
+    failed = False
+    for name, step in steps.items():
+        started = time.perf_counter()
+        try:
+            verdict = f"passed: {step()}"
+        except Skipped as reason:
+            verdict = f"skipped: {reason}"
+        except Exception as err:  # noqa: BLE001 (every step runs and reports, whatever breaks)
+            failed = True
+            traceback.print_exc()
+            verdict = f"FAILED: {type(err).__name__}: {' '.join(str(err).split())}"
+        print(f"{name}: {verdict} ({time.perf_counter() - started:.0f}s)", flush=True)
+    return not failed
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA GPU here")
     print(f"GPU: {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}),"
-          f" torch {torch.__version__}")
+          f" torch {torch.__version__}", flush=True)
     started = time.perf_counter()
-    check_kernels()
-    if all(importlib.util.find_spec(m) for m in ("transformers", "onnx", "onnxruntime", "onnxscript")):
-        check_backends()
-    else:
-        print("backends: the project's dependencies are not installed here; backend checks skipped")
-    print(f"gpu_check passed in {time.perf_counter() - started:.0f}s")
+    project = all(importlib.util.find_spec(m) for m in ("transformers", "onnx", "onnxruntime", "onnxscript"))
+
+    def needs_project(step):
+        if not project:
+            raise Skipped("the project's dependencies are not installed here")
+        return step()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ok = run_steps({
+            "kernels": check_kernels,
+            "torch backend": lambda: needs_project(lambda: check_torch_backend(Path(tmp))),
+            "trt engines": lambda: needs_project(lambda: check_engines("trt", Path(tmp))),
+            "trt-rtx engines": lambda: needs_project(lambda: check_engines("trt-rtx", Path(tmp))),
+        })
+    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.0f}s")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
