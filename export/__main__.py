@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -255,13 +256,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    # a plain ``kill`` ends the process through SystemExit, so that a half-built output is removed
+    # as on any other failure (its default action would leave the hidden staging folder behind)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         args.run(args)
     except (CheckpointError, ManifestError, VerificationError, EngineBuildError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
+    except OSError as err:   # a full disk, a folder that became unwritable mid-build
+        where = f" ({err.filename})" if err.filename else ""
+        raise SystemExit(f"error: {err.strerror or err}{where}; {args.interrupted}") from None
     except KeyboardInterrupt:
         print(f"interrupted: {args.interrupted}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -150,13 +150,17 @@ class Rotary(nn.Module):
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.inv_freq = config.rope_inv_freq  # a tuple, not a buffer: checkpoints never carry it
+        # A buffer, so that it moves with the module and a step never copies it from the host (a
+        # host-to-device copy cannot be captured in a CUDA graph). Not persistent: checkpoints never
+        # carry it. Made on the CPU even while the module is built on the meta device
+        # (``checkpoint.build_module``), since no checkpoint tensor will replace it.
+        self.register_buffer("inv_freq", torch.tensor(config.rope_inv_freq, dtype=torch.float32,
+                                                      device="cpu"), persistent=False)
         self.scaling = config.rope_attention_scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [B, S]`` -> cos, sin ``[B, 1, S, head_dim]`` for broadcasting over heads."""
-        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)
-        freqs = positions[..., None].float() * inv_freq
+        freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
         return cos[:, None].to(dtype), sin[:, None].to(dtype)

@@ -135,7 +135,11 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
     with engine_path.open("wb") as file:
         # streamed to the file as it is serialized: the engine is never held whole in memory
         # beside the builder's own copy of the weights
-        built = builder.build_serialized_network_to_stream(network, config, _FileWriter(trt, file))
+        writer = _FileWriter(trt, file)
+        built = builder.build_serialized_network_to_stream(network, config, writer)
+    if writer.error is not None:   # TensorRT logs a writer's exception and carries on
+        engine_path.unlink()
+        raise OSError(writer.error.errno, writer.error.strerror, str(engine_path))
     if not built:
         engine_path.unlink()
         raise EngineBuildError(f"{onnx_path.name}: the engine build for {gpu} failed: "
@@ -172,9 +176,18 @@ def _FileWriter(trt, file):
 
         def __init__(self):
             trt.IStreamWriter.__init__(self)
+            self.error: OSError | None = None
 
         def write(self, data) -> int:
-            return file.write(data)
+            """The bytes written; 0 tells TensorRT the write failed (the error is kept for
+            ``_build``: an exception raised here would only be logged)."""
+            if self.error is not None:
+                return 0
+            try:
+                return file.write(data)
+            except OSError as err:
+                self.error = err
+                return 0
 
     return FileWriter()
 

@@ -2,7 +2,9 @@
 leaves the previous engine byte-identical, and an ``--out`` whose replacement would delete a source
 checkpoint or the current folder is refused before any work."""
 import hashlib
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,44 @@ def test_interrupted_force_build_keeps_the_previous_engine(tiny, previous_engine
     with pytest.raises(SystemExit) as exit_info:
         cli.main(build_args(*tiny(), out, "--force"))
     assert exit_info.value.code == 130
+    assert snapshot(out) == before
+    assert leftovers(out) == []
+
+
+def test_killed_force_build_keeps_the_previous_engine(tiny, previous_engine, monkeypatch):
+    """A plain ``kill`` (SIGTERM) is handled as any failure: the staging folder is removed."""
+    out, before = previous_engine
+    real_export = export.build.export_graph
+
+    def export_then_terminate(*args, **kwargs):
+        real_export(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export.build, "export_graph", export_then_terminate)
+    default = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(build_args(*tiny(), out, "--force"))
+    finally:
+        signal.signal(signal.SIGTERM, default)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert snapshot(out) == before
+    assert leftovers(out) == []
+
+
+def test_full_disk_while_writing_an_engine_is_one_line(tiny, previous_engine, monkeypatch):
+    """TensorRT only logs an exception raised in its stream writer and carries on: the writer
+    keeps the error, and the build stops with it (here every write goes to /dev/full)."""
+    pytest.importorskip("tensorrt_rtx")
+    from export import trt_build
+
+    out, before = previous_engine
+    real_writer = trt_build._FileWriter
+    full = open("/dev/full", "wb", buffering=0)
+    monkeypatch.setattr(trt_build, "_FileWriter", lambda trt, file: real_writer(trt, full))
+    refused(build_args(*tiny(), out, "--force", "--backend", "trt-rtx"),
+            "No space left on device", "target.sm89.engine", "no output was changed")
+    full.close()
     assert snapshot(out) == before
     assert leftovers(out) == []
 
