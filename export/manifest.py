@@ -124,7 +124,8 @@ def describe(manifest: dict) -> str:
         + (" with d2t" if d["has_d2t"] else ""),
         f"limits   batch <= {limits['max_batch']}, KV capacity {limits['max_seq_len']} per "
         f"sequence, prompt chunk <= {limits['max_prompt_chunk']}",
-        f"dtype    {manifest['dtype']}, ONNX opset {manifest['opset']}",
+        f"dtype    {manifest['dtype']}, ONNX opset {manifest['opset']}; draft parts: "
+        + ", ".join(f"{part} {dtype}" for part, dtype in d["precision"].items()),
     ]
     for name, graph in manifest["graphs"].items():
         lines.append(f"graph    {name}: {graph['file']}")

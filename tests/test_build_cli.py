@@ -36,6 +36,7 @@ def test_build_writes_the_engine_directory(built, capsys):
     cli.main(["inspect", str(built)])
     text = capsys.readouterr().out
     assert "k = 3 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
+    assert "draft parts: fc float32, hidden_norm float32, rest float32" in text
     assert "D2T" not in text
 
 
