@@ -85,6 +85,9 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     return target
 
 
+SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})   # what a draft may take from its target
+
+
 def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
     """The target's ``embed_tokens.weight`` and ``lm_head.weight`` (the same tensor when tied),
     read without the rest of its weights: what a draft that shares them needs."""
@@ -96,16 +99,15 @@ def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})
-
-
 def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None):
     """The checkpoint's tensors under the module's names (``model.`` prefix stripped, a tied
     ``lm_head.weight`` filled in from the embedding, no RoPE tables)."""
     if directory.suffix == ".gguf":
         tensors = _gguf_tensors(directory)
     else:
-        tensors = load_tensors(directory, strip_prefix="model.", only=only and only | SHARED)
+        # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
+        wanted = None if only is None else only | {"embed_tokens.weight"}
+        tensors = load_tensors(directory, strip_prefix="model.", only=wanted)
     if "lm_head.weight" not in tensors:
         if not config.tie_word_embeddings:
             raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
