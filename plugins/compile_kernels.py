@@ -12,8 +12,8 @@ KERNELS = {
         {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "start_ptr": "*i64",
          "heads": "i32", "kv_heads": "i32", "rows": "i32", "capacity": "i32", "scale": "fp32"},
         {"CAUSAL": False, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_N": 32}),
-    "block_attention._write_rows": (
-        "plugins.block_attention.triton_kernel", "_write_rows",
+    "cache_write._write_rows": (
+        "plugins.cache_write.triton_kernel", "_write_rows",
         {"new_ptr": "*bf16", "cache_ptr": "*bf16", "start_ptr": "*i64", "kv_heads": "i32",
          "rows": "i32", "capacity": "i32"},
         {"HEAD_DIM": 128, "BLOCK_D": 128}),

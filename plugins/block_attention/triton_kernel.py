@@ -9,17 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _write_rows(new_ptr, cache_ptr, start_ptr, kv_heads, rows, capacity,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * kv_heads + h, i): ``cache[b, h, start[b] + i, :] = new[b, h, i, :]``."""
-    bh, i = tl.program_id(0), tl.program_id(1)
-    b = bh // kv_heads
-    d = tl.arange(0, BLOCK_D)
-    row = tl.load(new_ptr + (bh * rows + i) * HEAD_DIM + d, mask=d < HEAD_DIM)
-    position = tl.load(start_ptr + b) + i
-    tl.store(cache_ptr + (bh * capacity + position) * HEAD_DIM + d, row, mask=d < HEAD_DIM)
+from ..cache_write.triton_kernel import write_rows
 
 
 @triton.jit
@@ -64,9 +54,8 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, out, causal: bool,
     batch, heads, rows, head_dim = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
-    for new, cache in ((k_new, k_cache), (v_new, v_cache)):
-        _write_rows[(batch * kv_heads, rows)](new, cache, start, kv_heads, rows, capacity,
-                                              HEAD_DIM=head_dim, BLOCK_D=block_d)
+    write_rows(k_new, k_cache, start)
+    write_rows(v_new, v_cache, start)
     _attend[(batch * heads, rows)](q, k_cache, v_cache, out, start, heads, kv_heads, rows, capacity,
                                    scale, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                    BLOCK_N=block_n)
