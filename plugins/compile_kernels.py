@@ -9,19 +9,28 @@ import sys
 KERNELS = {
     "block_attention._attend": (
         "plugins.block_attention.triton_kernel", "_attend",
-        {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "start_ptr": "*i64",
-         "heads": "i32", "kv_heads": "i32", "rows": "i32", "capacity": "i32", "scale": "fp32"},
-        {"CAUSAL": False, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_N": 32}),
+        {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "o_part_ptr": "*fp32",
+         "lse_part_ptr": "*fp32", "start_ptr": "*i64", "heads": "i32", "kv_heads": "i32", "rows": "i32",
+         "capacity": "i32", "scale": "fp32"},
+        {"CAUSAL": True, "GROUP": 4, "SPLITS": 8, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 32,
+         "BLOCK_N": 64, "PRECISION": "tf32"}),
+    "block_attention._merge": (
+        "plugins.block_attention.triton_kernel", "_merge",
+        {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "heads": "i32",
+         "kv_heads": "i32", "rows": "i32"},
+        {"GROUP": 4, "SPLITS": 8, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8}),
     "cache_write._write_rows": (
         "plugins.cache_write.triton_kernel", "_write_rows",
         {"new_ptr": "*bf16", "cache_ptr": "*bf16", "start_ptr": "*i64", "kv_heads": "i32",
          "rows": "i32", "capacity": "i32"},
         {"HEAD_DIM": 128, "BLOCK_D": 128}),
-    "d2t_gather._d2t_gather": (
-        "plugins.d2t_gather.triton_kernel", "_d2t_gather",
-        {"scores_ptr": "*fp32", "d2t_ptr": "*i64", "w1_ptr": "*fp16", "ids_ptr": "*i64",
-         "rows_ptr": "*fp16", "vocab": "i32", "rank": "i32"},
-        {"BLOCK_V": 1024, "BLOCK_R": 256}),
+    "d2t_gather._block_argmax": (
+        "plugins.d2t_gather.triton_kernel", "_block_argmax",
+        {"scores_ptr": "*fp32", "ids_ptr": "*i64", "vocab": "i32"}, {"BLOCK_V": 4096}),
+    "d2t_gather._finish": (
+        "plugins.d2t_gather.triton_kernel", "_finish",
+        {"ids_ptr": "*i64", "d2t_ptr": "*i64", "w1_ptr": "*fp16", "rows_ptr": "*fp16", "rank": "i32"},
+        {"BLOCK_R": 256}),
 }
 
 
