@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     cases = [lambda b=b, r=r, c=c, causal=causal: attention_case(b, r, c, causal)
              for b in (1, 4) for c in (1024, 4096) for r, causal in ((8, True), (7, False))]
-    cases += [lambda: attention_case(1, 512, 0, True), lambda: attention_case(1, 512, 2048, True)]
+    cases += [lambda b=b, c=c: attention_case(b, 512, c, True) for b, c in ((1, 0), (1, 2048), (4, 1024))]
     cases += [lambda b=b: d2t_case(b) for b in (1, 4)]
     results = []
     print(f"{torch.cuda.get_device_name()}: ms per call (Triton) | GB/s on the bytes read | torch ms")
