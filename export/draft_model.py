@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plugins.cache_write import cache_write
 from plugins.d2t_gather import d2t_gather
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
@@ -76,13 +77,11 @@ class DraftStep(nn.Module):
         positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
         context = self.context_input(ctx_aux)
         cos, sin = self.rotary.cos_sin(positions, context.dtype)
-        batch, kv_heads, _, head_dim = caches[0].shape
-        index = positions[:, None, :, None].expand(batch, kv_heads, rows, head_dim)
         new_caches = []
         for layer_index, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(context, cos, sin)
-            new_caches += [caches[2 * layer_index].scatter(2, index, k),
-                           caches[2 * layer_index + 1].scatter(2, index, v)]
+            new_caches += [cache_write(caches[2 * layer_index], k, ctx_start),
+                           cache_write(caches[2 * layer_index + 1], v, ctx_start)]
         return new_caches
 
     def context_input(self, ctx_aux):

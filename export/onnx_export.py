@@ -1,6 +1,6 @@
 """Trace ``TargetStep`` and ``DraftStep`` to ONNX with ``torch.onnx.export(dynamo=True)``.
 
-The custom ops become single ``dspark::BlockAttention`` / ``dspark::D2TGather`` nodes, and each
+The custom ops become single ``dspark::BlockAttention`` / ``CacheWrite`` / ``D2TGather`` nodes, and each
 carries a model-local function of the same domain and name with a standard-op body: ONNX Runtime
 runs the body, TensorRT the registered plugin. KV caches have a static capacity (TensorRT needs it
 for in-place writes); batch and row counts are dynamic up to the build limits.
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from plugins.block_attention import onnx_function as block_attention_onnx
+from plugins.cache_write import onnx_function as cache_write_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 
 from .draft_model import DraftStep
@@ -134,6 +135,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     # forward(named inputs..., *caches): torch.export sees the caches as one trailing tuple
     dynamic = (*dynamic[:-caches], tuple(dynamic[-caches:]))
     translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,
+                    torch.ops.dspark.cache_write.default: cache_write_onnx.translate,
                     torch.ops.dspark.d2t_gather.default: d2t_gather_onnx.translate}
     # the exporter's chatter: missing torchvision ops, unused axis names, ...
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -161,7 +163,8 @@ def _attach_functions(program, opset: int) -> None:
     import onnx_ir as ir
 
     used = {node.op_type for node in program.model.graph.all_nodes() if node.domain == "dspark"}
-    for function in (block_attention_onnx.BlockAttention, d2t_gather_onnx.D2TGather):
+    functions = (block_attention_onnx.BlockAttention, cache_write_onnx.CacheWrite, d2t_gather_onnx.D2TGather)
+    for function in functions:
         if function.name in used:
             ir_function = ir.serde.deserialize_function(function.to_function_proto())
             ir_function.opset_imports[""] = opset

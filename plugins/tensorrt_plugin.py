@@ -31,9 +31,10 @@ class PluginSpec:
 
 def specs() -> list[PluginSpec]:
     from .block_attention.trt_plugin import SPEC as block_attention
+    from .cache_write.trt_plugin import SPEC as cache_write
     from .d2t_gather.trt_plugin import SPEC as d2t_gather
 
-    return [block_attention, d2t_gather]
+    return [block_attention, cache_write, d2t_gather]
 
 
 def register_plugins(trt) -> list:

@@ -8,6 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from export.manifest import cache_output, is_cache
 from export.onnx_export import Limits
 from export.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -30,7 +31,7 @@ def _manifest(directory):
 
 def test_custom_nodes_and_their_function_bodies(engine):
     directory, *_ = engine
-    expected_ops = {"target": {"BlockAttention"}, "draft": {"BlockAttention", "D2TGather"}}
+    expected_ops = {"target": {"BlockAttention"}, "draft": {"BlockAttention", "CacheWrite", "D2TGather"}}
     for name, ops in expected_ops.items():
         model = onnx.load(directory / f"{name}.onnx")
         assert {(o.domain, o.version) for o in model.opset_import} >= {("", 23), (DOMAIN, 1)}
@@ -53,6 +54,26 @@ def test_custom_nodes_and_their_function_bodies(engine):
     blocks = [n for n in draft.graph.node if n.op_type == "BlockAttention"]
     assert all(onnx.helper.get_attribute_value(a) == 0 for n in blocks for a in n.attribute
                if a.name == "causal")
+
+
+def test_draft_context_rows_are_written_by_the_plugin_not_a_scatter(engine):
+    """Every cache goes graph input -> ``CacheWrite`` (context rows) -> ``BlockAttention`` (block
+    rows) -> graph output: a chain TensorRT can keep in one buffer. A standard-op scatter on the way
+    would make TensorRT materialise a whole new cache every step."""
+    directory, *_ = engine
+    graph = onnx.load(directory / "draft.onnx").graph
+    caches = {v.name for v in graph.input if is_cache(v.name)}
+    producers = {output: node for node in graph.node for output in node.output}
+    chained = set()
+    for block in (n for n in graph.node if n.op_type == "BlockAttention"):
+        for position, output in ((3, 1), (4, 2)):                  # k_cache -> k_cache_out, v likewise
+            write = producers[block.input[position]]
+            assert (write.domain, write.op_type) == (DOMAIN, "CacheWrite")
+            assert write.input[0] in caches and write.input[2] == "ctx_start"
+            assert block.output[output] == cache_output(write.input[0])
+            chained.add(write.input[0])
+    assert chained == caches and len(caches) == 2 * _manifest(directory)["draft"]["decoder"]["num_layers"]
+    assert not [n.name for n in graph.node if n.op_type == "ScatterElements" and n.input[0] in caches]
 
 
 def test_graph_io_matches_the_manifest(engine):

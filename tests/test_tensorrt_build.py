@@ -41,13 +41,14 @@ def test_engines_hold_our_plugins(engine):
     k = manifest["draft"]["k"]
     assert entry["plugin_layers"]["target"] == _dspark_nodes(directory / "target.onnx") == {
         "BlockAttention": manifest["target"]["decoder"]["num_layers"]}
+    draft_layers = manifest["draft"]["decoder"]["num_layers"]
     assert entry["plugin_layers"]["draft"] == _dspark_nodes(directory / "draft.onnx") == {
-        "BlockAttention": manifest["draft"]["decoder"]["num_layers"], "D2TGather": k}
+        "BlockAttention": draft_layers, "CacheWrite": 2 * draft_layers, "D2TGather": k}
     for graph, file in entry["engines"]["sm89"].items():
         data = (directory / file).read_bytes()
         assert data[:4] == b"vtrt"                          # a TensorRT-RTX engine header
         assert b"dspark" in data and b"BlockAttention" in data
-        assert (b"D2TGather" in data) == (graph == "draft")
+        assert (b"D2TGather" in data) == (b"CacheWrite" in data) == (graph == "draft")
 
 
 def test_profiles_follow_the_limits(engine):
