@@ -120,18 +120,7 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
         raise EngineBuildError(
             f"{onnx_path.name}: expected dspark plugin layers {expected}, the parsed network has "
             f"{plugins}; a creator did not match and the parser inlined the function body")
-    config = builder.create_builder_config()
-    for shapes in profiles.values():
-        profile = builder.create_optimization_profile()
-        for name, (low, opt, high) in shapes.items():
-            profile.set_shape(name, low, opt, high)
-        config.add_optimization_profile(profile)
-    if cache_path is not None:
-        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
-    if gpu != "local":
-        config.num_compute_capabilities = 1
-        config.set_compute_capability(getattr(trt.ComputeCapability, gpu.upper()), 0)
+    config = _config(trt, builder, profiles, gpu, cache_path)
     with engine_path.open("wb") as file:
         # streamed to the file as it is serialized: the engine is never held whole in memory
         # beside the builder's own copy of the weights
@@ -147,6 +136,27 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
     if cache_path is not None:
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
     return plugins
+
+
+def _config(trt, builder, profiles: dict, gpu: str, cache_path: Path | None):
+    """The builder config: ``profiles``, the target GPU or the timing cache, and for TensorRT-RTX
+    the user allocation that stream capture needs (its engines may otherwise allocate at run time,
+    which a captured CUDA graph cannot)."""
+    config = builder.create_builder_config()
+    for shapes in profiles.values():
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(profile)
+    if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):   # TensorRT-RTX only
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
+    if cache_path is not None:
+        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    if gpu != "local":
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, gpu.upper()), 0)
+    return config
 
 
 def _plugin_layers(trt, network) -> dict[str, int]:
