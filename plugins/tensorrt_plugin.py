@@ -7,10 +7,15 @@ attributes, output types and shapes, accepted formats, and ``enqueue``, which la
 kernel on the stream TensorRT gives. Creators must match the ONNX node exactly (op type,
 ``plugin_version``, ``plugin_namespace``), or the parser silently inlines the function body
 instead; the engine builder checks that plugin layers are present.
+
+A cache output is declared an alias of its cache input (``IPluginV3OneBuildV2.get_aliased_input``,
+TensorRT >= 10.3 and TensorRT-RTX): TensorRT then gives both one buffer, and the plugin updates
+the cache in place instead of copying it whole on every call. The builder refuses such a plugin
+unless ``PreviewFeature.ALIASED_PLUGIN_IO_10_03`` is enabled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -27,6 +32,7 @@ class PluginSpec:
     output_shapes: Callable                # (trt, input DimsExprs, expr builder) -> output DimsExprs
     supports: Callable                     # (trt, pos, in_out descs, num_inputs) -> bool
     enqueue: Callable                      # (trt, attrs, input_descs, output_descs, inputs, outputs, stream)
+    aliases: dict[int, int] = field(default_factory=dict)   # output index -> the input it updates
 
 
 def specs() -> list[PluginSpec]:
@@ -66,11 +72,11 @@ def _creator_class(trt):
 
         def create_plugin(self, name, fields, phase):
             attrs = {}
-            for field in fields:
-                if field.name in self.spec.fields:
-                    kind = self.spec.fields[field.name]
-                    value = np.asarray(field.data).ravel()[0]
-                    attrs[field.name] = int(value) if kind == "int" else float(value)
+            for given in fields:
+                if given.name in self.spec.fields:
+                    kind = self.spec.fields[given.name]
+                    value = np.asarray(given.data).ravel()[0]
+                    attrs[given.name] = int(value) if kind == "int" else float(value)
             missing = set(self.spec.fields) - set(attrs)
             if missing:
                 raise ValueError(f"dspark::{self.spec.name}: missing attribute(s) {sorted(missing)}")
@@ -80,11 +86,11 @@ def _creator_class(trt):
 
 
 def _plugin_class(trt):
-    class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime):
         def __init__(self, spec: PluginSpec, attrs: dict):
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneBuildV2.__init__(self)
             trt.IPluginV3OneRuntime.__init__(self)
             self.spec, self.attrs = spec, attrs
             self.num_outputs = spec.num_outputs
@@ -92,7 +98,7 @@ def _plugin_class(trt):
             self.plugin_namespace, self.plugin_version = PLUGIN_NAMESPACE, PLUGIN_VERSION
 
         def get_capability_interface(self, kind):
-            return self
+            return self     # the BUILD capability is the V2 interface, which declares the aliases
 
         def clone(self):
             return Plugin(self.spec, dict(self.attrs))
@@ -106,6 +112,9 @@ def _plugin_class(trt):
         def supports_format_combination(self, pos, in_out, num_inputs):
             return (in_out[pos].desc.format == trt.TensorFormat.LINEAR
                     and self.spec.supports(trt, pos, in_out, num_inputs))
+
+        def get_aliased_input(self, output_index):
+            return self.spec.aliases.get(output_index, -1)
 
         def configure_plugin(self, inputs, outputs):
             pass

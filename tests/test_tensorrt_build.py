@@ -51,6 +51,27 @@ def test_engines_hold_our_plugins(engine):
         assert (b"D2TGather" in data) == (b"CacheWrite" in data) == (graph == "draft")
 
 
+def test_cache_outputs_alias_their_inputs():
+    """The plugins as TensorRT-RTX sees them: the BUILD capability is the V2 interface, whose
+    ``get_aliased_input`` makes each cache output share its input's buffer (written in place)."""
+    import numpy as np
+    import tensorrt_rtx as trt
+
+    from plugins.tensorrt_plugin import register_plugins, specs
+
+    assert {spec.name: spec.aliases for spec in specs()} == {
+        "BlockAttention": {1: 3, 2: 4}, "CacheWrite": {0: 0}, "D2TGather": {}}
+    attributes = trt.PluginFieldCollection([
+        trt.PluginField("causal", np.array([0], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32)])
+    expected = {"BlockAttention": [-1, 3, 4], "CacheWrite": [0], "D2TGather": [-1, -1]}
+    for creator in register_plugins(trt):
+        plugin = creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
+        build = plugin.get_capability_interface(trt.PluginCapabilityType.BUILD)
+        assert isinstance(build, trt.IPluginV3OneBuildV2)
+        assert [build.get_aliased_input(i) for i in range(plugin.num_outputs)] == expected[creator.name]
+
+
 def test_profiles_follow_the_limits(engine):
     _, manifest = engine
     k = manifest["draft"]["k"]

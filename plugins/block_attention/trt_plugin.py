@@ -1,6 +1,7 @@
 """``dspark::BlockAttention`` as a TensorRT plugin: inputs ``q, k_new, v_new, k_cache, v_cache,
-start``; outputs ``out, k_cache_out, v_cache_out``. When the runtime binds a cache input and its
-output to one buffer (as ours does), the write is in place; otherwise the cache is copied first."""
+start``; outputs ``out, k_cache_out, v_cache_out``, each cache output declared an alias of its cache
+input, so the write is in place; were the buffers distinct all the same, the cache would be copied
+first."""
 from __future__ import annotations
 
 from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
@@ -37,4 +38,4 @@ def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
 
 SPEC = PluginSpec(name="BlockAttention", num_outputs=3, fields={"causal": "int", "scale": "float"},
                   output_types=_output_types, output_shapes=_output_shapes, supports=_supports,
-                  enqueue=_enqueue)
+                  enqueue=_enqueue, aliases={1: 3, 2: 4})

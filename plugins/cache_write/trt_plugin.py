@@ -1,6 +1,6 @@
-"""``dspark::CacheWrite`` as a TensorRT plugin: inputs ``cache, new, start``; output ``cache_out``.
-When ``cache`` and ``cache_out`` are one buffer the rows are written in place; otherwise the cache
-is copied first."""
+"""``dspark::CacheWrite`` as a TensorRT plugin: inputs ``cache, new, start``; output ``cache_out``,
+declared an alias of ``cache``, so the rows are written in place; were the buffers distinct all the
+same, the cache would be copied first."""
 from __future__ import annotations
 
 from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
@@ -34,4 +34,4 @@ def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
 
 
 SPEC = PluginSpec(name="CacheWrite", num_outputs=1, fields={}, output_types=_output_types,
-                  output_shapes=_output_shapes, supports=_supports, enqueue=_enqueue)
+                  output_shapes=_output_shapes, supports=_supports, enqueue=_enqueue, aliases={0: 0})
