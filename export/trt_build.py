@@ -139,10 +139,12 @@ def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: P
 
 
 def _config(trt, builder, profiles: dict, gpu: str, cache_path: Path | None):
-    """The builder config: ``profiles``, the target GPU or the timing cache, and for TensorRT-RTX
-    the user allocation that stream capture needs (its engines may otherwise allocate at run time,
-    which a captured CUDA graph cannot)."""
+    """The builder config: ``profiles``, the target GPU or the timing cache, aliased plugin I/O (the
+    plugins' cache outputs share their inputs' buffers; TensorRT refuses them without it), and for
+    TensorRT-RTX the user allocation that stream capture needs (its engines may otherwise allocate
+    at run time, which a captured CUDA graph cannot)."""
     config = builder.create_builder_config()
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     for shapes in profiles.values():
         profile = builder.create_optimization_profile()
         for name, (low, opt, high) in shapes.items():
