@@ -31,8 +31,9 @@ class PluginSpec:
     output_types: Callable                 # (trt, input_types) -> output types
     output_shapes: Callable                # (trt, input DimsExprs, expr builder) -> output DimsExprs
     supports: Callable                     # (trt, pos, in_out descs, num_inputs) -> bool
-    enqueue: Callable                      # (trt, attrs, input_descs, output_descs, inputs, outputs, stream)
+    enqueue: Callable    # (trt, attrs, input_descs, output_descs, inputs, outputs, workspace, stream)
     aliases: dict[int, int] = field(default_factory=dict)   # output index -> the input it updates
+    workspace: Callable | None = None      # (input DynamicPluginTensorDescs) -> scratch bytes enqueue needs
 
 
 def specs() -> list[PluginSpec]:
@@ -123,7 +124,7 @@ def _plugin_class(trt):
             pass
 
         def get_workspace_size(self, inputs, outputs):
-            return 0
+            return self.spec.workspace(inputs) if self.spec.workspace else 0
 
         def get_valid_tactics(self):
             return []
@@ -135,7 +136,7 @@ def _plugin_class(trt):
             return self.clone()
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            self.spec.enqueue(trt, self.attrs, input_desc, output_desc, inputs, outputs, stream)
+            self.spec.enqueue(trt, self.attrs, input_desc, output_desc, inputs, outputs, workspace, stream)
 
         def get_fields_to_serialize(self):
             return trt.PluginFieldCollection([
@@ -162,6 +163,15 @@ def device_tensors(trt, pointers, descs) -> list:
         tensor = torch.as_tensor(buffer(), device="cuda")
         tensors.append(tensor.view(view) if view is not None else tensor)
     return tensors
+
+
+def workspace_floats(pointer: int, nbytes: int):
+    """A flat fp32 torch CUDA tensor over TensorRT's workspace for this enqueue (no copy)."""
+    import torch
+
+    buffer = type("Buffer", (), {"__cuda_array_interface__": {
+        "shape": (nbytes // 4,), "typestr": "<f4", "data": (pointer, False), "version": 3}})
+    return torch.as_tensor(buffer(), device="cuda")
 
 
 def on_stream(stream: int):

@@ -4,7 +4,10 @@ where its packages are importable (a lent GPU machine may have torch and Triton 
 1. The Triton kernels against their PyTorch references on CUDA (needs torch, triton).
 2. The PyTorch backend on CUDA with CUDA graphs against ONNX Runtime's greedy tokens on a tiny
    engine (needs the project's dependencies: transformers, onnx, onnxruntime, ...).
-3. Where TensorRT or TensorRT-RTX is importable and builds for this GPU (TensorRT-RTX does not
+3. Each TensorRT plugin's ``enqueue`` (what TensorRT calls) on CUDA buffers without TensorRT, through
+   a stand-in for the module's ``DataType`` names: in place and aliased as the engines bind the
+   caches, with the attention's workspace sized as the plugin asks TensorRT for it.
+4. Where TensorRT or TensorRT-RTX is importable and builds for this GPU (TensorRT-RTX does not
    target Hopper): tiny fp16 engines with our plugins, built for this GPU and run, against ONNX
    Runtime's greedy tokens.
 
@@ -59,6 +62,67 @@ def check_kernels() -> str:
     expected_ids, expected_rows = d2t_reference(scores, d2t, w1)
     assert torch.equal(ids.cpu(), expected_ids) and torch.equal(rows.cpu(), expected_rows), "d2t_gather"
     return "block_attention (fp32/fp16/bf16, causal and not) and d2t_gather match the references"
+
+
+def check_plugin_enqueue() -> str:
+    from types import SimpleNamespace
+
+    from plugins.block_attention.reference import block_attention as attention_reference
+    from plugins.block_attention.trt_plugin import SPEC as ATTENTION
+    from plugins.cache_write.reference import cache_write as write_reference
+    from plugins.cache_write.trt_plugin import SPEC as CACHE_WRITE
+    from plugins.d2t_gather.reference import d2t_gather as d2t_reference
+    from plugins.d2t_gather.trt_plugin import SPEC as D2T
+
+    kinds = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64"}
+    trt = SimpleNamespace(DataType=SimpleNamespace(FLOAT="f32", HALF="f16", BF16="bf16", INT64="i64",
+                                                   INT32="i32"))
+
+    def enqueue(spec, attrs, inputs, outputs):
+        """As TensorRT would: raw pointers, descs, the workspace it reserved, its own stream."""
+        descs = [[SimpleNamespace(type=kinds[t.dtype], dims=tuple(t.shape), max=tuple(t.shape)) for t in ts]
+                 for ts in (inputs, outputs)]
+        workspace = torch.empty((spec.workspace(descs[0]) if spec.workspace else 0) // 4 + 1, device="cuda")
+        stream = torch.cuda.Stream()
+        spec.enqueue(trt, attrs, *descs, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
+                     workspace.data_ptr(), stream.cuda_stream)
+        stream.synchronize()
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        cache = torch.randn(2, 8, 1024, 128, generator=g).to(dtype)
+        context = torch.randn(2, 8, 9, 128, generator=g).to(dtype)
+        ctx_start = torch.tensor([0, 900])
+        k = cache.cuda()
+        enqueue(CACHE_WRITE, {}, [k, context.cuda(), ctx_start.cuda()], [k])                 # aliased
+        written = write_reference(cache, context, ctx_start)
+        assert torch.equal(k.cpu(), written), f"CacheWrite {dtype} in place"
+        copied = torch.zeros_like(k)
+        enqueue(CACHE_WRITE, {}, [cache.cuda(), context.cuda(), ctx_start.cuda()], [copied])
+        assert torch.equal(copied.cpu(), written), f"CacheWrite {dtype} into a distinct buffer"
+        for causal, rows in ((True, 8), (False, 7)):
+            q = torch.randn(2, 32, rows, 128, generator=g).to(dtype)
+            k_new, v_new = (torch.randn(2, 8, rows, 128, generator=g).to(dtype) for _ in range(2))
+            v = cache.flip(2).contiguous()
+            keys, values = written.cuda(), v.cuda()
+            start = ctx_start + 9
+            out = torch.empty_like(q, device="cuda")
+            enqueue(ATTENTION, {"causal": int(causal), "scale": 128 ** -0.5},
+                    [q.cuda(), k_new.cuda(), v_new.cuda(), keys, values, start.cuda()], [out, keys, values])
+            want, k_want, v_want = attention_reference(q.float(), k_new.float(), v_new.float(),
+                                                       written.float(), v.float(), start, causal, 128 ** -0.5)
+            error = (out.float().cpu() - want).abs().max().item()
+            assert error < 3e-2, f"BlockAttention {dtype} causal={causal}: error {error}"
+            assert torch.equal(keys.cpu().float(), k_want) and torch.equal(values.cpu().float(), v_want)
+        scores = torch.randn(4, 151936, generator=g)
+        d2t, w1 = torch.randint(0, 3, (151936,), generator=g), torch.randn(151939, 256, generator=g).to(dtype)
+        ids = torch.empty(4, dtype=torch.long, device="cuda")
+        picked = torch.empty(4, 256, dtype=dtype, device="cuda")
+        enqueue(D2T, {}, [scores.cuda(), d2t.cuda(), w1.cuda()], [ids, picked])
+        want_ids, want_rows = d2t_reference(scores, d2t, w1)
+        assert torch.equal(ids.cpu(), want_ids) and torch.equal(picked.cpu(), want_rows), f"D2TGather {dtype}"
+    return ("CacheWrite, BlockAttention (workspace from the plugin) and D2TGather enqueue == references "
+            "(fp16/bf16, caches aliased)")
 
 
 class Skipped(Exception):
@@ -155,6 +219,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ok = run_steps({
             "kernels": check_kernels,
+            "plugin enqueue": check_plugin_enqueue,
             "torch backend": lambda: needs_project(lambda: check_torch_backend(Path(tmp))),
             "trt engines": lambda: needs_project(lambda: check_engines("trt", Path(tmp))),
             "trt-rtx engines": lambda: needs_project(lambda: check_engines("trt-rtx", Path(tmp))),

@@ -72,6 +72,27 @@ def test_cache_outputs_alias_their_inputs():
         assert [build.get_aliased_input(i) for i in range(plugin.num_outputs)] == expected[creator.name]
 
 
+def test_attention_reserves_the_workspace_its_split_kernel_needs():
+    """TensorRT hands ``enqueue`` the scratch memory ``get_workspace_size`` asked for; the split
+    attention keeps its partial results there (allocating during a captured launch is not allowed)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import tensorrt_rtx as trt
+
+    from plugins.block_attention.triton_kernel import workspace_bound
+    from plugins.tensorrt_plugin import register_plugins
+
+    attributes = trt.PluginFieldCollection([
+        trt.PluginField("causal", np.array([1], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32)])
+    q = SimpleNamespace(max=(4, 32, 2048, 128))
+    sizes = {creator.name: creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
+             .get_workspace_size([q], []) for creator in register_plugins(trt)}
+    assert sizes == {"BlockAttention": workspace_bound(128), "CacheWrite": 0, "D2TGather": 0}
+    assert workspace_bound(128) > 0
+
+
 def test_profiles_follow_the_limits(engine):
     _, manifest = engine
     k = manifest["draft"]["k"]

@@ -4,7 +4,7 @@ input, so the write is in place; were the buffers distinct all the same, the cac
 first."""
 from __future__ import annotations
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
+from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream, workspace_floats
 
 
 def _output_types(trt, input_types):
@@ -23,8 +23,14 @@ def _supports(trt, pos, in_out, num_inputs):
     return kind in floats and kind == in_out[0].desc.type
 
 
-def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
-    from .triton_kernel import block_attention
+def _workspace(inputs) -> int:
+    from .triton_kernel import workspace_bound
+
+    return workspace_bound(head_dim=inputs[0].max[3])
+
+
+def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, stream):
+    from .triton_kernel import block_attention, workspace_bound
 
     q, k_new, v_new, k_in, v_in, start = device_tensors(trt, inputs, input_desc)
     out, k_cache, v_cache = device_tensors(trt, outputs, output_desc)
@@ -33,9 +39,10 @@ def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
             if source.data_ptr() != cache.data_ptr():
                 cache.copy_(source)
         block_attention(q, k_new, v_new, k_cache, v_cache, start, out,
-                        causal=bool(attrs["causal"]), scale=attrs["scale"])
+                        causal=bool(attrs["causal"]), scale=attrs["scale"],
+                        workspace=workspace_floats(workspace, workspace_bound(q.shape[3])))
 
 
 SPEC = PluginSpec(name="BlockAttention", num_outputs=3, fields={"causal": "int", "scale": "float"},
                   output_types=_output_types, output_shapes=_output_shapes, supports=_supports,
-                  enqueue=_enqueue, aliases={1: 3, 2: 4})
+                  enqueue=_enqueue, aliases={1: 3, 2: 4}, workspace=_workspace)

@@ -22,7 +22,7 @@ def _supports(trt, pos, in_out, num_inputs):
     return kind in floats and kind == in_out[0].desc.type
 
 
-def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
+def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, stream):
     from .triton_kernel import write_rows
 
     source, new, start = device_tensors(trt, inputs, input_desc)

@@ -26,7 +26,7 @@ def _supports(trt, pos, in_out, num_inputs):
     return kind in floats
 
 
-def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, stream):
+def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, stream):
     from .triton_kernel import d2t_gather
 
     scores, d2t, markov_w1 = device_tensors(trt, inputs, input_desc)
