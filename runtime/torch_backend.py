@@ -19,8 +19,8 @@ from .engine_backend import check_batch, lookahead
 
 
 class TorchBackend:
-    """``device="cuda"`` with ``cuda_graphs=True`` captures each (step, batch, rows, logit rows)
-    once and replays it, the same way the TensorRT backend does (``cuda_graphs.py``)."""
+    """``device="cuda"`` with ``cuda_graphs=True`` captures the decode steps and replays them, the
+    same way the TensorRT backend does (``cuda_graphs.py``); prefill runs eagerly."""
 
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
                  max_batch: int = 1 << 16, max_prompt_chunk: int | None = None,
@@ -28,12 +28,6 @@ class TorchBackend:
         self.device = torch.device(device)
         target, draft = target.to(self.device), draft.to(self.device) if draft is not None else None
         self.target, self.draft, self.capacity = target, draft, capacity
-        self.graphs, self._batch = None, None
-        if cuda_graphs:
-            from .cuda_graphs import GraphCache
-
-            self.graphs = {which: GraphCache(partial(self._step_in_place, which))
-                           for which in ("target", "draft")}
         self.max_batch = max_batch
         self.max_prompt_chunk = max_prompt_chunk or capacity
         self.eos_token_ids = target.config.eos_token_ids
@@ -42,6 +36,14 @@ class TorchBackend:
         self.confidence_threshold = confidence_threshold
         self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0
         self.lookahead = lookahead(self.k, draft.config.block_size) if draft is not None else 1
+        self.graphs = self.caches = None
+        if cuda_graphs:
+            from .cuda_graphs import Caches, GraphCache
+
+            # prefill too writes the caches in place: the graphs hold their addresses
+            self.graphs = GraphCache(self.k, eager=lambda step, _, inputs: self._step_in_place(step, *inputs),
+                                     bind=lambda step, _, inputs: partial(self._step_in_place, step, *inputs))
+            self.caches = Caches(self._empty_caches)
 
     @classmethod
     def from_engine(cls, engine: str | Path, device: str = "cpu",
@@ -64,32 +66,36 @@ class TorchBackend:
                    manifest_file.confidence_threshold(m), device=device, cuda_graphs=cuda_graphs)
 
     def start(self, batch: int) -> None:
-        """Fresh, empty caches for ``batch`` sequences."""
+        """Empty caches for ``batch`` sequences: with CUDA graphs, the ones the graphs captured,
+        zeroed in place (``cuda_graphs.Caches``)."""
         check_batch(batch, self.max_batch)
-        if self.graphs is not None and self._batch == batch:
-            for cache in (*self.target_cache, *getattr(self, "draft_cache", [])):
-                cache.zero_()                   # in place: captured graphs hold these addresses
-            return
-        self._batch = batch
-        self.target_cache = self.target.empty_cache(batch, self.capacity)
+        if self.caches is None:
+            fresh = self._empty_caches(batch)
+            self.target_cache, self.draft_cache = fresh["target"], fresh.get("draft", [])
+        elif self.caches.start(batch):
+            self.graphs.clear()
+
+    def _empty_caches(self, batch: int) -> dict[str, list[torch.Tensor]]:
+        caches = {"target": self.target.empty_cache(batch, self.capacity)}
         if self.draft is not None:
-            self.draft_cache = self.draft.empty_cache(batch, self.capacity)
-        for graphs in (self.graphs or {}).values():
-            graphs.clear()
+            caches["draft"] = self.draft.empty_cache(batch, self.capacity)
+        return caches
 
     @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         if self.graphs is not None:
-            return self.graphs["target"]((*input_ids.shape, logit_rows.shape[1]),
-                                         [input_ids, start, logit_rows])
+            batch, rows = input_ids.shape
+            return self.graphs("target", {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
+                               [input_ids, start, logit_rows])
         logits, aux, *self.target_cache = self.target(input_ids, start, logit_rows, *self.target_cache)
         return logits, aux
 
     @torch.no_grad()
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         if self.graphs is not None:
-            return self.graphs["draft"](tuple(ctx_aux.shape[:2]),
-                                        [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise])
+            batch, rows = ctx_aux.shape[:2]
+            return self.graphs("draft", {"batch": batch, "ctx_rows": rows},
+                               [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise])
         tokens, q, *self.draft_cache = self.draft(ctx_aux, ctx_start, ctx_count, anchor,
                                                   temperature, noise, *self.draft_cache)
         return tokens, q
@@ -97,8 +103,8 @@ class TorchBackend:
     def _step_in_place(self, which: str, *inputs):
         """One step that writes its new caches back into the current ones (graph capture needs
         fixed addresses)."""
-        module, caches = ((self.target, self.target_cache) if which == "target"
-                          else (self.draft, self.draft_cache))
+        module = self.target if which == "target" else self.draft
+        caches = self.caches[which]
         first, second, *new = module(*inputs, *caches)
         for cache, value in zip(caches, new):
             cache.copy_(value)

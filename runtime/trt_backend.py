@@ -1,10 +1,12 @@
 """The TensorRT / TensorRT-RTX backend: an engine directory's engines on a CUDA GPU.
 
 Device buffers are torch CUDA tensors; each cache is one buffer bound as both the cache input and
-its output, so the plugin writes in place. Every (graph, profile, sizes of the dynamic axes) is run
-twice to warm up, captured once as a CUDA graph and replayed from then on (``cuda_graphs.py``). Outputs
-stay on the device; the loop's verification runs there too, so a step's only host copy is the
-accepted tokens.
+its output, so the plugin writes in place. The decode steps are captured as CUDA graphs and
+replayed, prefill runs eagerly (``cuda_graphs.py``). A captured key has an execution context of its
+own, its shapes and addresses set once before warm-up: a graph replays the kernels and addresses it
+was captured with, which reshaping a shared context would change. Every context uses one
+activation buffer of ours (they run one at a time, on the backend's stream). Outputs stay on the
+device; the loop's verification runs there too, so a step's only host copy is the accepted tokens.
 """
 from __future__ import annotations
 
@@ -17,11 +19,44 @@ from export.manifest import cache_output, is_cache
 from export.trt_build import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
-from .cuda_graphs import GraphCache
+from .cuda_graphs import Caches, GraphCache, Sizes
 from .engine_backend import EngineBackend
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int64": torch.int64}
+
+
+def create_context(trt, engine, profile: int, stream: int, memory: torch.Tensor, captured: bool):
+    """An execution context on optimization profile ``profile`` (selected on ``stream``) that runs
+    in ``memory``, our activation buffer.
+
+    TensorRT-RTX compiles shape-specialized kernels at run time. Its default (lazy) runs a fallback
+    kernel until the specialized one is compiled and then swaps it in, which would invalidate a
+    graph captured before the swap; a ``captured`` context compiles them when a shape first runs
+    (eager), which the warm-up does. Prefill contexts keep the lazy default: a new prompt length
+    does not wait for a compilation. Its own whole-graph capture stays off: we capture whole steps."""
+    user_managed = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+    if hasattr(trt, "DynamicShapesKernelSpecializationStrategy"):   # TensorRT-RTX
+        config = engine.create_runtime_config()
+        config.set_execution_context_allocation_strategy(user_managed)
+        config.cuda_graph_strategy = trt.CudaGraphStrategy.DISABLED
+        if captured:
+            config.dynamic_shapes_kernel_specialization_strategy = (
+                trt.DynamicShapesKernelSpecializationStrategy.EAGER)
+        context = engine.create_execution_context(config)
+    else:
+        context = engine.create_execution_context(user_managed)
+    if context is None:
+        raise RuntimeError(f"{engine.name}: TensorRT could not create an execution context")
+    context.set_device_memory(memory.data_ptr(), memory.numel())
+    if not context.set_optimization_profile_async(profile, stream):
+        raise RuntimeError(f"{engine.name}: TensorRT could not select optimization profile {profile}")
+    return context
+
+
+def stream_capturable(context, stream: int) -> bool:
+    """What TensorRT-RTX says of capturing this context on ``stream``; full TensorRT cannot say."""
+    return context.is_stream_capturable(stream) if hasattr(context, "is_stream_capturable") else True
 
 
 class TrtBackend(EngineBackend):
@@ -34,8 +69,8 @@ class TrtBackend(EngineBackend):
                 f"with `python -m export build ... --dtype fp16 --backend {backend}`")
         if not torch.cuda.is_available():
             raise ValueError(f"--backend {backend} needs a CUDA GPU; use --backend ort on the CPU")
-        trt = import_tensorrt(backend)
-        self._creators = register_plugins(trt)  # keep alive while the engines exist
+        self.trt = import_tensorrt(backend)
+        self._creators = register_plugins(self.trt)  # keep alive while the engines exist
         major, minor = torch.cuda.get_device_capability()
         gpu = gpu or (f"sm{major}{minor}" if backend == "trt-rtx" else "local")
         files = m[backend]["engines"].get(gpu)
@@ -43,32 +78,30 @@ class TrtBackend(EngineBackend):
             raise manifest_file.ManifestError(
                 f"{self.directory}: no {backend} engines for {gpu} (built for "
                 f"{', '.join(m[backend]['engines'])}); rebuild with --gpu {gpu}")
-        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
         self.engines = {graph: runtime.deserialize_cuda_engine(self.file(file).read_bytes())
                         for graph, file in files.items()}
-        profiles = list(m[backend]["profiles"]["target"])
-        self.contexts = {}
-        for graph, engine_ in self.engines.items():
-            for index, profile in enumerate(profiles):
-                context = engine_.create_execution_context()
-                context.set_optimization_profile_async(index, torch.cuda.current_stream().cuda_stream)
-                self.contexts[graph, profile] = context
         self.device = torch.device("cuda")
-        self.graphs = {graph: GraphCache(lambda *t, g=graph: self._execute(g, *t)) for graph in files}
-        self._outputs: dict[tuple, list[torch.Tensor]] = {}
-        self._key: tuple = ()
+        # not the legacy default stream, around which TensorRT synchronises the device
+        self.stream = torch.cuda.Stream()
+        self.memory = torch.empty(max(e.device_memory_size_v2 for e in self.engines.values()),
+                                  dtype=torch.uint8, device=self.device)
+        self.profiles = {name: index for index, name in enumerate(m[backend]["profiles"]["target"])}
+        self.specs = {}
+        for graph in self.engines:
+            spec = m["graphs"][graph]
+            self.specs[graph] = {"inputs": [t for t in spec["inputs"] if not is_cache(t["name"])],
+                                 "caches": [t for t in spec["inputs"] if is_cache(t["name"])],
+                                 "outputs": [t for t in spec["outputs"] if not is_cache(t["name"])]}
+        self.eager_contexts = {(graph, profile): self._context(graph, profile, captured=False)
+                               for graph in self.engines for profile in self.profiles}
+        self.caches = Caches(self._allocate_caches)
+        self.graphs = GraphCache(self.k, self._eager, self._bind, stream=self.stream)
 
     def start(self, batch: int) -> None:
         self.check_batch(batch)
-        self.caches = {}
-        for graph in self.engines:
-            specs = [t for t in self.manifest["graphs"][graph]["inputs"] if is_cache(t["name"])]
-            self.caches[graph] = {t["name"]: torch.zeros([batch if d == "batch" else d for d in t["shape"]],
-                                                         dtype=TORCH_DTYPES[t["dtype"]], device=self.device)
-                                  for t in specs}
-        for graphs in self.graphs.values():  # they captured the old caches' addresses
-            graphs.clear()
-        self._outputs.clear()
+        if self.caches.start(batch):   # graphs captured the old caches' addresses
+            self.graphs.clear()
 
     def target_step(self, input_ids, start, logit_rows):
         batch, rows = input_ids.shape
@@ -80,36 +113,71 @@ class TrtBackend(EngineBackend):
         return self._run("draft", [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise],
                          {"batch": batch, "ctx_rows": rows})
 
-    def _run(self, graph: str, inputs: list[torch.Tensor], sizes: dict[str, int]):
-        """``sizes``: the step's dynamic axes; the rows (``rows`` or ``ctx_rows``) pick the profile."""
-        rows = sizes.get("rows", sizes.get("ctx_rows"))
-        profile = "decode" if rows <= self.k + 1 else "prefill"
-        self._key = (graph, profile, *sizes.items())
-        return self.graphs[graph](self._key[1:], [t.to(self.device) for t in inputs])
-
-    def _execute(self, graph: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        """Bind and enqueue one step (called for warm-up and inside the graph capture)."""
-        _, profile, *sizes = self._key
-        sizes = dict(sizes)
-        context = self.contexts[graph, profile]
-        spec = self.manifest["graphs"][graph]
-        plain = [t for t in spec["inputs"] if not is_cache(t["name"])]
-        for tensor_spec, value in zip(plain, inputs):
-            context.set_input_shape(tensor_spec["name"], tuple(value.shape))
-            context.set_tensor_address(tensor_spec["name"], value.data_ptr())
-        for name, cache in self.caches[graph].items():
-            context.set_input_shape(name, tuple(cache.shape))
-            context.set_tensor_address(name, cache.data_ptr())
-            context.set_tensor_address(cache_output(name), cache.data_ptr())
-        returned = [t for t in spec["outputs"] if not is_cache(t["name"])]
-        if self._key not in self._outputs:
-            self._outputs[self._key] = [
-                torch.empty([sizes.get(d, d) for d in t["shape"]], dtype=TORCH_DTYPES[t["dtype"]],
-                            device=self.device)
-                for t in returned]
-        outputs = self._outputs[self._key]
-        for tensor_spec, buffer in zip(returned, outputs):
-            context.set_tensor_address(tensor_spec["name"], buffer.data_ptr())
-        if not context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
-            raise RuntimeError(f"{graph}: TensorRT execution failed")
+    def _run(self, graph: str, inputs: list[torch.Tensor], sizes: Sizes) -> list[torch.Tensor]:
+        """One step on the backend's stream, ordered after the caller's work and before its next.
+        Memory the caller freed is reused here only after this wait, so after its last reads."""
+        inputs = [t.to(self.device).contiguous() for t in inputs]   # bound by address
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            outputs = self.graphs(graph, sizes, inputs)
+        caller.wait_stream(self.stream)
         return outputs
+
+    def _allocate_caches(self, batch: int) -> dict[str, list[torch.Tensor]]:
+        return {graph: [torch.zeros([batch if d == "batch" else d for d in t["shape"]],
+                                    dtype=TORCH_DTYPES[t["dtype"]], device=self.device)
+                        for t in spec["caches"]]
+                for graph, spec in self.specs.items()}
+
+    def _context(self, graph: str, profile: str, captured: bool):
+        return create_context(self.trt, self.engines[graph], self.profiles[profile],
+                              self.stream.cuda_stream, self.memory, captured)
+
+    def _profile(self, sizes: Sizes) -> str:
+        rows = sizes["rows"] if "rows" in sizes else sizes["ctx_rows"]
+        return "decode" if rows <= self.k + 1 else "prefill"
+
+    def _eager(self, graph: str, sizes: Sizes, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Prefill and any step that cannot be captured: the profile's shared context, reshaped."""
+        context = self.eager_contexts[graph, self._profile(sizes)]
+        outputs = self._bind_tensors(context, graph, sizes, inputs)
+        self._execute(context, graph)
+        return outputs
+
+    def _bind(self, graph: str, sizes: Sizes, inputs: list[torch.Tensor]):
+        """A captured key's own context, bound to its static inputs and outputs before warm-up;
+        ``None`` when TensorRT says it cannot be captured on the backend's stream."""
+        context = self._context(graph, self._profile(sizes), captured=True)
+        outputs = self._bind_tensors(context, graph, sizes, inputs)
+        if not stream_capturable(context, self.stream.cuda_stream):
+            return None
+
+        def run() -> list[torch.Tensor]:
+            self._execute(context, graph)
+            return outputs
+
+        return run
+
+    def _bind_tensors(self, context, graph: str, sizes: Sizes, inputs: list[torch.Tensor]):
+        """Set the context's input shapes and every tensor's address; returns new output buffers."""
+        spec = self.specs[graph]
+        bound = [*zip(spec["inputs"], inputs), *zip(spec["caches"], self.caches[graph])]
+        for tensor_spec, value in bound:
+            if not context.set_input_shape(tensor_spec["name"], tuple(value.shape)):
+                raise RuntimeError(f"{graph}: TensorRT refused shape {tuple(value.shape)} for "
+                                   f"{tensor_spec['name']}")
+            context.set_tensor_address(tensor_spec["name"], value.data_ptr())
+        for tensor_spec, cache in zip(spec["caches"], self.caches[graph]):
+            context.set_tensor_address(cache_output(tensor_spec["name"]), cache.data_ptr())
+        outputs = [torch.empty([sizes.get(d, d) for d in t["shape"]], dtype=TORCH_DTYPES[t["dtype"]],
+                               device=self.device)
+                   for t in spec["outputs"]]
+        for tensor_spec, buffer in zip(spec["outputs"], outputs):
+            context.set_tensor_address(tensor_spec["name"], buffer.data_ptr())
+        return outputs
+
+    def _execute(self, context, graph: str) -> None:
+        """Enqueue on the backend's stream, which is also the one graphs are captured on."""
+        if not context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError(f"{graph}: TensorRT execution failed")

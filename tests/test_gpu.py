@@ -17,9 +17,18 @@ LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_torch_on_cuda_with_graphs_equals_onnx_runtime(engine_dir, case):
     engine = engine_dir(LIMITS, **ENGINE_CASES[case])
-    expected = generate(OrtBackend(engine), PROMPTS, max_new_tokens=32).token_ids
+    ort = OrtBackend(engine)
     backend = TorchBackend.from_engine(engine, device="cuda", cuda_graphs=True)
-    for _ in range(2):  # the second run replays the graphs the first captured
-        assert generate(backend, PROMPTS, max_new_tokens=32).token_ids == expected
-    assert backend.graphs["target"].graphs and backend.graphs["draft"].graphs
+    kept = {}
+    # the second request replays the graphs the first captured; the third, of a smaller batch,
+    # keeps them and captures its own
+    for prompts in (PROMPTS, PROMPTS, PROMPTS[:1]):
+        expected = generate(ort, prompts, max_new_tokens=32).token_ids
+        assert generate(backend, prompts, max_new_tokens=32).token_ids == expected
+        graphs = backend.graphs.graphs
+        assert all(graphs[key] is graph for key, graph in kept.items())
+        kept = dict(graphs)
+    assert {step for step, _, _ in kept} == {"target", "draft"}
+    assert all(graph is not None and rows <= backend.k + 1 for (_, _, rows), graph in kept.items())
+    assert {batch for _, batch, _ in kept} == {1, len(PROMPTS)}
     assert torch.cuda.is_available()
