@@ -74,7 +74,8 @@ def cmd_build(args: argparse.Namespace) -> None:
         result = build(args.target, args.draft, staging, k=args.k, limits=limits,
                        confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
-                       progress=not args.quiet)
+                       weights=args.weights, weights_block=args.weights_block,
+                       quantize_draft=args.quantize_draft, progress=not args.quiet)
     print(f"built {out} in {result.seconds:.1f}s")
     # no tensor records the width a draft was trained at, so say where k came from
     draft = manifest.read(out)["draft"]
@@ -83,6 +84,10 @@ def cmd_build(args: argparse.Namespace) -> None:
     print(f"  k = {draft['k']} drafts per step (from {origin})")
     for name, size in result.files.items():
         print(f"  {name:40} {size / 1e6:10.2f} MB")
+    if result.quantized_layers:
+        print("  quantized linear layers: " + ", ".join(f"{name} {count}" for name, count
+                                                         in result.quantized_layers.items()))
+        print(f"  weights: {manifest.describe_weights(manifest.read(out))}")
     if None in result.max_difference.values():
         print("  ONNX Runtime vs PyTorch: not run (ONNX Runtime has no bf16 CPU kernels); "
               "onnx.checker and shape inference passed")
@@ -189,6 +194,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; norms and softmax accumulate in fp32 [fp32]")
     b.add_argument("--opset", type=int, choices=[23, 24], default=23, help="ONNX opset [23]")
+    b.add_argument("--weights", metavar="int4|int8",
+                   help="quantize the target's linear layers (lm_head included) to int4 or int8: "
+                        "weight-only, symmetric, blockwise round-to-nearest, as DequantizeLinear -> "
+                        "MatMul; the build verifies it and states its quality cost [unquantized]")
+    b.add_argument("--weights-block", type=int, default=32, metavar="N",
+                   help="weights per quantization scale, along the input axis (a power of two >= 16) [32]")
+    b.add_argument("--quantize-draft", action="store_true",
+                   help="quantize the draft's linear layers too, as --weights says [the draft keeps "
+                        "its --dtype weights]")
     b.add_argument("--backend", choices=["onnx", "trt", "trt-rtx"], default="onnx",
                    help="also build TensorRT (trt) or TensorRT-RTX (trt-rtx) engines with the "
                         "dspark plugins; build those graphs with --dtype fp16 or bf16 [onnx]")

@@ -5,6 +5,11 @@ it, trace it to ONNX, compute the reference outputs, let its PyTorch weights go,
 written graph (checker, shape inference, ONNX Runtime vs those references). The process never holds
 both models, nor one model's weights twice, so a build's peak memory stays near the larger model's
 weights. Then the engines and the manifest.
+
+With ``--weights int4|int8`` the module's linear weights are replaced by their de-quantized values
+before it is traced (after the target's teacher-forced predictions on held-out text are taken, for
+the quality cost), and the written graph is rewritten to hold them quantized (``quantize.py``): the
+graph is then verified against a reference with exactly its weights.
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ import torch
 from tqdm.auto import tqdm
 
 from . import manifest as manifest_file
+from . import quantize
 from .checkpoint import CheckpointError, hf_location, resolve
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
-from .onnx_check import check_model, compare_with_reference
+from .onnx_check import VerificationError, check_model, compare_with_reference
 from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .target_config import load_target_config
 from .target_model import TargetStep, load_target
@@ -36,14 +42,19 @@ class BuildResult:
     files: dict[str, int]          # file name -> bytes
     seconds: float
     max_difference: dict[str, float | None]   # None: not run (bf16 has no ORT CPU kernels)
+    quantized_layers: dict[str, int]          # graph name -> linear layers quantized
+    quality: dict | None                      # quantize.quality_cost of the target, when quantized
 
 
 def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: Limits,
           confidence_threshold: float = 0.0, dtype: str = "fp32", opset: int = 23,
-          backend: str = "onnx", gpus: tuple[str, ...] = (), progress: bool = True) -> BuildResult:
+          backend: str = "onnx", gpus: tuple[str, ...] = (), weights: str | None = None,
+          weights_block: int = 32, quantize_draft: bool = False, progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
     ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
-    ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``)."""
+    ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``).
+    ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
+    ``weights_block``, and the draft's too with ``quantize_draft``."""
     if not 0 <= confidence_threshold <= 1:
         raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
                          f"draft) .. 1")
@@ -52,6 +63,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     if backend not in ("onnx", "trt", "trt-rtx"):
         raise ValueError(f"--backend {backend}: expected onnx, trt or trt-rtx")
     _check_limits(limits)
+    quantize.check_options(weights, weights_block, quantize_draft)
+    formats = {"target": weights or quantize.FLOAT, "draft": weights if quantize_draft else quantize.FLOAT}
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()
     steps = ["read configs", "draft", "target", *([f"build {backend} engines"] if backend != "onnx" else []),
@@ -78,10 +91,16 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                "target": lambda: load_target(target_dir, taps=draft_config.target_layer_ids,
                                              dtype=torch_dtype)}
     generator = torch.Generator().manual_seed(0)
-    described, specs, differences = {}, {}, {}
+    described, specs, differences, quantized, quality = {}, {}, {}, {}, None
     for name in ("draft", "target"):   # the draft first: the smaller model's load errors come early
         phase(f"{name}: load")
         module = loaders[name]()
+        bits = quantize.BITS.get(formats[name])
+        if bits:
+            phase(f"{name}: quantize")
+            quantized[name], cost = _quantize(module, bits, weights_block,
+                                              tokenizer if name == "target" else None)
+            quality = cost or quality
         spec = specs[name] = draft_spec(module, limits) if name == "draft" else target_spec(module, limits)
         described[name] = _describe(module, confidence_threshold)
         trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
@@ -96,6 +115,14 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         release_weights(module)
         del module
         release_freed_memory()
+        if bits:
+            # a layer the tracer shares may be written twice (the draft's K/V projections), so
+            # the graph may hold more; fewer means a layer was traced in a form left unquantized
+            in_graph = quantize.quantize_graph(path, bits, weights_block)
+            if in_graph < quantized[name]:
+                raise VerificationError(f"{path.name}: {in_graph} linear layers quantized in the graph, "
+                                        f"fewer than the {quantized[name]} of the PyTorch reference")
+            quantized[name] = in_graph
         phase(f"{name}: verify")
         check_model(path)
         differences[name] = None if expected is None else compare_with_reference(
@@ -111,11 +138,12 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         "draft": described["draft"],
         "limits": asdict(limits),
         "dtype": dtype_name,
+        "weights": {**formats, "block_size": weights_block if weights else None, "quality": quality},
         "opset": opset,
         "graphs": {name: specs[name].to_json() for name in ("target", "draft")},
         "backends": ["onnx"],
         "tools": _tool_versions(),
-        "tokenizer": tokenizer,
+        "tokenizer": TOKENIZER_DIR,
     }
     if backend != "onnx":
         from .trt_build import build_engines
@@ -131,7 +159,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     bar.update()
     bar.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    return BuildResult(files, time.perf_counter() - started, differences)
+    return BuildResult(files, time.perf_counter() - started, differences, quantized, quality)
 
 
 def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> dict:
@@ -141,6 +169,19 @@ def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> di
     return {**asdict(module.config), "k": module.k, "confidence_threshold": confidence_threshold,
             "has_d2t": bool(module.d2t.any()), "target_vocab_size": module.target_vocab_size,
             "precision": {part: DTYPE_NAMES[t] for part, t in module.precision().items()}}
+
+
+def _quantize(module: TargetStep | DraftStep, bits: int, block: int, tokenizer) -> tuple[int, dict | None]:
+    """Quantize ``module``'s linear layers (``quantize.quantize_linears``); given the target's
+    ``tokenizer``, also measure what that costs, teacher-forced on held-out text before and after
+    (None where that text is not installed)."""
+    texts = None if tokenizer is None else quantize.held_out_texts(
+        tokenizer, min(quantize.QUALITY_MAX_TOKENS, module.config.max_position_embeddings))
+    reference = quantize.teacher_forced(module, texts) if texts else None
+    count = quantize.quantize_linears(module, bits, block)
+    if reference is None:
+        return count, None
+    return count, quantize.quality_cost(reference, quantize.teacher_forced(module, texts))
 
 
 def _outputs(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -186,8 +227,9 @@ def _source(given: str, directory: Path) -> dict:
             "files": manifest_file.file_hashes(directory)}
 
 
-def _save_tokenizer(target_dir: Path, destination: Path) -> str:
-    """Copy the target's tokenizer (and chat template) so the engine directory stands alone."""
+def _save_tokenizer(target_dir: Path, destination: Path):
+    """Copy the target's tokenizer (and chat template) so the engine directory stands alone;
+    returns it."""
     from transformers import AutoTokenizer
 
     try:
@@ -197,7 +239,7 @@ def _save_tokenizer(target_dir: Path, destination: Path) -> str:
         raise CheckpointError(f"{target_dir}: no usable tokenizer ({err}); the engine directory "
                               f"needs the target's tokenizer files") from None
     tokenizer.save_pretrained(destination)
-    return TOKENIZER_DIR
+    return tokenizer
 
 
 def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,

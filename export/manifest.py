@@ -36,6 +36,28 @@ def confidence_threshold(manifest: dict) -> float:
     return manifest["draft"].get("confidence_threshold", 0.0)
 
 
+def weight_formats(manifest: dict) -> dict[str, str]:
+    """Each graph's weight format: ``float`` (the build dtype), ``int4`` or ``int8``; engines built
+    before quantization existed are float."""
+    weights = manifest.get("weights", {})
+    return {name: weights.get(name, "float") for name in ("target", "draft")}
+
+
+def describe_weights(manifest: dict) -> str:
+    """The weight formats in one line, with the quantized target's measured quality cost."""
+    weights = manifest.get("weights", {})
+    text = ", ".join(f"{name} {form}" for name, form in weight_formats(manifest).items())
+    if weights.get("block_size"):
+        text += f" (symmetric RTN, blocks of {weights['block_size']})"
+    quality = weights.get("quality")
+    if quality:
+        perplexity = quality["perplexity"]
+        text += (f"; quantized target vs unquantized on {quality['tokens']} held-out tokens: top-1 "
+                 f"agreement {quality['top1_agreement']:.1%}, perplexity {perplexity['quantized']:.3g} "
+                 f"vs {perplexity['reference']:.3g}")
+    return text
+
+
 def file_hashes(checkpoint: Path) -> dict[str, str]:
     """``sha256`` of each config, weight and tokenizer file of a checkpoint directory (or of the
     one file, for a GGUF target)."""
@@ -126,6 +148,7 @@ def describe(manifest: dict) -> str:
         f"sequence, prompt chunk <= {limits['max_prompt_chunk']}",
         f"dtype    {manifest['dtype']}, ONNX opset {manifest['opset']}; draft parts: "
         + ", ".join(f"{part} {dtype}" for part, dtype in d["precision"].items()),
+        f"weights  {describe_weights(manifest)}",
     ]
     for name, graph in manifest["graphs"].items():
         lines.append(f"graph    {name}: {graph['file']}")
