@@ -4,6 +4,18 @@ The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each 
 value as the cache input and the cache output (IOBinding), so ONNX Runtime updates them in place
 and nothing copies them. The other outputs are written into buffers kept per shape: a returned
 tensor is valid until the next call of the same step with the same shape.
+
+Quantized engines (``build --weights``) run with ONNX Runtime's fastest CPU path for them: each
+``DequantizeLinear -> MatMul`` fused into ``MatMulNBits`` with ``accuracy_level`` 4 (activations
+quantized to int8 per block and row). A row's result must not depend on how many rows share the
+call, or greedy speculative output (k + 1 rows per verify step) would differ from target-only
+output (1 row per step). Measured on ORT 1.32 (``tests/test_quantize.py``, and
+single MatMuls up to 576 x 49152): every accuracy level (0, 1, 2, 4), the fusion disabled, and even
+plain fp32 MatMul give a row bit-identical results in any call of 2 or more rows, and a slightly
+different one (~1e-6) in a call of exactly one row, which takes its own kernel. So a one-row call
+(batch 1, one input row or one logit row) is made a two-row call: the row repeated, the copy's
+results dropped. The copy writes its K/V one row past the sequence's end, which the next step
+overwrites before any row reads it.
 """
 from __future__ import annotations
 
@@ -12,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.manifest import cache_output, is_cache
+from export.manifest import cache_output, is_cache, weight_formats
 
 from .engine_backend import EngineBackend, damaged
 
@@ -42,6 +54,9 @@ class OrtBackend(EngineBackend):
         # a small CPU) but stop when it returns, so that they do not slow the loop's own work
         # between calls (verification, sampling) or the other graph's call
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        self.quantized = set(weight_formats(m).values()) != {"float"}
+        if self.quantized:   # ONNX Runtime's default too, pinned: see the module's docstring
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
         self.sessions = {name: self._session(graph["file"], options) for name, graph in m["graphs"].items()}
         self._dtype = NUMPY_DTYPES[m["dtype"]]
 
@@ -104,8 +119,15 @@ class OrtBackend(EngineBackend):
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         batch, rows = input_ids.shape
-        return self._run("target", {"input_ids": input_ids, "start": start, "logit_rows": logit_rows},
-                         ("logits", "aux"), {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]})
+        wanted = logit_rows.shape[1]
+        if self.quantized and batch == 1 and int(start[0]) + 1 < self.capacity:
+            # one-row calls take another kernel path (module docstring): made two-row calls
+            input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
+            logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows
+        logits, aux = self._run("target", {"input_ids": input_ids, "start": start, "logit_rows": logit_rows},
+                                ("logits", "aux"), {"batch": batch, "rows": input_ids.shape[1],
+                                                    "logit_rows": logit_rows.shape[1]})
+        return logits[:, :wanted], aux[:, :rows]
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,

@@ -158,9 +158,9 @@ def json_path(path: tuple) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
 
 
-# maps whose keys are names (files, tool versions) and the one field old engines lack
+# maps whose keys are names (files, tool versions) and the fields old engines lack
 FREE_KEYS = {("source", "target", "files"), ("source", "draft", "files"), ("tools",)}
-OPTIONAL = {("draft", "confidence_threshold")}
+OPTIONAL = {("draft", "confidence_threshold"), ("weights",)}
 
 
 def test_every_field_is_typed_and_required(engine_dir):

@@ -1,0 +1,232 @@
+"""Weight-only int4 / int8 engines (``build --weights``): the graph form, what the build verifies
+and records, a row's logits independent of how many rows share the call, and the greedy invariant
+on quantized engines."""
+import random
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import export.__main__ as cli
+from export import manifest, quantize
+from export.build import build
+from export.onnx_check import VerificationError
+from export.onnx_export import Limits
+from runtime.ort_backend import OrtBackend
+from runtime.speculative import generate
+
+from conftest import PROMPTS
+
+LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
+# int4 quantizes the draft too; int8 leaves it as it is (the default)
+QUANTIZE_DRAFT = {"int4": True, "int8": False}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny, tmp_path_factory):
+    """``engines(weights) -> (engine dir, folder of the graphs as traced before quantization,
+    BuildResult)``, each built once."""
+    built = {}
+
+    def make(weights):
+        if weights not in built:
+            out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
+            rewrite = quantize.quantize_graph
+
+            def keeping_the_traced_graph(path, bits, block):
+                for name in (path.name, f"{path.name}.data"):
+                    shutil.copy(path.parent / name, traced / name)
+                return rewrite(path, bits, block)
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(quantize, "quantize_graph", keeping_the_traced_graph)
+                result = build(*map(str, tiny()), out, limits=LIMITS, weights=weights,
+                               quantize_draft=QUANTIZE_DRAFT[weights], progress=False)
+            built[weights] = out, traced, result
+        return built[weights]
+
+    return make
+
+
+def _graphs(weights):
+    return ("target", "draft") if QUANTIZE_DRAFT[weights] else ("target",)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_linear_layers_are_dequantize_linear_into_matmul(engines, weights):
+    out, _, result = engines(weights)
+    kind = {"int4": onnx.TensorProto.INT4, "int8": onnx.TensorProto.INT8}[weights]
+    for name in _graphs(weights):
+        graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
+        initializers = {t.name: t for t in graph.initializer}
+        dequantize = {n.output[0]: n for n in graph.node if n.op_type == "DequantizeLinear"}
+        assert len(dequantize) >= result.quantized_layers[name] > 0
+        for node in dequantize.values():
+            q, scales = (initializers[i] for i in node.input)   # no zero point
+            assert q.data_type == kind and scales.data_type == onnx.TensorProto.FLOAT
+            assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} \
+                == {"axis": 0, "block_size": 32}
+            assert list(scales.dims) == [q.dims[0] // 32, q.dims[1]]
+        matmuls = [n for n in graph.node if n.op_type in ("MatMul", "Gemm")]
+        float_weights = [n.name for n in matmuls if n.input[1] in initializers
+                         and len(initializers[n.input[1]].dims) == 2]
+        assert float_weights == [] or name == "draft"   # the draft's Markov head: rank 8 < a block
+        assert sum(n.input[1] in dequantize for n in matmuls) == result.quantized_layers[name]
+    assert ("Gemm" in {n.op_type for n in onnx.load(out / "target.onnx", load_external_data=False)
+                       .graph.node}) is False   # lm_head too
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_dspark_nodes_and_functions_are_untouched_and_the_files_smaller(engines, weights):
+    out, traced, _ = engines(weights)
+    for name in _graphs(weights):
+        before, after = (onnx.load(folder / f"{name}.onnx", load_external_data=False)
+                         for folder in (traced, out))
+        assert [n for n in after.graph.node if n.domain == "dspark"] \
+            == [n for n in before.graph.node if n.domain == "dspark"] != []
+        assert list(after.functions) == list(before.functions)
+        smaller = (out / f"{name}.onnx.data").stat().st_size / (traced / f"{name}.onnx.data").stat().st_size
+        assert smaller < {"int4": 0.3, "int8": 0.45}[weights]
+
+
+def test_the_rounding_is_onnx_runtimes():
+    """``rtn`` gives the integers and scales of ONNX Runtime's own int4 quantizer."""
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+    from onnxruntime.quantization.quant_utils import QuantFormat
+
+    weight = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+    weight[3, 5], weight[40, 7], weight[41, 7] = 9.0, -9.0, 9.0   # ties of magnitude in a block
+    h = onnx.helper
+    graph = h.make_graph([h.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                         [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 48])],
+                         [onnx.numpy_helper.from_array(weight, "w")])
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, quant_format=QuantFormat.QDQ)
+    tool = MatMulNBitsQuantizer(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]),
+                                algo_config=config)
+    tool.process()
+    initializers = {t.name: t for t in tool.model.model.graph.initializer}
+    q, scales = quantize.rtn(weight, 4, 32)
+    assert np.array_equal(ir.from_proto(initializers["w_DQ_Q4"]).numpy().astype(np.int8), q)
+    assert np.array_equal(onnx.numpy_helper.to_array(initializers["w_DQ_scales"]), scales)
+    # idempotent: the de-quantized values quantize to the same integers and scales
+    again = quantize.rtn(quantize.dequantize(q, scales, 32), 4, 32)
+    assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
+
+
+def test_the_manifest_records_the_weights_and_their_quality_cost(engines, capsys):
+    out, _, result = engines("int4")
+    weights = manifest.read(out)["weights"]
+    assert {k: weights[k] for k in ("target", "draft", "block_size")} \
+        == {"target": "int4", "draft": "int4", "block_size": 32}
+    quality = weights["quality"]
+    assert quality == result.quality and quality["tokens"] > 1000 and 0 < quality["top1_agreement"] <= 1
+    assert manifest.read(engines("int8")[0])["weights"]["draft"] == "float"
+    cli.main(["inspect", str(out)])
+    assert "weights  target int4, draft int4 (symmetric RTN, blocks of 32); quantized target vs " \
+           "unquantized on" in capsys.readouterr().out
+
+
+def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypatch):
+    """The graph is verified against a reference with the weights it should hold: one block of
+    one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
+    rewrite, rounding = quantize.quantize_graph, quantize.rtn
+
+    def corrupted(path, bits, block):
+        def flipped(matrix, bits, block):
+            q, scales = rounding(matrix, bits, block)
+            scales[0] = -scales[0]
+            return q, scales
+
+        monkeypatch.setattr(quantize, "rtn", flipped)
+        try:
+            return rewrite(path, bits, block)
+        finally:
+            monkeypatch.setattr(quantize, "rtn", rounding)
+
+    monkeypatch.setattr(quantize, "quantize_graph", corrupted)
+    with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
+        build(*map(str, tiny()), tmp_path, limits=LIMITS, weights="int4", quantize_draft=True,
+              progress=False)
+
+
+def _logits(backend, prompt, tokens, split):
+    """The target's logits at the positions of ``tokens`` after ``prompt``, fed ``split`` rows
+    per call."""
+    backend.start(1)
+    backend.target_step(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([[len(prompt) - 1]]))
+    position, rows = len(prompt), []
+    for count in split:
+        chunk = tokens[:count]
+        tokens = tokens[count:]
+        logits, _ = backend.target_step(torch.tensor([chunk]), torch.tensor([position]),
+                                        torch.arange(count)[None])
+        rows.append(logits[0].clone())
+        position += count
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_rows_logits_do_not_depend_on_how_many_rows_share_the_call(engines, weights):
+    """What the greedy invariant needs: a verify step's k + 1 rows give each row the logits that
+    target-only decoding's one-row steps give it, bit for bit."""
+    backend = OrtBackend(engines(weights)[0])
+    tokens = [20, 31, 42, 17, 60]
+    verify = _logits(backend, PROMPTS[0], tokens, [5])
+    for split in ([1] * 5, [2, 3], [4, 1]):
+        assert torch.equal(_logits(backend, PROMPTS[0], tokens, split), verify), split
+
+
+class OracleDrafts(OrtBackend):
+    """The engine's own drafts with a random-length prefix replaced by the target-only output, so
+    that drafts are accepted (a random tiny draft's almost never are)."""
+
+    def __init__(self, engine, prompts, continuations):
+        super().__init__(engine)
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.continuations = continuations
+        self.rng = random.Random(0)
+
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        for b, position in enumerate((ctx_start + ctx_count).tolist()):
+            truth = self.continuations[b][position - self.prompt_lengths[b] + 1:]
+            right = min(self.rng.randint(0, self.k), len(truth))
+            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
+        return tokens, q
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_greedy_speculative_equals_target_only_on_a_quantized_engine(engines, weights):
+    out = engines(weights)[0]
+    target_only = generate(OrtBackend(out), PROMPTS, max_new_tokens=40, speculative=False).token_ids
+    assert generate(OrtBackend(out), PROMPTS[:1], max_new_tokens=40).token_ids == target_only[:1]
+    for prompts in (PROMPTS[:1], PROMPTS):
+        expected = target_only[:len(prompts)]
+        result = generate(OracleDrafts(out, prompts, expected), prompts, max_new_tokens=40)
+        assert result.token_ids == expected
+        accepted = [r["accepted"] for r in result.trace if r["step"] > 0]
+        assert max(accepted) == manifest.read(out)["draft"]["k"] and sum(accepted) > 20
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--weights", "int3"], ["--weights int3", "int4, int8"]),
+    (["--weights", "int4", "--weights-block", "0"], ["--weights-block 0", "power of two"]),
+    (["--weights", "int4", "--weights-block", "48"], ["--weights-block 48", "power of two"]),
+    (["--quantize-draft"], ["--quantize-draft", "needs --weights"]),
+])
+def test_bad_flags_are_refused_in_one_line(tiny, tmp_path, flags, words):
+    target, draft = tiny()
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["build", "--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "e"),
+                  "--max-seq-len", "64", "--quiet", *flags])
+    message = str(refused.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert all(word in message for word in words), message
+    assert not (tmp_path / "e").exists()
