@@ -1,19 +1,22 @@
 """Weight-only int4 / int8 quantization of the linear layers (``build --weights``), and its cost.
 
-Symmetric, blockwise round-to-nearest along each weight's input axis, the rounding of ONNX Runtime's
-``MatMulNBitsQuantizer`` (a block's scale is its largest-magnitude value over -2^(bits-1); the
-values are rounded and clipped to the signed range; ``tests/test_quantize.py`` holds the two
-equal). A graph gets it as standard ONNX: a blocked ``DequantizeLinear`` (int4 / int8 weight, one
-scale per block, no zero point) feeding a ``MatMul``, which ONNX Runtime fuses into
-``MatMulNBits`` on the CPU and TensorRT reads as a weight-only quantized layer. The rewrite is ours
-rather than the tool's, whose QDQ path refuses 8 bits, skips ``Gemm`` (the target's ``lm_head``)
-and writes a weight that several MatMuls share (the draft's Markov head, used ``k`` times) once
-per use. Function bodies (the ``dspark`` nodes') are not touched.
+Symmetric, blockwise round-to-nearest along each weight's input axis. int4 is the rounding of ONNX
+Runtime's ``MatMulNBitsQuantizer`` (a block's scale is its largest-magnitude value over -8, so it
+takes that value's sign; the values are rounded and clipped to [-8, 7]; ``tests/test_quantize.py``
+holds the two equal). int8 takes a positive scale, the largest magnitude over 127, and [-127, 127]:
+TensorRT's ONNX parser refuses a negative int8 scale ("Scale coefficients must all be positive"; it
+lets int4's through), and ONNX Runtime fuses either. A graph gets it as standard ONNX: a blocked
+``DequantizeLinear`` (int4 / int8 weight, one scale per block, no zero point) feeding a ``MatMul``,
+which ONNX Runtime fuses into ``MatMulNBits`` on the CPU and TensorRT-RTX builds as a weight-only
+quantized layer, its weights kept int4 / int8 in the engine (``tests/test_tensorrt_build.py``).
+The rewrite is ours rather than the tool's, whose QDQ path refuses 8 bits, skips ``Gemm`` (the
+target's ``lm_head``) and writes a weight that several MatMuls share (the draft's Markov head, used
+``k`` times) once per use. Function bodies (the ``dspark`` nodes') are not touched.
 
 The PyTorch module is quantized first (``quantize_linears``): its weights become the de-quantized
 values, so the reference that verifies the graph computes with exactly the graph's weights. The
-rounding is idempotent (a block's extreme value maps to -2^(bits-1) exactly), so quantizing those
-values again in the traced graph gives the same integers and scales.
+rounding is idempotent (a block's extreme value maps to -8 or +-127 and back to itself), so
+quantizing those values again in the traced graph gives the same integers and scales.
 """
 from __future__ import annotations
 
@@ -49,7 +52,10 @@ def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarr
     k, n = matrix.shape
     blocks = matrix.astype(np.float32).reshape(k // block, block, n)
     high, low = blocks.max(axis=1), blocks.min(axis=1)
-    scales = np.where(np.abs(high) > np.abs(low), high, low) / -(2 ** (bits - 1))
+    if bits == 4:
+        scales = np.where(np.abs(high) > np.abs(low), high, low) / -8
+    else:
+        scales = np.maximum(np.abs(high), np.abs(low)) / 127
     safe = np.where(scales == 0, 1, scales)[:, None]
     q = np.clip(np.round(blocks / safe), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1).astype(np.int8)
     return q.reshape(k, n), scales.astype(matrix.dtype)

@@ -1,10 +1,12 @@
 """TensorRT and TensorRT-RTX engines from an engine directory's ONNX graphs, with our plugins.
 
 The network is strongly typed (precision comes from the graph: build it with ``--dtype fp16`` or
-``bf16``). Each graph gets two optimization profiles from the manifest limits: ``prefill`` (rows up
-to the prompt chunk) and ``decode`` (rows up to ``k + 1``). TensorRT-RTX builds ahead of time for
-named compute capabilities and needs no GPU; full TensorRT builds for the GPU it runs on and keeps
-a timing cache.
+``bf16``), weight-only int4 / int8 included: TensorRT-RTX has no INT4 / INT8 builder flags, and a
+graph's blocked ``DequantizeLinear`` -> ``MatMul`` (``build --weights``) becomes a DEQUANTIZE layer
+of int4 / int8 weights, which the engine keeps at that size. Each graph gets two optimization
+profiles from the manifest limits: ``prefill`` (rows up to the prompt chunk) and ``decode`` (rows up
+to ``k + 1``). TensorRT-RTX builds ahead of time for named compute capabilities and needs no GPU;
+full TensorRT builds for the GPU it runs on and keeps a timing cache.
 """
 from __future__ import annotations
 
@@ -107,19 +109,25 @@ def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
 
 def _build(trt, logger, onnx_path: Path, profiles: dict, gpu: str, cache_path: Path | None,
            engine_path: Path) -> dict[str, int]:
-    """Build one engine into ``engine_path``; returns the plugin layers found."""
+    """Build one engine into ``engine_path``; returns the plugin layers found. Every dspark node
+    must be a plugin layer, and every ``DequantizeLinear`` a DEQUANTIZE layer of its int4 / int8
+    weights (not weights the parser turned into floats)."""
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
         raise EngineBuildError(f"{onnx_path.name}: the ONNX parser failed: {errors}")
-    plugins = _plugin_layers(trt, network)
-    expected = _custom_nodes(onnx_path)
+    plugins, quantized = _plugin_layers(trt, network), _quantized_weights(trt, network)
+    expected, expected_quantized = _onnx_nodes(onnx_path)
     if plugins != expected:
         raise EngineBuildError(
             f"{onnx_path.name}: expected dspark plugin layers {expected}, the parsed network has "
             f"{plugins}; a creator did not match and the parser inlined the function body")
+    if quantized != expected_quantized:
+        raise EngineBuildError(
+            f"{onnx_path.name}: expected DequantizeLinear of {expected_quantized} weights, the parsed "
+            f"network dequantizes {quantized}; a quantized weight would be built as floats")
     config = _config(trt, builder, profiles, gpu, cache_path)
     with engine_path.open("wb") as file:
         # streamed to the file as it is serialized: the engine is never held whole in memory
@@ -174,12 +182,31 @@ def _plugin_layers(trt, network) -> dict[str, int]:
     return counts
 
 
-def _custom_nodes(onnx_path: Path) -> dict[str, int]:
+def _quantized_weights(trt, network) -> dict[str, int]:
+    """How many DEQUANTIZE layers of the parsed network read weights of each quantized type."""
     counts: dict[str, int] = {}
-    for node in onnx.load(str(onnx_path), load_external_data=False).graph.node:
-        if node.domain == DOMAIN:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.DEQUANTIZE:
+            kind = layer.get_input(0).dtype.name.lower()
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def _onnx_nodes(onnx_path: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """The main graph's ``dspark`` nodes per op, and its ``DequantizeLinear`` nodes per weight
+    type: what ``_plugin_layers`` and ``_quantized_weights`` must find after parsing."""
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    types = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name for t in graph.initializer}
+    custom: dict[str, int] = {}
+    quantized: dict[str, int] = {}
+    for node in graph.node:
+        if node.domain == DOMAIN:
+            custom[node.op_type] = custom.get(node.op_type, 0) + 1
+        elif node.op_type == "DequantizeLinear":
+            kind = types.get(node.input[0], "computed")
+            quantized[kind] = quantized.get(kind, 0) + 1
+    return custom, quantized
 
 
 def _FileWriter(trt, file):

@@ -120,6 +120,17 @@ def test_the_rounding_is_onnx_runtimes():
     assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
 
 
+def test_int8_scales_are_positive_for_tensorrt():
+    """TensorRT's ONNX parser refuses a negative int8 scale: int8 maps a block's largest magnitude to
+    +-127 with a positive scale, as idempotently as int4's rounding."""
+    weight = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float16)
+    weight[3, 5], weight[40, 7] = 9.0, -9.0
+    q, scales = quantize.rtn(weight, 8, 32)
+    assert (scales > 0).all() and q.min() >= -127 and q[3, 5] == 127 and q[40, 7] == -127
+    again = quantize.rtn(quantize.dequantize(q, scales, 32), 8, 32)
+    assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
+
+
 def test_the_manifest_records_the_weights_and_their_quality_cost(engines, capsys):
     out, _, result = engines("int4")
     weights = manifest.read(out)["weights"]

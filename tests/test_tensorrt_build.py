@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
 pytest.importorskip("tensorrt_rtx")
 
+from export import quantize, trt_build  # noqa: E402
 from export.build import build  # noqa: E402
 from export.onnx_export import Limits  # noqa: E402
 from export.trt_build import build_engines  # noqa: E402
@@ -26,6 +28,15 @@ def engine(request, tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("rtx")
     build(*map(str, tiny(**ENGINE_CASES[request.param])), out, limits=LIMITS, dtype="fp16",
           backend="trt-rtx", gpus=("sm89",), progress=False)
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    """The first engine case's pair with int4 weights, the draft's too."""
+    out = tmp_path_factory.mktemp("rtx-int4")
+    build(*map(str, tiny(**ENGINE_CASES["qwen3-native"])), out, limits=LIMITS, dtype="fp16",
+          backend="trt-rtx", gpus=("sm89",), weights="int4", quantize_draft=True, progress=False)
     return out, json.loads((out / "manifest.json").read_text())
 
 
@@ -49,6 +60,68 @@ def test_engines_hold_our_plugins(engine):
         assert data[:4] == b"vtrt"                          # a TensorRT-RTX engine header
         assert b"dspark" in data and b"BlockAttention" in data
         assert (b"D2TGather" in data) == (b"CacheWrite" in data) == (graph == "draft")
+
+
+def _parsed_layers(path):
+    """The parsed network's dspark plugin layers and quantized weights, as ``_build`` checks them."""
+    import tensorrt_rtx as trt
+
+    from plugins.tensorrt_plugin import register_plugins
+
+    creators = register_plugins(trt)  # noqa: F841  (the registry needs them alive while parsing)
+    logger = trt_build._Logger(trt)
+    network = trt.Builder(logger).create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    assert trt.OnnxParser(network, logger).parse_from_file(str(path))
+    return trt_build._plugin_layers(trt, network), trt_build._quantized_weights(trt, network)
+
+
+@pytest.mark.parametrize("engine", ["qwen3-native"], indirect=True)
+def test_quantized_engines_hold_our_plugins_and_int4_weights(engine, quantized):
+    """Built from the same quantized graphs as ONNX Runtime runs: every plugin layer is there, every
+    DequantizeLinear is a DEQUANTIZE layer of int4 weights, and the engines are smaller."""
+    (fp16, fp16_manifest), (directory, manifest) = engine, quantized
+    entry = manifest["trt-rtx"]
+    assert manifest["weights"]["target"] == manifest["weights"]["draft"] == "int4"
+    assert entry["plugin_layers"] == fp16_manifest["trt-rtx"]["plugin_layers"]
+    for graph, file in entry["engines"]["sm89"].items():
+        nodes = [n for n in onnx.load(directory / f"{graph}.onnx", load_external_data=False).graph.node
+                 if n.op_type == "DequantizeLinear"]
+        assert _parsed_layers(directory / f"{graph}.onnx") == (entry["plugin_layers"][graph],
+                                                                {"int4": len(nodes)})
+        assert len(nodes) >= 10 and _parsed_layers(fp16 / f"{graph}.onnx")[1] == {}
+        assert b"BlockAttention" in (directory / file).read_bytes()
+        # the tiny pair's weights are small beside its kernels: one layer below shows the weights' share
+        smaller = (directory / file).stat().st_size / (fp16 / file).stat().st_size
+        assert smaller < {"target": 0.9, "draft": 1}[graph], (graph, smaller)
+
+
+@pytest.mark.parametrize("weights, share", [("int4", 0.35), ("int8", 0.65)])
+def test_quantized_weights_stay_quantized_in_the_engine(tmp_path, weights, share):
+    """One 1024 x 1024 linear layer in the form ``build --weights`` writes: TensorRT-RTX parses it
+    (int8 scales must be positive) and its engine is about the int4 / int8 weights' size, not fp16's."""
+    import tensorrt_rtx as trt
+    from onnx import TensorProto, helper
+
+    size = 1024
+    weight = np.random.default_rng(0).standard_normal((size, size)).astype(np.float16)
+    weight[0, 0] = 9   # a block whose largest magnitude is positive
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["rows", size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["rows", size])],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    sizes = {}
+    for name in ("fp16", weights):
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), path)
+        if name == weights:
+            assert quantize.quantize_graph(path, quantize.BITS[weights], 32) == 1
+        profiles = {"decode": {"x": ((1, size), (4, size), (16, size))}}
+        assert _parsed_layers(path) == ({}, {} if name == "fp16" else {weights: 1})
+        engine = tmp_path / f"{name}.engine"
+        trt_build._build(trt, trt_build._Logger(trt), path, profiles, "sm89", None, engine)
+        sizes[name] = engine.stat().st_size
+    assert sizes[weights] < share * sizes["fp16"], sizes
 
 
 def test_cache_outputs_alias_their_inputs():
