@@ -72,7 +72,7 @@ def test_a_tensorrt_section_as_build_engines_writes_it_matches_the_schema(engine
 
     def fake_build(trt, logger, onnx_path, profiles, gpu, cache_path, engine_path):
         engine_path.write_bytes(b"engine")
-        return trt_build._custom_nodes(onnx_path)
+        return trt_build._onnx_nodes(onnx_path)[0]   # the plugin layers a real build finds
 
     monkeypatch.setattr(trt_build, "_build", fake_build)
     entry = trt_build.build_engines(tmp_path, built, "trt-rtx", ["sm89", "sm120"])
