@@ -51,7 +51,7 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     options.enable_cpu_mem_arena = False
     options.enable_mem_pattern = False
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feeds = {name: _numpy(tensor) for name, tensor in inputs.items()}
+    feeds = {name: to_numpy(tensor) for name, tensor in inputs.items()}
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
@@ -103,7 +103,8 @@ def _comparable_drafts(path: Path, actual: np.ndarray, reference: np.ndarray,
     return row
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy in its own dtype (bf16 through ``ml_dtypes``, which numpy lacks)."""
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .onnx_check import to_numpy
+
 BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
 # the quality cost is measured on the prompts the demo draft's distillation held out (the last 20
@@ -77,7 +79,7 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
         if linear.in_features % block:
             continue
         weight = linear.weight.detach()
-        matrix = weight.T.float().numpy().astype(_numpy_dtype(weight.dtype))
+        matrix = to_numpy(weight.T)
         values = torch.from_numpy(dequantize(*rtn(matrix, bits, block), block).astype(np.float32))
         linear.weight = torch.nn.Parameter(values.T.to(weight.dtype).contiguous(), requires_grad=False)
         replaced += 1
@@ -86,14 +88,6 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
         raise ValueError(f"--weights-block {block}: no linear layer's input size ({sizes}) is a "
                          f"multiple of it; choose a smaller block")
     return replaced
-
-
-def _numpy_dtype(dtype: torch.dtype):
-    if dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return {torch.float32: np.float32, torch.float16: np.float16}[dtype]
 
 
 def quantize_graph(path: Path, bits: int, block: int) -> int:
