@@ -9,7 +9,9 @@ weights. Then the engines and the manifest.
 With ``--weights int4|int8`` the module's linear weights are replaced by their de-quantized values
 before it is traced (after the target's teacher-forced predictions on held-out text are taken, for
 the quality cost), and the written graph is rewritten to hold them quantized (``quantize.py``): the
-graph is then verified against a reference with exactly its weights.
+graph is then verified against a reference with exactly its weights. ``--weights gguf`` leaves the
+module as ``transformers`` loaded it (the GGUF file's de-quantized values) and writes the file's own
+blocks into the graph (``gguf_blocks.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from . import quantize
 from .checkpoint import CheckpointError, hf_location, resolve
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
+from .gguf_blocks import SUPPORTED, GgufBlocks
 from .onnx_check import VerificationError, check_model, compare_with_reference
 from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .target_config import load_target_config
@@ -54,7 +57,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
     ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
-    ``weights_block``, and the draft's too with ``quantize_draft``."""
+    ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
+    own blocks."""
     if not 0 <= confidence_threshold <= 1:
         raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
                          f"draft) .. 1")
@@ -76,6 +80,9 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
 
     phase(steps[0])
     target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
+    if weights == quantize.GGUF and target_dir.suffix != ".gguf":
+        raise ValueError(f"--weights gguf: the target {target} is not a .gguf file; use --weights int4 "
+                         f"or int8")
     target_config = load_target_config(target_dir)
     if limits.max_seq_len > target_config.max_position_embeddings:
         raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "
@@ -101,6 +108,12 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             quantized[name], cost = _quantize(module, bits, weights_block,
                                               tokenizer if name == "target" else None)
             quality = cost or quality
+            blocks_of = quantize.rtn_blocks(bits, weights_block)
+        elif formats[name] == quantize.GGUF:   # every linear layer, from the file
+            phase(f"{name}: read GGUF blocks")
+            quantized[name] = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+            gguf = GgufBlocks(target_dir)
+            blocks_of = gguf.lookup
         spec = specs[name] = draft_spec(module, limits) if name == "draft" else target_spec(module, limits)
         described[name] = _describe(module, confidence_threshold)
         trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
@@ -115,10 +128,15 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         release_weights(module)
         del module
         release_freed_memory()
-        if bits:
+        if formats[name] != quantize.FLOAT:
             # a layer the tracer shares may be written twice (the draft's K/V projections), so
             # the graph may hold more; fewer means a layer was traced in a form left unquantized
-            in_graph = quantize.quantize_graph(path, bits, weights_block)
+            in_graph = quantize.quantize_graph(path, blocks_of)
+            if in_graph < quantized[name] and formats[name] == quantize.GGUF:
+                raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
+                                 f"{quantized[name]} linear layers are not in it as "
+                                 f"{' / '.join(SUPPORTED)} tensors (its types: "
+                                 f"{', '.join(gguf.types)}); use --weights int4 or int8")
             if in_graph < quantized[name]:
                 raise VerificationError(f"{path.name}: {in_graph} linear layers quantized in the graph, "
                                         f"fewer than the {quantized[name]} of the PyTorch reference")

@@ -37,7 +37,7 @@ def confidence_threshold(manifest: dict) -> float:
 
 
 def weight_formats(manifest: dict) -> dict[str, str]:
-    """Each graph's weight format: ``float`` (the build dtype), ``int4`` or ``int8``; engines built
+    """Each graph's weight format: ``float`` (the build dtype), ``int4``, ``int8`` or ``gguf``; engines built
     before quantization existed are float."""
     weights = manifest.get("weights", {})
     return {name: weights.get(name, "float") for name in ("target", "draft")}
@@ -47,7 +47,9 @@ def describe_weights(manifest: dict) -> str:
     """The weight formats in one line, with the quantized target's measured quality cost."""
     weights = manifest.get("weights", {})
     text = ", ".join(f"{name} {form}" for name, form in weight_formats(manifest).items())
-    if weights.get("block_size"):
+    if "gguf" in weight_formats(manifest).values():
+        text += " (the GGUF file's own blocks)"
+    elif weights.get("block_size"):
         text += f" (symmetric RTN, blocks of {weights['block_size']})"
     quality = weights.get("quality")
     if quality:

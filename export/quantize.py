@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from .onnx_check import to_numpy
 
 BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
+GGUF = "gguf"     # the target GGUF file's own blocks (export/gguf_blocks.py)
 # the quality cost is measured on the prompts the demo draft's distillation held out (the last 20
 # records of the file), token by token, at most this many tokens per prompt
 QUALITY_HELD_OUT, QUALITY_MAX_TOKENS = 20, 256
@@ -38,14 +41,16 @@ QUALITY_HELD_OUT, QUALITY_MAX_TOKENS = 20, 256
 
 def check_options(weights: str | None, block: int, quantize_draft: bool) -> None:
     """Refuse bad flags in one line, before any work."""
-    if weights is not None and weights not in BITS:
-        raise ValueError(f"--weights {weights}: expected one of {', '.join(BITS)} (or leave it out for "
-                         f"unquantized weights)")
+    if weights is not None and weights not in (*BITS, GGUF):
+        raise ValueError(f"--weights {weights}: expected one of {', '.join(BITS)}, {GGUF} (or leave it "
+                         f"out for unquantized weights)")
     # ONNX Runtime fuses DequantizeLinear -> MatMul into MatMulNBits only for these block sizes
     if block < 16 or block & (block - 1):
         raise ValueError(f"--weights-block {block}: expected a power of two, at least 16")
-    if quantize_draft and weights is None:
-        raise ValueError("--quantize-draft: needs --weights int4 or int8")
+    if quantize_draft and weights not in BITS:
+        raise ValueError("--quantize-draft: needs --weights int4 or int8 (a draft has no GGUF file)")
+    if weights == GGUF and block != 32:
+        raise ValueError(f"--weights-block {block}: --weights gguf keeps the file's blocks of 32")
 
 
 def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,12 +68,6 @@ def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarr
     return q.reshape(k, n), scales.astype(matrix.dtype)
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    """What ``DequantizeLinear(q, scales, axis=0, block_size=block)`` computes."""
-    expanded = np.repeat(scales.astype(np.float32), block, axis=0)
-    return (q.astype(np.float32) * expanded).astype(scales.dtype)
-
-
 def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
     its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was).
@@ -80,7 +79,7 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
             continue
         weight = linear.weight.detach()
         matrix = to_numpy(weight.T)
-        values = torch.from_numpy(dequantize(*rtn(matrix, bits, block), block).astype(np.float32))
+        values = torch.from_numpy(Blocks(*rtn(matrix, bits, block), bits).values().astype(np.float32))
         linear.weight = torch.nn.Parameter(values.T.to(weight.dtype).contiguous(), requires_grad=False)
         replaced += 1
     if not replaced:
@@ -90,45 +89,91 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     return replaced
 
 
-def quantize_graph(path: Path, bits: int, block: int) -> int:
-    """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph whose
-    input size is a multiple of ``block`` as ``DequantizeLinear -> MatMul``; returns how many.
+@dataclass
+class Blocks:
+    """A linear layer's weight ``[K, N]`` as a blocked ``DequantizeLinear(q, scales)`` (the block
+    size is ``K / len(scales)``) plus, for formats that have one, an offset per block."""
+    q: np.ndarray                       # int8 [K, N]: int4 (-8..7) or int8 values
+    scales: np.ndarray                  # [K / block, N]
+    bits: int                           # 4 or 8: the ONNX type of q
+    offsets: np.ndarray | None = None   # float32 [K / block, N] (GGUF Q4_1), added to a block's values
+
+    @property
+    def block(self) -> int:
+        return self.q.shape[0] // self.scales.shape[0]
+
+    def values(self) -> np.ndarray:
+        """What the graph computes with, in the scales' dtype: ``DequantizeLinear(q, scales, axis=0,
+        block_size=block)``, plus each block's offset."""
+        expand = lambda per_block: np.repeat(per_block.astype(np.float32), self.block, axis=0)  # noqa: E731
+        weight = self.q.astype(np.float32) * expand(self.scales)
+        if self.offsets is not None:
+            weight += expand(self.offsets)
+        return weight.astype(self.scales.dtype)
+
+
+def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:
+    """``quantize_graph``'s blocks for RTN: every layer whose input size is a multiple of ``block``."""
+    def blocks_of(matrix: np.ndarray) -> Blocks | None:
+        return None if matrix.shape[0] % block else Blocks(*rtn(matrix, bits, block), bits=bits)
+    return blocks_of
+
+
+def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
+    """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
+    which ``blocks_of(weight [K, N])`` gives blocks as ``DequantizeLinear -> MatMul`` (plus, where
+    the blocks have offsets, the input's per-block sums times the offsets); returns how many.
     A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
     stored ``[N, K]``). The weights are read mapped from the old file while the new one is written
     beside it, then the new one takes its place."""
-    import ml_dtypes
     import onnx_ir as ir
 
     model = ir.load(path)
     graph = model.graph
-    dequantized: dict[tuple[str, bool], ir.Value] = {}   # one DequantizeLinear per shared weight
+    dequantized: dict[tuple[str, bool], tuple[ir.Value, ir.Value | None]] = {}   # once per weight
+    block_sums: dict[tuple[str, int], ir.Value] = {}   # once per input
     replaced = 0
     for node in list(graph):
         found = _linear_weight(node)
         if found is None:
             continue
         weight, transposed = found
-        matrix = weight.const_value.numpy()
-        matrix = matrix.T if transposed else matrix
-        if matrix.shape[0] % block:
-            continue
         key = (weight.name, transposed)
         new_nodes = []
         if key not in dequantized:
-            q, scales = rtn(np.ascontiguousarray(matrix), bits, block)
-            q = q.astype(ml_dtypes.int4) if bits == 4 else q
-            stem = f"{weight.name}{'_t' if transposed else ''}_int{bits}"
-            values = [ir.Value(name=f"{stem}_{part}", const_value=ir.Tensor(array, name=f"{stem}_{part}"))
-                      for part, array in (("q", q), ("scales", scales))]
-            for value in values:
-                graph.register_initializer(value)
-            dq = ir.node("DequantizeLinear", values, attributes={"axis": 0, "block_size": block},
-                         name=f"{stem}_dequantize")
+            matrix = weight.const_value.numpy()
+            blocks = blocks_of(np.ascontiguousarray(matrix.T if transposed else matrix))
+            if blocks is None:
+                continue
+            stem = f"{weight.name}{'_t' if transposed else ''}_int{blocks.bits}"
+            dq = ir.node("DequantizeLinear", [_initializer(graph, f"{stem}_q", _packed(blocks)),
+                                              _initializer(graph, f"{stem}_scales", blocks.scales)],
+                         attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
             new_nodes.append(dq)
-            dequantized[key] = dq.outputs[0]
-        matmul = ir.node("MatMul", [node.inputs[0], dequantized[key]], name=node.name)
+            offsets = None if blocks.offsets is None else _initializer(graph, f"{stem}_offsets", blocks.offsets)
+            dequantized[key] = dq.outputs[0], offsets
+        weight_values, offsets = dequantized[key]
+        x = node.inputs[0]
+        matmul = ir.node("MatMul", [x, weight_values], name=node.name)
         new_nodes.append(matmul)
         result = matmul.outputs[0]
+        if offsets is not None:   # + (x summed over each block of the input axis) @ offsets
+            block = weight_values.producer().attributes["block_size"].value
+            if (x.name, block) not in block_sums:
+                if x.shape is None:
+                    raise ValueError(f"{path.name}: {node.name}'s input has no known rank")
+                shape = [0] * (len(x.shape) - 1) + [-1, block]
+                reshape = ir.node("Reshape", [x, _initializer(graph, f"{x.name}_blocks_{block}_shape",
+                                                              np.array(shape, np.int64))])
+                reduce = ir.node("ReduceSum", [reshape.outputs[0], _initializer(
+                    graph, f"{x.name}_blocks_{block}_axis", np.array([-1], np.int64))],
+                                 attributes={"keepdims": 0})
+                new_nodes += [reshape, reduce]
+                block_sums[(x.name, block)] = reduce.outputs[0]
+            offset = ir.node("MatMul", [block_sums[(x.name, block)], offsets], name=f"{node.name}_offsets")
+            add = ir.node("Add", [result, offset.outputs[0]], name=f"{node.name}_add_offsets")
+            new_nodes += [offset, add]
+            result = add.outputs[0]
         if len(node.inputs) > 2 and node.inputs[2] is not None:   # a Gemm's bias
             add = ir.node("Add", [result, node.inputs[2]], name=f"{node.name}_bias")
             new_nodes.append(add)
@@ -147,6 +192,21 @@ def quantize_graph(path: Path, bits: int, block: int) -> int:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return replaced
+
+
+def _initializer(graph, name: str, array: np.ndarray):
+    import onnx_ir as ir
+
+    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def _packed(blocks: Blocks) -> np.ndarray:
+    """The weight's integers in the ONNX type of their width."""
+    import ml_dtypes
+
+    return blocks.q.astype(ml_dtypes.int4) if blocks.bits == 4 else blocks.q
 
 
 def _linear_weight(node) -> tuple[object, bool] | None:

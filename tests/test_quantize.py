@@ -35,10 +35,10 @@ def engines(tiny, tmp_path_factory):
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
             rewrite = quantize.quantize_graph
 
-            def keeping_the_traced_graph(path, bits, block):
+            def keeping_the_traced_graph(path, blocks_of):
                 for name in (path.name, f"{path.name}.data"):
                     shutil.copy(path.parent / name, traced / name)
-                return rewrite(path, bits, block)
+                return rewrite(path, blocks_of)
 
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(quantize, "quantize_graph", keeping_the_traced_graph)
@@ -116,7 +116,7 @@ def test_the_rounding_is_onnx_runtimes():
     assert np.array_equal(ir.from_proto(initializers["w_DQ_Q4"]).numpy().astype(np.int8), q)
     assert np.array_equal(onnx.numpy_helper.to_array(initializers["w_DQ_scales"]), scales)
     # idempotent: the de-quantized values quantize to the same integers and scales
-    again = quantize.rtn(quantize.dequantize(q, scales, 32), 4, 32)
+    again = quantize.rtn(quantize.Blocks(q, scales, 4).values(), 4, 32)
     assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
 
 
@@ -127,7 +127,7 @@ def test_int8_scales_are_positive_for_tensorrt():
     weight[3, 5], weight[40, 7] = 9.0, -9.0
     q, scales = quantize.rtn(weight, 8, 32)
     assert (scales > 0).all() and q.min() >= -127 and q[3, 5] == 127 and q[40, 7] == -127
-    again = quantize.rtn(quantize.dequantize(q, scales, 32), 8, 32)
+    again = quantize.rtn(quantize.Blocks(q, scales, 8).values(), 8, 32)
     assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
 
 
@@ -147,19 +147,16 @@ def test_the_manifest_records_the_weights_and_their_quality_cost(engines, capsys
 def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypatch):
     """The graph is verified against a reference with the weights it should hold: one block of
     one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
-    rewrite, rounding = quantize.quantize_graph, quantize.rtn
+    rewrite = quantize.quantize_graph
 
-    def corrupted(path, bits, block):
-        def flipped(matrix, bits, block):
-            q, scales = rounding(matrix, bits, block)
-            scales[0] = -scales[0]
-            return q, scales
+    def corrupted(path, blocks_of):
+        def flipped(matrix):
+            blocks = blocks_of(matrix)
+            if blocks is not None:
+                blocks.scales[0] = -blocks.scales[0]
+            return blocks
 
-        monkeypatch.setattr(quantize, "rtn", flipped)
-        try:
-            return rewrite(path, bits, block)
-        finally:
-            monkeypatch.setattr(quantize, "rtn", rounding)
+        return rewrite(path, flipped)
 
     monkeypatch.setattr(quantize, "quantize_graph", corrupted)
     with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
@@ -227,10 +224,13 @@ def test_greedy_speculative_equals_target_only_on_a_quantized_engine(engines, we
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--weights", "int3"], ["--weights int3", "int4, int8"]),
+    (["--weights", "int3"], ["--weights int3", "int4, int8, gguf"]),
     (["--weights", "int4", "--weights-block", "0"], ["--weights-block 0", "power of two"]),
     (["--weights", "int4", "--weights-block", "48"], ["--weights-block 48", "power of two"]),
     (["--quantize-draft"], ["--quantize-draft", "needs --weights"]),
+    (["--weights", "gguf", "--quantize-draft"], ["--quantize-draft", "no GGUF file"]),
+    (["--weights", "gguf", "--weights-block", "64"], ["--weights-block 64", "blocks of 32"]),
+    (["--weights", "gguf"], ["--weights gguf", "is not a .gguf file", "int4 or int8"]),
 ])
 def test_bad_flags_are_refused_in_one_line(tiny, tmp_path, flags, words):
     target, draft = tiny()

@@ -115,7 +115,7 @@ def test_quantized_weights_stay_quantized_in_the_engine(tmp_path, weights, share
         path = tmp_path / f"{name}.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), path)
         if name == weights:
-            assert quantize.quantize_graph(path, quantize.BITS[weights], 32) == 1
+            assert quantize.quantize_graph(path, quantize.rtn_blocks(quantize.BITS[weights], 32)) == 1
         profiles = {"decode": {"x": ((1, size), (4, size), (16, size))}}
         assert _parsed_layers(path) == ({}, {} if name == "fp16" else {weights: 1})
         engine = tmp_path / f"{name}.engine"

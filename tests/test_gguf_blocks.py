@@ -1,0 +1,102 @@
+"""``build --weights gguf``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, found by a weight's values
+and written as ``DequantizeLinear -> MatMul`` (plus Q4_1's per-block offsets), which ONNX Runtime
+runs as ``MatMulNBits`` computing with exactly the file's weights; a row's result does not depend on
+how many rows share the call. The demo build with these weights: ``tests/test_gguf.py``."""
+import importlib.util
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from export import quantize
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
+K, N = 128, 48
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A GGUF file with one ``[N, K]`` weight per type (rows out, as llama.cpp stores them), and
+    each weight's de-quantized values ``[K, N]``, as ``transformers`` gives them to the build."""
+    import gguf
+    from gguf.quants import dequantize, quantize as gguf_quantize
+
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    weights = {}
+    for kind in TYPES:
+        qtype = gguf.GGMLQuantizationType[kind]
+        # an offset per row, so that Q4_1's minimum is not Q4_0's -8 d
+        raw = gguf_quantize((rng.standard_normal((N, K)) + rng.standard_normal((N, 1))).astype(np.float32),
+                            qtype)
+        writer.add_tensor(kind, raw, raw_dtype=qtype)
+        weights[kind] = np.ascontiguousarray(dequantize(raw, qtype).T)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, weights
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    blocks = GgufBlocks(path)
+    order = np.random.default_rng(1).permutation(N)   # transformers permutes q / k projections' rows
+    for matrix in (weights[kind], np.ascontiguousarray(weights[kind][:, order])):
+        found = blocks.lookup(matrix)
+        assert found.bits == (8 if kind == "Q8_0" else 4) and found.block == 32
+        assert (found.offsets is not None) == (kind == "Q4_1")
+        assert -2 ** (found.bits - 1) <= found.q.min() and found.q.max() < 2 ** (found.bits - 1)
+        assert np.array_equal(found.values(), matrix)
+
+
+def test_a_weight_not_in_the_file_as_a_supported_type_is_not_found(gguf_file):
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    blocks = GgufBlocks(path)
+    assert blocks.lookup(weights["F16"]) is None                 # an F16 tensor: no blocks to keep
+    changed = weights["Q4_1"].copy()
+    changed[5, 7] += 1e-3                                        # one value not the file's
+    assert blocks.lookup(changed) is None
+    assert blocks.types == sorted(TYPES)
+
+
+def test_q4_1_runs_as_matmulnbits_with_the_files_weights(gguf_file, tmp_path):
+    """The graph ONNX Runtime runs computes with the file's weights: at accuracy level 0 (float
+    activations) as closely as a float MatMul does, at level 4 (int8 activations, the engines'
+    setting) within its rounding; and a row's result is the same in every call of 2 or more rows."""
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    weight = weights["Q4_1"]
+    model = tmp_path / "linear.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "rows", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "rows", N])],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
+    assert quantize.quantize_graph(model, GgufBlocks(path).lookup) == 1
+    ops = [node.op_type for node in onnx.load(model).graph.node]
+    assert ops == ["DequantizeLinear", "MatMul", "Reshape", "ReduceSum", "MatMul", "Add"]
+
+    x = np.random.default_rng(2).standard_normal((1, 5, K)).astype(np.float32)
+    exact = x.astype(np.float64) @ weight.astype(np.float64)
+    for level, tolerance in (("0", 1e-5), ("4", 2e-2)):
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", level)
+        options.optimized_model_filepath = str(tmp_path / f"optimized-{level}.onnx")
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        assert "MatMulNBits" in [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+        y = session.run(None, {"x": x})[0]
+        assert np.abs(y - exact).max() < tolerance * np.abs(exact).max(), level
+        for rows in (2, 3, 4):
+            assert np.array_equal(session.run(None, {"x": x[:, :rows]})[0], y[:, :rows]), (level, rows)
