@@ -66,8 +66,9 @@ class GgufBlocks:
             q[columns], scales[columns], offset = _decode(kind, self.tensors[index].data[row[columns]])
             if offsets is not None:
                 offsets[columns] = offset
-        blocks = Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T),
-                        8 if kind == "Q8_0" else 4, None if offsets is None else np.ascontiguousarray(offsets.T))
+        transposed = (None if part is None else np.ascontiguousarray(part.T) for part in (q, scales, offsets))
+        q, scales, offsets = transposed
+        blocks = Blocks(q, scales, 8 if kind == "Q8_0" else 4, offsets)
         if not np.allclose(blocks.values(), matrix, rtol=1e-6, atol=1e-6 * float(np.abs(matrix).max())):
             raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
         return blocks

@@ -150,7 +150,8 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
                                               _initializer(graph, f"{stem}_scales", blocks.scales)],
                          attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
             new_nodes.append(dq)
-            offsets = None if blocks.offsets is None else _initializer(graph, f"{stem}_offsets", blocks.offsets)
+            offsets = (None if blocks.offsets is None else
+                       _initializer(graph, f"{stem}_offsets", blocks.offsets))
             dequantized[key] = dq.outputs[0], offsets
         weight_values, offsets = dequantized[key]
         x = node.inputs[0]

@@ -22,7 +22,8 @@ def gguf_file(tmp_path_factory):
     """A GGUF file with one ``[N, K]`` weight per type (rows out, as llama.cpp stores them), and
     each weight's de-quantized values ``[K, N]``, as ``transformers`` gives them to the build."""
     import gguf
-    from gguf.quants import dequantize, quantize as gguf_quantize
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
 
     path = tmp_path_factory.mktemp("gguf") / "model.gguf"
     writer = gguf.GGUFWriter(path, "llama")
@@ -95,7 +96,8 @@ def test_q4_1_runs_as_matmulnbits_with_the_files_weights(gguf_file, tmp_path):
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", level)
         options.optimized_model_filepath = str(tmp_path / f"optimized-{level}.onnx")
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        assert "MatMulNBits" in [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+        optimized = onnx.load(options.optimized_model_filepath).graph.node
+        assert "MatMulNBits" in [node.op_type for node in optimized]
         y = session.run(None, {"x": x})[0]
         assert np.abs(y - exact).max() < tolerance * np.abs(exact).max(), level
         for rows in (2, 3, 4):
