@@ -58,6 +58,7 @@ def cmd_build(args: argparse.Namespace) -> None:
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         args.k = args.k or demo_pair.K
+        args.weights = args.weights or demo_pair.WEIGHTS
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     if args.max_seq_len is None:
@@ -194,12 +195,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; norms and softmax accumulate in fp32 [fp32]")
     b.add_argument("--opset", type=int, choices=[23, 24], default=23, help="ONNX opset [23]")
-    b.add_argument("--weights", metavar="int4|int8|gguf",
-                   help="quantize the target's linear layers (lm_head included) to int4 or int8: "
-                        "weight-only, symmetric, blockwise round-to-nearest, as DequantizeLinear -> "
-                        "MatMul; the build verifies it and states its quality cost; gguf: keep a .gguf "
-                        "target's own Q4_0 / Q4_1 / Q8_0 blocks, the weights llama.cpp computes with "
-                        "[unquantized]")
+    b.add_argument("--weights", metavar="float|int4|int8|gguf",
+                   help="float: the --dtype weights; int4 / int8: quantize the target's linear layers "
+                        "(lm_head included), weight-only, symmetric, blockwise round-to-nearest, as "
+                        "DequantizeLinear -> MatMul (the build verifies it and states its quality "
+                        "cost); gguf: keep a .gguf target's own Q4_0 / Q4_1 / Q8_0 blocks, the "
+                        "weights llama.cpp computes with [float; the demo pair: gguf]")
     b.add_argument("--weights-block", type=int, default=32, metavar="N",
                    help="weights per quantization scale, along the input axis (a power of two >= 16) [32]")
     b.add_argument("--quantize-draft", action="store_true",

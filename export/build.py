@@ -68,6 +68,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         raise ValueError(f"--backend {backend}: expected onnx, trt or trt-rtx")
     _check_limits(limits)
     quantize.check_options(weights, weights_block, quantize_draft)
+    weights = None if weights == quantize.FLOAT else weights
     formats = {"target": weights or quantize.FLOAT, "draft": weights if quantize_draft else quantize.FLOAT}
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()

