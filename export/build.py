@@ -69,6 +69,9 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     _check_limits(limits)
     quantize.check_options(weights, weights_block, quantize_draft)
     weights = None if weights == quantize.FLOAT else weights
+    if weights == quantize.GGUF and dtype != "fp32":
+        raise ValueError(f"--weights gguf: needs --dtype fp32, got {dtype} (the file's blocks are found "
+                         f"by their exact values, which {dtype} rounds)")
     formats = {"target": weights or quantize.FLOAT, "draft": weights if quantize_draft else quantize.FLOAT}
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()

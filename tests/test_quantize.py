@@ -231,6 +231,7 @@ def test_greedy_speculative_equals_target_only_on_a_quantized_engine(engines, we
     (["--weights", "gguf", "--quantize-draft"], ["--quantize-draft", "no GGUF file"]),
     (["--weights", "gguf", "--weights-block", "64"], ["--weights-block 64", "blocks of 32"]),
     (["--weights", "gguf"], ["--weights gguf", "is not a .gguf file", "int4 or int8"]),
+    (["--weights", "gguf", "--dtype", "fp16"], ["--weights gguf", "needs --dtype fp32, got fp16"]),
 ])
 def test_bad_flags_are_refused_in_one_line(tiny, tmp_path, flags, words):
     target, draft = tiny()
