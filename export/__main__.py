@@ -226,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="draft directory (also holds data.pt and trainer.pt)")
     d.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS)], metavar="FILE",
                    help="JSON Lines files of {\"turns\": [...]}; the first turn of each record is a "
-                        "prompt [../shared/data/prompts/gsm8k.jsonl]")
+                        "prompt [data/prompts/gsm8k.jsonl]")
     d.add_argument("--num-prompts", type=int, default=64,
                    help="training prompts per file, from the top [64]")
     d.add_argument("--held-out", type=int, default=4,

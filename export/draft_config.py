@@ -1,7 +1,7 @@
 """The DSpark draft's configuration: native DeepSpec and Speculators configs, translated to one
 dataclass and checked against the target.
 
-Conventions (``../shared/docs/dspark-spec.md`` §2, §3.2):
+Conventions (``docs/dspark.md#target-taps``, ``#block-layouts-and-k``):
 
 - ``target_layer_ids`` uses the **DeepSpec convention**: id ``t`` taps the raw residual stream
   *after* target decoder layer ``t`` (0-based); ``-1`` taps the embedding output. Speculators'

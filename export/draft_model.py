@@ -1,7 +1,7 @@
 """``DraftStep``: one DSpark proposal — context K/V update, non-causal block forward, base logits,
 and the Markov sampler unrolled ``k`` times — as one module with flat tensors in and out.
 
-Semantics follow ``../shared/docs/dspark-spec.md`` §3-§5.
+Semantics: ``docs/dspark.md`` (the block backbone, the Markov head, the reduced vocabulary).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Prompts as users give them: JSON Lines files of ``{"turns": [...]}`` (the format of
-``../shared/data/prompts``), and their token ids through the tokenizer's chat template."""
+``data/prompts``), and their token ids through the tokenizer's chat template."""
 from __future__ import annotations
 
 import json

@@ -3,8 +3,9 @@ and schema registration.
 
 TensorRT's ONNX parser imports a ``dspark`` node as our plugin only when a creator with exactly
 the node's op type, ``plugin_version`` and ``plugin_namespace`` is registered, and otherwise
-*silently* inlines the node's function body (design.md §7), so the attributes are set on every
-node and the builder must check that plugin layers are present.
+*silently* inlines the node's function body, so the attributes are set on every node and the
+builder must check that plugin layers are present
+(``docs/dspark.md#custom-ops-and-their-function-bodies``).
 """
 from __future__ import annotations
 

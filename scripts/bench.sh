@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENGINE=${ENGINE:-engines/smollm2-135m-instruct}
-PROMPTS=../shared/data/prompts
+PROMPTS=data/prompts
 # the demo pair (k = 4, confidence 0.6) with fp32 weights, as README's "The demo pair" table was measured
 # (its default since is the GGUF's own blocks: README's "with quantized weights" table)
 .venv/bin/python -m export build --out "$ENGINE" --force --weights float

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from export.tiny import TinySpec, make_tiny
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "golden" / "dspark-tiny"
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden" / "dspark-tiny"
 
 # ragged token-id prompts (lengths 7, 3, 11) used across the invariant tests
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
