@@ -1,7 +1,7 @@
 """``python -m export distill``: train a small DSpark draft for a target on the CPU.
 
-The recipe is DeepSpec's (``../shared/docs/dspark-spec.md`` §3-§4), on data the target writes
-itself:
+The recipe is DeepSpec's (``docs/dspark.md#the-block-backbone``, ``#the-markov-head``), on data the
+target writes itself:
 
 1. the target answers prompts greedily; those sequences are cached in ``OUT/data.pt``;
 2. a fresh draft (native DeepSpec config, the target's ``embed_tokens`` / ``lm_head`` copied and
@@ -33,7 +33,7 @@ from .draft_model import DraftStep, load_draft
 from .prompts import encode_prompt, read_jsonl_prompts
 from .target_model import TargetStep, load_target
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "gsm8k.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gsm8k.jsonl"
 GENERATION_BATCH = 16         # prompts the target answers at a time
 TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when they fit in this
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
@@ -243,6 +243,7 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
         return data
     from tqdm.auto import tqdm
 
+    from runtime.backend import capacity_needed
     from runtime.speculative import generate
     from runtime.torch_backend import TorchBackend
 
@@ -252,7 +253,7 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
     for begin in tqdm(batches, desc="generating", unit="batch", disable=not progress):
         rows = by_length[begin:begin + GENERATION_BATCH]
         batch = [prompts[i] for i in rows]
-        backend = TorchBackend(target, None, max(map(len, batch)) + max_new_tokens + 1)
+        backend = TorchBackend(target, None, capacity_needed(max(map(len, batch)), max_new_tokens))
         result = generate(backend, batch, max_new_tokens=max_new_tokens,
                           eos_token_ids=target.config.eos_token_ids)
         for i, ids in zip(rows, result.token_ids):
@@ -525,11 +526,13 @@ def _atomic(write, path: Path) -> None:
 def measure_tau(target: TargetStep, out: Path, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Greedy acceptance (tokens per verify step) of the draft as saved in ``out``, loaded the way
     every consumer loads it."""
+    from runtime.backend import capacity_needed
     from runtime.speculative import generate
     from runtime.torch_backend import TorchBackend
 
     draft = load_draft(out, target)
-    capacity = max(map(len, prompts)) + max_new_tokens + draft.config.block_size + 1
+    capacity = capacity_needed(max(map(len, prompts)), max_new_tokens, k=draft.k,
+                               block_size=draft.config.block_size)
     result = generate(TorchBackend(target, draft, capacity), prompts, max_new_tokens=max_new_tokens,
                       eos_token_ids=target.config.eos_token_ids)
     return result.stats.tau

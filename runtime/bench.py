@@ -22,7 +22,7 @@ def parser():
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
     p.add_argument("--prompts-file", type=Path, required=True,
-                   help="JSON Lines of {\"turns\": [...]} (e.g. ../shared/data/prompts/gsm8k.jsonl)")
+                   help="JSON Lines of {\"turns\": [...]} (e.g. data/prompts/gsm8k.jsonl)")
     p.add_argument("--skip", type=int, default=0,
                    help="leave out the first N prompts, e.g. those a draft was distilled on [0]")
     p.add_argument("--limit", type=int, default=8, help="first N prompts after --skip [8]")
@@ -106,7 +106,7 @@ def run(args) -> dict:
     report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "backend": args.backend,
-              "confidence_threshold": (generator.backend.confidence_threshold
+              "confidence_threshold": (generator.backend.limits.confidence_threshold
                                        if args.confidence_threshold is None else args.confidence_threshold),
               "runs": {}}
     # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
@@ -122,7 +122,7 @@ def run(args) -> dict:
                 runs[name].append(generator.collect([batches[index]]))
             if llama:
                 llama_runs.append(llama.generate(generator.encode(prompts[index], chat), args.max_new_tokens,
-                                                 list(generator.backend.eos_token_ids)))
+                                                 list(generator.backend.limits.eos_token_ids)))
     for name, results in runs.items():
         report["runs"][name] = _engine_run(results)
     if llama:
@@ -171,7 +171,7 @@ def _llama_cpp(args, generator):
     if not args.llama_cpp:
         return contextlib.nullcontext()
     return llama_cpp_baseline.LlamaCpp(args.llama_cpp, threads=args.threads or os.cpu_count(),
-                                       context=generator.backend.capacity)
+                                       context=generator.backend.limits.capacity)
 
 
 def _engine_run(runs) -> dict:

@@ -142,9 +142,9 @@ def prepare(args):
         from .generator import Generator
 
         generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
-        if args.batch_size and args.batch_size > generator.backend.max_batch:
+        if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
-                             f"{generator.backend.max_batch}, the engine's --max-batch")
+                             f"{generator.backend.limits.max_batch}, the engine's --max-batch")
         decodings = generator.decodings(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, seed=args.seed, speculative=not args.no_spec,

@@ -54,7 +54,7 @@ class Generator:
         refused, by number and text, before the first batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``seed``, ``speculative``, ``confidence_threshold``
         (``Decoding``'s)."""
-        max_batch = self.backend.max_batch
+        max_batch = self.backend.limits.max_batch
         size = max_batch if batch_size is None else batch_size
         if not 1 <= size <= max_batch:
             raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
@@ -62,7 +62,7 @@ class Generator:
         ids = [self.encode(p, chat_template) for p in prompts]
         names = [f"prompt {i + 1} ({p if len(p) <= 40 else p[:37] + '...'!r})"
                  for i, p in enumerate(prompts)]
-        options.setdefault("eos_token_ids", self.backend.eos_token_ids)
+        options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
         return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size], **options)
                 for begin in range(0, len(ids), size)]
 

@@ -73,7 +73,7 @@ class OrtBackend(EngineBackend):
         """Fresh zeroed caches for ``batch`` sequences, bound in place to both graphs."""
         import onnxruntime as ort
 
-        self.check_batch(batch)
+        self.limits.check_batch(batch)
         self.bindings = {}
         for name, session in self.sessions.items():
             caches = [t for t in self.manifest["graphs"][name]["inputs"] if is_cache(t["name"])]
@@ -120,7 +120,7 @@ class OrtBackend(EngineBackend):
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
-        if self.quantized and batch == 1 and int(start[0]) + 1 < self.capacity:
+        if self.quantized and batch == 1 and int(start[0]) + 1 < self.limits.capacity:
             # one-row calls take another kernel path (module docstring): made two-row calls
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
             logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows

@@ -1,4 +1,5 @@
-"""The propose / verify loop (design.md §5), for a batch of ragged prompts on any backend.
+"""The propose / verify loop, for a batch of ragged prompts on any backend
+(``docs/dspark.md#the-propose-verify-loop``).
 
 Per step and sequence: the draft proposes ``k`` tokens after the anchor; the target runs
 ``[anchor, d_1 .. d_k]`` at positions ``p_anchor ..``; the verifier accepts ``a`` drafts and emits
@@ -12,10 +13,11 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
+from .backend import Backend, capacity_needed
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import SpecStats
 from .verify import greedy_verify, rejection_verify
@@ -32,6 +34,15 @@ class PhaseTimes:
     @property
     def host(self) -> float:
         return max(0.0, self.total - self.prefill - self.draft - self.verify)
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to ``phase``."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - begin)
 
 
 @dataclass
@@ -50,6 +61,46 @@ class Emission:
     finished: bool
 
 
+@dataclass
+class Proposal:
+    """A step's drafts ``[B, width]`` (none without speculation), their distributions ``q`` and
+    how many each sequence proposes (``limit [B]``, at most ``width``)."""
+    drafts: torch.Tensor
+    q: torch.Tensor | None
+    limit: torch.Tensor
+
+
+@dataclass
+class Verdict:
+    """What the target made of a proposal: drafts ``accepted [B]``, the tokens ``emitted
+    [B, width + 1]`` (accepted drafts, then the correction / bonus token), and the aux rows of the
+    verified block, the next draft step's context."""
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    aux: torch.Tensor
+
+
+class HostRow(NamedTuple):
+    """One sequence's row of a step's single device -> host copy."""
+    accepted: int
+    proposed: int
+    emitted: list[int]
+    drafts: list[int]
+    anchor: int
+
+
+@dataclass
+class Cursor:
+    """Where each sequence stands between steps, on the backend's device: the draft context
+    (``ctx_aux`` rows, from position ``ctx_start``, the first ``ctx_count`` of them verified), the
+    ``anchor`` token and its position ``anchor_pos`` (= each target cache's valid length)."""
+    ctx_aux: torch.Tensor
+    ctx_start: torch.Tensor
+    ctx_count: torch.Tensor
+    anchor: torch.Tensor
+    anchor_pos: torch.Tensor
+
+
 class Decoding:
     """One batch being generated. Iterate it to receive each step's ``Emission``s as they are
     accepted; ``result`` holds everything generated so far, also after an interruption.
@@ -62,7 +113,7 @@ class Decoding:
     the target spends no verify rows on drafts that are unlikely to be accepted. ``names`` label the
     prompts in errors (``prompt 1``, ... by default)."""
 
-    def __init__(self, backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
+    def __init__(self, backend: Backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_ids=(),
                  speculative: bool = True, confidence_threshold: float | None = None,
                  names: list[str] | None = None):
@@ -76,22 +127,23 @@ class Decoding:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p {top_p}: expected more than 0 and at most 1")
         if confidence_threshold is None:
-            confidence_threshold = getattr(backend, "confidence_threshold", 0.0)
+            confidence_threshold = backend.limits.confidence_threshold
         if not 0 <= confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold {confidence_threshold}: expected 0 (verify every "
                              f"draft) .. 1")
         self.confidence_threshold = confidence_threshold
-        self.speculative = speculative and backend.k > 0
+        self.speculative = speculative and backend.limits.k > 0
         _check_capacity(backend, prompts, max_new_tokens, self.speculative,
                         names or [f"prompt {i + 1}" for i in range(len(prompts))])
         self.backend, self.prompts = backend, prompts
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.greedy = temperature == 0
         # tensors live where the backend computes; one host copy per step brings the tokens back
-        self.device = torch.device(getattr(backend, "device", "cpu"))
+        self.device = backend.device
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.eos = set(eos_token_ids)
         self.result = GenerationResult([[] for _ in prompts],
-                                       SpecStats(k=backend.k if self.speculative else 0))
+                                       SpecStats(k=backend.limits.k if self.speculative else 0))
 
     def _emit(self, b: int, tokens: list[int], record: dict) -> Emission:
         """Append ``tokens`` to sequence ``b`` up to its first EOS or its budget."""
@@ -108,104 +160,118 @@ class Decoding:
     def __iter__(self) -> Iterator[list[Emission]]:
         steps = self._steps()
         while True:
-            with _torch_threads(getattr(self.backend, "host_threads", None)):
+            with _torch_threads(self.backend.host_threads):
                 emissions = next(steps, None)
             if emissions is None:
                 return
             yield emissions
 
     def _steps(self) -> Iterator[list[Emission]]:
-        backend, times = self.backend, self.result.times
-        batch, device = len(self.prompts), self.device
-        lengths = torch.tensor([len(p) for p in self.prompts], device=device)
-        resumed = time.perf_counter()   # total time excludes what the consumer does between steps
-
-        def timed(phase: str, call, *args):
-            begin = time.perf_counter()
-            out = call(*args)
-            setattr(times, phase, getattr(times, phase) + time.perf_counter() - begin)
-            return out
-
-        backend.start(batch)
-        last_logits, (ctx_aux, ctx_start, ctx_count) = timed(
-            "prefill", _prefill, backend, self.prompts, lengths, self.speculative)
-        anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
-        emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
-                     for b, token in enumerate(anchor.tolist())]
-        done = [e.finished for e in emissions]
+        """Prefill, then per step: propose, verify, advance. Each yield hands the consumer a step's
+        emissions; the time it keeps them is not counted in ``times.total``."""
+        times = self.result.times
+        resumed = time.perf_counter()
+        cursor, emissions = self._start()
+        live = [e.sequence for e in emissions if not e.finished]
         times.total += time.perf_counter() - resumed
         yield emissions
-
-        greedy = self.temperature == 0
-        temperatures = torch.full((batch,), 1.0 if greedy else self.temperature, device=device)
-        noise_shape = (batch, backend.k, backend.draft_vocab_size)
-        zero_noise = torch.zeros(noise_shape, device=device) if self.speculative and greedy else None
-        no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        no_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-        first_row = torch.zeros(batch, 1, dtype=torch.long, device=device)   # logit rows of 1 anchor
-        every_draft = torch.full((batch,), backend.k, device=device)
-        anchor_pos = lengths.clone()                 # = each target cache's valid length
-        positions = lengths.tolist()
-        live = [b for b in range(batch) if not done[b]]
         step = 0
         while live:
             resumed = time.perf_counter()
             step += 1
-            if self.speculative:
-                noise = zero_noise if greedy else gumbel_noise(noise_shape, self.generator)
-                drafts, q = timed("draft", backend.draft_step, ctx_aux, ctx_start, ctx_count, anchor,
-                                  temperatures, noise)
-                limit = every_draft                  # drafts proposed, per sequence
-                if self.confidence_threshold > 0:
-                    drafts, q, limit = self._confident(drafts, q, live)
-                block = torch.cat([anchor[:, None], drafts], 1)
-                every_row = torch.arange(block.shape[1], device=device).expand(block.shape)
-                logits, aux = timed("verify", backend.target_step, block, anchor_pos, every_row)
-                if greedy:
-                    accepted, emitted = greedy_verify(drafts, logits, limit)
-                else:
-                    p = probabilities(logits, self.temperature, self.top_p)
-                    accepted, emitted = rejection_verify(drafts, q, p, self.generator, limit)
-            else:
-                drafts, accepted, limit = no_drafts, no_accepted, no_accepted
-                logits, aux = timed("verify", backend.target_step, anchor[:, None], anchor_pos,
-                                    first_row)
-                emitted = next_token(logits, self.temperature, self.top_p, self.generator)
-
-            # the step's only device -> host copy: accepted and proposed counts, emitted tokens,
-            # drafts, anchor
-            width = emitted.shape[1]
-            host = torch.cat([accepted[:, None], limit[:, None], emitted, drafts, anchor[:, None]],
-                             1).tolist()
-            emissions, counts, anchors = [], [0] * batch, [row[-1] for row in host]
-            for b in live:
-                a, proposed, row = host[b][0], host[b][1], host[b][2:]   # row: emitted, drafts, anchor
-                self.result.stats.record(a)
-                emission = self._emit(b, row[:a + 1], {
-                    "step": step, "anchor": row[-1], "drafts": row[width:width + proposed],
-                    "accepted": a})
-                emissions.append(emission)
-                if emission.finished:
-                    # it stays in the batch frozen (same anchor and start, no new context), so it
-                    # never writes past the rows its prompt and budget were given
-                    continue
-                counts[b] = a + 1
-                anchors[b] = row[a]
-                positions[b] += a + 1
-            ctx_aux, ctx_start = aux, anchor_pos
-            ctx_count, anchor, anchor_pos = torch.tensor([counts, anchors, positions], device=device).unbind()
+            proposal = self._propose(cursor, live)
+            verdict = self._verify(cursor, proposal)
+            emissions = self._advance(cursor, proposal, verdict, live, step)
             live = [e.sequence for e in emissions if not e.finished]
             times.total += time.perf_counter() - resumed
             yield emissions
 
-    def _confident(self, drafts: torch.Tensor, q: torch.Tensor, live: list[int]):
+    def _start(self) -> tuple[Cursor, list[Emission]]:
+        """Prefill every prompt and sample the first anchors (the step-0 emissions)."""
+        lengths = torch.tensor([len(p) for p in self.prompts], device=self.device)
+        self.backend.start(len(self.prompts))
+        with self.result.times.measure("prefill"):
+            last_logits, context = _prefill(self.backend, self.prompts, lengths, self.speculative)
+        anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
+        emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
+                     for b, token in enumerate(anchor.tolist())]
+        self.positions = lengths.tolist()          # each sequence's anchor position, on the host
+        return Cursor(*context, anchor, lengths.clone()), emissions
+
+    def _propose(self, cursor: Cursor, live: list[int]) -> Proposal:
+        """The draft's ``k`` tokens after each anchor (zero noise when greedy: its argmax), cut
+        at the confidence threshold; no drafts without speculation."""
+        backend, batch = self.backend, cursor.anchor.shape[0]
+        if not self.speculative:
+            none = torch.zeros(batch, dtype=torch.long, device=self.device)
+            return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), None, none)
+        shape = (batch, backend.limits.k, backend.limits.draft_vocab_size)
+        noise = (torch.zeros(shape, device=self.device) if self.greedy
+                 else gumbel_noise(shape, self.generator))
+        temperatures = torch.full((batch,), 1.0 if self.greedy else self.temperature, device=self.device)
+        with self.result.times.measure("draft"):
+            drafts, q = backend.draft_step(cursor.ctx_aux, cursor.ctx_start, cursor.ctx_count,
+                                           cursor.anchor, temperatures, noise)
+        if self.confidence_threshold > 0:
+            return self._confident(drafts, q, live)
+        return Proposal(drafts, q, torch.full((batch,), backend.limits.k, device=self.device))
+
+    def _verify(self, cursor: Cursor, proposal: Proposal) -> Verdict:
+        """The target on ``[anchor, drafts]`` at the anchors' positions, every row's logits; then
+        the longest agreeing prefix (greedy) or rejection sampling against the draft's ``q``."""
+        block = torch.cat([cursor.anchor[:, None], proposal.drafts], 1)
+        rows = torch.arange(block.shape[1], device=self.device).expand(block.shape)
+        with self.result.times.measure("verify"):
+            logits, aux = self.backend.target_step(block, cursor.anchor_pos, rows)
+        if not self.speculative:
+            emitted = next_token(logits, self.temperature, self.top_p, self.generator)
+            return Verdict(proposal.limit, emitted, aux)
+        if self.greedy:
+            accepted, emitted = greedy_verify(proposal.drafts, logits, proposal.limit)
+        else:
+            p = probabilities(logits, self.temperature, self.top_p)
+            accepted, emitted = rejection_verify(proposal.drafts, proposal.q, p, self.generator,
+                                                 proposal.limit)
+        return Verdict(accepted, emitted, aux)
+
+    def _advance(self, cursor: Cursor, proposal: Proposal, verdict: Verdict, live: list[int],
+                 step: int) -> list[Emission]:
+        """Emit each live sequence's accepted drafts and correction / bonus token, and move the
+        cursor past them: the verified rows (old anchor + accepted drafts) become the draft's
+        context and the emitted token the next anchor. A finished sequence stays in the batch
+        frozen (same anchor and position, no new context), so it never writes past the rows its
+        prompt and budget were given."""
+        width = verdict.emitted.shape[1]
+        # the step's only device -> host copy
+        packed = torch.cat([verdict.accepted[:, None], proposal.limit[:, None], verdict.emitted,
+                            proposal.drafts, cursor.anchor[:, None]], 1).tolist()
+        rows = [HostRow(r[0], r[1], r[2:2 + width], r[2 + width:-1], r[-1]) for r in packed]
+        counts, anchors = [0] * len(rows), [row.anchor for row in rows]
+        emissions = []
+        for b in live:
+            row = rows[b]
+            self.result.stats.record(row.accepted)
+            emission = self._emit(b, row.emitted[:row.accepted + 1], {
+                "step": step, "anchor": row.anchor, "drafts": row.drafts[:row.proposed],
+                "accepted": row.accepted})
+            emissions.append(emission)
+            if not emission.finished:
+                counts[b] = row.accepted + 1
+                anchors[b] = row.emitted[row.accepted]
+                self.positions[b] += row.accepted + 1
+        cursor.ctx_aux, cursor.ctx_start = verdict.aux, cursor.anchor_pos
+        cursor.ctx_count, cursor.anchor, cursor.anchor_pos = torch.tensor(
+            [counts, anchors, self.positions], device=self.device).unbind()
+        return emissions
+
+    def _confident(self, drafts: torch.Tensor, q: torch.Tensor, live: list[int]) -> Proposal:
         """Each sequence's drafts before the first whose distribution's top probability is below
         ``confidence_threshold`` (``limit [B]`` of them); the batch verifies the widest live one.
         The rule reads the draft's distributions, never the token drawn from them, so sampling
         stays exact, and greedy output is the target's whatever is cut."""
         limit = (q.amax(-1) >= self.confidence_threshold).cumprod(dim=1).sum(dim=1)
         width = int(limit[live].max())
-        return drafts[:, :width], q[:, :width], limit
+        return Proposal(drafts[:, :width], q[:, :width], limit)
 
 
 @contextmanager
@@ -223,22 +289,23 @@ def _torch_threads(count: int | None):
         torch.set_num_threads(before)
 
 
-def _check_capacity(backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
+def _check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
                     names: list[str]) -> None:
     """Refuse the first prompt that is empty or whose tokens, ``max_new_tokens`` and the rows a
     step may write past them do not fit the KV cache, naming it; every prompt is checked before
     any runs."""
-    rows = max_new_tokens + (backend.lookahead if speculative else 1)
+    limits = backend.limits
     for name, prompt in zip(names, prompts):
         if not prompt:
             raise ValueError(f"{name}: no tokens; expected at least one")
-        if len(prompt) + rows > backend.capacity:
+        needed = capacity_needed(len(prompt), max_new_tokens, limits if speculative else None)
+        if needed > limits.capacity:
             raise ValueError(f"{name} has {len(prompt)} tokens: with max_new_tokens {max_new_tokens} "
-                             f"it needs {len(prompt) + rows} KV-cache rows; the capacity is "
-                             f"{backend.capacity} (build --max-seq-len)")
+                             f"it needs {needed} KV-cache rows; the capacity is "
+                             f"{limits.capacity} (build --max-seq-len)")
 
 
-def generate(backend, prompts: list[list[int]], **options) -> GenerationResult:
+def generate(backend: Backend, prompts: list[list[int]], **options) -> GenerationResult:
     """Run a ``Decoding`` to the end (options as there) and return its result."""
     decoding = Decoding(backend, prompts, **options)
     for _ in decoding:
@@ -246,8 +313,8 @@ def generate(backend, prompts: list[list[int]], **options) -> GenerationResult:
     return decoding.result
 
 
-def _prefill(backend, prompts, lengths, speculative: bool):
-    """Run the prompts through the target in chunks of at most ``backend.max_prompt_chunk`` rows
+def _prefill(backend: Backend, prompts, lengths, speculative: bool):
+    """Run the prompts through the target in chunks of at most ``backend.limits.max_prompt_chunk`` rows
     (right-padded: rows past a prompt's end are scratch). Every chunk but the last is inserted into
     the draft's context right away (its proposals are discarded); the last one is returned as the
     first draft step's context. Returns each prompt's last-position logits and that context.
@@ -259,7 +326,7 @@ def _prefill(backend, prompts, lengths, speculative: bool):
     for b, prompt in enumerate(prompts):
         padded[b, : len(prompt)] = torch.tensor(prompt)
     padded = padded.to(device)
-    chunk = backend.max_prompt_chunk
+    chunk = backend.limits.max_prompt_chunk
     last_logits = None
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
@@ -274,5 +341,6 @@ def _prefill(backend, prompts, lengths, speculative: bool):
         if speculative and begin + chunk < longest:
             next_tokens = padded[:, begin + chunk]
             backend.draft_step(*context, next_tokens, torch.ones(batch, device=device),
-                               torch.zeros(batch, backend.k, backend.draft_vocab_size, device=device))
+                               torch.zeros(batch, backend.limits.k, backend.limits.draft_vocab_size,
+                                           device=device))
     return last_logits, context

@@ -1,7 +1,7 @@
 """The PyTorch reference backend: runs ``TargetStep`` / ``DraftStep`` eagerly and owns their caches.
 
-Every backend offers the same things (``start``, ``target_step``, ``draft_step`` and the shape
-facts set in ``__init__``), so the loop in ``speculative.py`` never knows which one it drives.
+Every backend offers the same things (``backend.Backend``: ``start``, ``target_step``,
+``draft_step`` and its ``BackendLimits``), so the loop in ``speculative.py`` never knows which one it drives.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from export.draft_model import DraftStep
 from export.pair import load_pair
 from export.target_model import TargetStep
 
-from .engine_backend import check_batch, lookahead
+from .backend import BackendLimits
 
 
 class TorchBackend:
@@ -27,21 +27,17 @@ class TorchBackend:
                  confidence_threshold: float = 0.0, device: str = "cpu", cuda_graphs: bool = False):
         self.device = torch.device(device)
         target, draft = target.to(self.device), draft.to(self.device) if draft is not None else None
-        self.target, self.draft, self.capacity = target, draft, capacity
-        self.max_batch = max_batch
-        self.max_prompt_chunk = max_prompt_chunk or capacity
-        self.eos_token_ids = target.config.eos_token_ids
-        self.vocab_size = target.config.vocab_size
-        self.k = draft.k if draft is not None else 0
-        self.confidence_threshold = confidence_threshold
-        self.draft_vocab_size = draft.config.draft_vocab_size if draft is not None else 0
-        self.lookahead = lookahead(self.k, draft.config.block_size) if draft is not None else 1
+        self.target, self.draft = target, draft
+        self.limits = BackendLimits.from_modules(target, draft, capacity, max_batch, max_prompt_chunk,
+                                          confidence_threshold)
+        self.host_threads = None
         self.graphs = self.caches = None
         if cuda_graphs:
             from .cuda_graphs import Caches, GraphCache
 
             # prefill too writes the caches in place: the graphs hold their addresses
-            self.graphs = GraphCache(self.k, eager=lambda step, _, inputs: self._step_in_place(step, *inputs),
+            self.graphs = GraphCache(self.limits.k,
+                                     eager=lambda step, _, inputs: self._step_in_place(step, *inputs),
                                      bind=lambda step, _, inputs: partial(self._step_in_place, step, *inputs))
             self.caches = Caches(self._empty_caches)
 
@@ -68,7 +64,7 @@ class TorchBackend:
     def start(self, batch: int) -> None:
         """Empty caches for ``batch`` sequences: with CUDA graphs, the ones the graphs captured,
         zeroed in place (``cuda_graphs.Caches``)."""
-        check_batch(batch, self.max_batch)
+        self.limits.check_batch(batch)
         if self.caches is None:
             fresh = self._empty_caches(batch)
             self.target_cache, self.draft_cache = fresh["target"], fresh.get("draft", [])
@@ -76,9 +72,9 @@ class TorchBackend:
             self.graphs.clear()
 
     def _empty_caches(self, batch: int) -> dict[str, list[torch.Tensor]]:
-        caches = {"target": self.target.empty_cache(batch, self.capacity)}
+        caches = {"target": self.target.empty_cache(batch, self.limits.capacity)}
         if self.draft is not None:
-            caches["draft"] = self.draft.empty_cache(batch, self.capacity)
+            caches["draft"] = self.draft.empty_cache(batch, self.limits.capacity)
         return caches
 
     @torch.no_grad()

@@ -96,10 +96,10 @@ class TrtBackend(EngineBackend):
         self.eager_contexts = {(graph, profile): self._context(graph, profile, captured=False)
                                for graph in self.engines for profile in self.profiles}
         self.caches = Caches(self._allocate_caches)
-        self.graphs = GraphCache(self.k, self._eager, self._bind, stream=self.stream)
+        self.graphs = GraphCache(self.limits.k, self._eager, self._bind, stream=self.stream)
 
     def start(self, batch: int) -> None:
-        self.check_batch(batch)
+        self.limits.check_batch(batch)
         if self.caches.start(batch):   # graphs captured the old caches' addresses
             self.graphs.clear()
 
@@ -136,7 +136,7 @@ class TrtBackend(EngineBackend):
 
     def _profile(self, sizes: Sizes) -> str:
         rows = sizes["rows"] if "rows" in sizes else sizes["ctx_rows"]
-        return "decode" if rows <= self.k + 1 else "prefill"
+        return "decode" if rows <= self.limits.k + 1 else "prefill"
 
     def _eager(self, graph: str, sizes: Sizes, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Prefill and any step that cannot be captured: the profile's shared context, reshaped."""

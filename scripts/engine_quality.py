@@ -27,7 +27,7 @@ def predictions(engine: Path, texts: list[list[int]]) -> tuple[torch.Tensor, tor
     """The target graph's top-1 prediction and the true next token's negative log-likelihood at
     every position of ``texts``, each text from position 0 in chunks the engine takes."""
     backend = OrtBackend(engine)
-    chunk = backend.manifest["limits"]["max_prompt_chunk"]
+    chunk = backend.limits.max_prompt_chunk
     top1, nll = [], []
     for ids in texts:
         backend.start(1)

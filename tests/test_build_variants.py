@@ -29,7 +29,7 @@ def test_opset_24(tiny, tmp_path):
         assert {o.domain: o.version for o in model.opset_import}[""] == 24
         assert all({o.domain: o.version for o in f.opset_import}[""] == 24 for f in model.functions)
     backend = OrtBackend(tmp_path)
-    result = generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.eos_token_ids)
+    result = generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.limits.eos_token_ids)
     assert result.token_ids == hf_greedy(tiny()[0], PROMPTS, 30)
 
 
@@ -61,8 +61,8 @@ def test_weights_live_in_external_data(tiny, tmp_path):
         assert weights and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
         assert result.files[f"{name}.onnx"] < result.files[f"{name}.onnx.data"]
     backend = OrtBackend(tmp_path)
-    assert generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.eos_token_ids).token_ids \
-        == hf_greedy(tiny()[0], PROMPTS, 30)
+    result = generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.limits.eos_token_ids)
+    assert result.token_ids == hf_greedy(tiny()[0], PROMPTS, 30)
 
 
 def _live_tensor_bytes() -> int:

@@ -98,7 +98,7 @@ def test_torch_graph_path_captures_decode_keys_and_keeps_them_across_requests(ti
     options = dict(capacity=96, max_batch=4, max_prompt_chunk=4)
     reference = TorchBackend(target, draft, **options)
     graphed = TorchBackend(target, draft, **options, cuda_graphs=True)
-    k = graphed.k
+    k = graphed.limits.k
     captured = []
 
     def capture(step, sizes, inputs):

@@ -1,4 +1,5 @@
 """The independent oracle: a draft saved by DeepSpec's own code and the trace DeepSpec produced."""
+import dataclasses
 import json
 
 import pytest
@@ -9,8 +10,6 @@ from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
 from conftest import GOLDEN
-
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="shared/data/golden not present")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def test_every_step_matches_deepspec_batch_3_ragged(golden, chunk, monkeypatch):
     """Also with prompts prefilled in chunks of 5 rows, each chunk inserted into the draft context
     as it comes: the proposals must not change."""
     records, backend = golden
-    monkeypatch.setattr(backend, "max_prompt_chunk", chunk)
+    monkeypatch.setattr(backend, "limits", dataclasses.replace(backend.limits, max_prompt_chunk=chunk))
     assert len({len(r["prompt_ids"]) for r in records}) == 3
     result = generate(backend, [r["prompt_ids"] for r in records], max_new_tokens=32)
     for b, record in enumerate(records):

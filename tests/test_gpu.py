@@ -29,6 +29,6 @@ def test_torch_on_cuda_with_graphs_equals_onnx_runtime(engine_dir, case):
         assert all(graphs[key] is graph for key, graph in kept.items())
         kept = dict(graphs)
     assert {step for step, _, _ in kept} == {"target", "draft"}
-    assert all(graph is not None and rows <= backend.k + 1 for (_, _, rows), graph in kept.items())
+    assert all(graph is not None and rows <= backend.limits.k + 1 for (_, _, rows), graph in kept.items())
     assert {batch for _, batch, _ in kept} == {1, len(PROMPTS)}
     assert torch.cuda.is_available()

@@ -8,6 +8,7 @@ import torch
 
 from export.draft_config import BONUS_ANCHOR
 from export.pair import load_pair
+from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
@@ -90,7 +91,7 @@ class OracleDrafts(TorchBackend):
         anchor_pos = (ctx_start + ctx_count).tolist()
         for b, pos in enumerate(anchor_pos):
             truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]
-            right = min(self.rng.randint(0, self.k), len(truth))
+            right = min(self.rng.randint(0, self.limits.k), len(truth))
             tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
         return tokens, q
 
@@ -119,7 +120,7 @@ class GreedyFirstSequence(OracleDrafts):
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         self.rng.randint = lambda low, high: high
         tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
-        tokens[1:] = self.vocab_size - 1 - tokens[1:]      # wrong (the tiny targets never emit it)
+        tokens[1:] = self.limits.vocab_size - 1 - tokens[1:]      # wrong (the tiny targets never emit it)
         return tokens, q
 
 
@@ -134,7 +135,7 @@ def test_capacity_is_enough_when_sequences_finish_apart(tiny):
     max_new = 2 + 9 * (draft.k + 1)
     prompts = [PROMPTS[2], PROMPTS[0]]                    # the longest prompt finishes first
     continuations = hf_greedy(target_dir, prompts, max_new + draft.k, eos=None)  # the oracle's truth
-    capacity = len(prompts[0]) + max_new + max(draft.k + 1, draft.config.block_size)
+    capacity = capacity_needed(len(prompts[0]), max_new, k=draft.k, block_size=draft.config.block_size)
     backend = GreedyFirstSequence(target, draft, prompts, continuations, capacity=capacity)
     result = generate(backend, prompts, max_new_tokens=max_new)
     assert result.token_ids == [c[:max_new] for c in continuations]

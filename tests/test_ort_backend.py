@@ -25,7 +25,8 @@ def case(request, tiny, engine_dir):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_through_onnx_runtime_equals_transformers(case, batch):
     backend, (target_dir, _) = case
-    result = generate(backend, PROMPTS[:batch], max_new_tokens=40, eos_token_ids=backend.eos_token_ids)
+    result = generate(backend, PROMPTS[:batch], max_new_tokens=40,
+                      eos_token_ids=backend.limits.eos_token_ids)
     assert result.token_ids == hf_greedy(target_dir, PROMPTS[:batch], 40)
 
 
@@ -38,6 +39,20 @@ def test_onnx_runtime_and_torch_backends_agree(case):
         torch_result = generate(reference, PROMPTS, max_new_tokens=30, temperature=temperature, seed=5)
         assert ort_result.token_ids == torch_result.token_ids
         assert ort_result.trace == torch_result.trace
+
+
+def test_the_limits_read_from_the_manifest_are_the_modules_own(case):
+    """The backend contract's one ``Limits``: an engine's, read from its manifest, equal the
+    reference modules' for the same pair and build limits; the capacity a run needs follows it."""
+    from runtime.backend import BackendLimits, capacity_needed
+
+    backend, _ = case
+    reference = TorchBackend.from_engine(backend.directory)
+    assert backend.limits == reference.limits
+    assert backend.limits == BackendLimits.from_manifest(backend.manifest)
+    limits = backend.limits
+    assert limits.lookahead == max(limits.k + 1, limits.block_size) > 1
+    assert capacity_needed(10, 20, limits) == 30 + limits.lookahead and capacity_needed(10, 20) == 31
 
 
 def test_caches_are_bound_in_place(case):

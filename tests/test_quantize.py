@@ -205,7 +205,7 @@ class OracleDrafts(OrtBackend):
         tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
         for b, position in enumerate((ctx_start + ctx_count).tolist()):
             truth = self.continuations[b][position - self.prompt_lengths[b] + 1:]
-            right = min(self.rng.randint(0, self.k), len(truth))
+            right = min(self.rng.randint(0, self.limits.k), len(truth))
             tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
         return tokens, q
 

@@ -1,0 +1,91 @@
+"""The backend contract: what the loop in ``speculative.py`` needs of whatever runs the two steps.
+
+A backend (ONNX Runtime, PyTorch, TensorRT) owns the caches and runs the target and draft steps;
+``BackendLimits`` holds the facts the loop plans with, read from an engine's manifest or from the modules,
+so that no backend declares them by hand and no caller re-derives the KV capacity a run needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendLimits:
+    """An engine's shape facts and limits (a draft-less backend has ``k == 0``)."""
+    vocab_size: int
+    k: int                       # drafts per step
+    block_size: int              # the draft's block (0 without a draft)
+    draft_vocab_size: int
+    capacity: int                # KV-cache rows per sequence (build --max-seq-len)
+    max_batch: int
+    max_prompt_chunk: int        # most prompt rows per prefill call
+    eos_token_ids: tuple[int, ...]
+    confidence_threshold: float  # the default draft cut (0: verify all k)
+
+    @classmethod
+    def from_manifest(cls, m: dict) -> "BackendLimits":
+        from export.manifest import confidence_threshold
+
+        draft, limits = m["draft"], m["limits"]
+        return cls(vocab_size=m["target"]["vocab_size"], k=draft["k"], block_size=draft["block_size"],
+                   draft_vocab_size=draft["draft_vocab_size"], capacity=limits["max_seq_len"],
+                   max_batch=limits["max_batch"], max_prompt_chunk=limits["max_prompt_chunk"],
+                   eos_token_ids=tuple(m["target"]["eos_token_ids"]),
+                   confidence_threshold=confidence_threshold(m))
+
+    @classmethod
+    def from_modules(cls, target, draft, capacity: int, max_batch: int = 1 << 16,
+                     max_prompt_chunk: int | None = None,
+                     confidence_threshold: float = 0.0) -> "BackendLimits":
+        """For the PyTorch reference modules (``draft`` None: target-only)."""
+        return cls(vocab_size=target.config.vocab_size, k=draft.k if draft is not None else 0,
+                   block_size=draft.config.block_size if draft is not None else 0,
+                   draft_vocab_size=draft.config.draft_vocab_size if draft is not None else 0,
+                   capacity=capacity, max_batch=max_batch, max_prompt_chunk=max_prompt_chunk or capacity,
+                   eos_token_ids=tuple(target.config.eos_token_ids),
+                   confidence_threshold=confidence_threshold)
+
+    @property
+    def lookahead(self) -> int:
+        """Cache rows a step may write past a sequence's valid length: the verify block (``k + 1``
+        rows) or the draft's scratch block, whichever is longer (1 without a draft)."""
+        return max(self.k + 1, self.block_size)
+
+    def check_batch(self, batch: int) -> None:
+        if batch > self.max_batch:
+            raise ValueError(f"batch of {batch} sequences: the engine was built for at most "
+                             f"{self.max_batch} (--max-batch)")
+
+
+def capacity_needed(prompt_tokens: int, max_new_tokens: int, limits: BackendLimits | None = None, *,
+                    k: int = 0, block_size: int = 0) -> int:
+    """KV-cache rows a run of ``max_new_tokens`` after a ``prompt_tokens``-token prompt needs:
+    the prompt, the new tokens and the rows one step may write past them (``BackendLimits.lookahead``, of
+    ``limits`` or of ``k`` / ``block_size``)."""
+    lookahead = limits.lookahead if limits is not None else max(k + 1, block_size)
+    return prompt_tokens + max_new_tokens + lookahead
+
+
+class Backend(Protocol):
+    """What ``Decoding`` drives. Tensors live on ``device``; ``host_threads`` is how many threads
+    the loop's own torch work may use between calls (None: leave torch's setting)."""
+    limits: BackendLimits
+    device: torch.device
+    host_threads: int | None
+
+    def start(self, batch: int) -> None:
+        """Empty caches for ``batch`` sequences."""
+
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor,
+                    logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [B, L]`` at positions ``start [B] ..`` -> ``(logits [B, R, V]`` at the
+        ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows)."""
+
+    def draft_step(self, ctx_aux: torch.Tensor, ctx_start: torch.Tensor, ctx_count: torch.Tensor,
+                   anchor: torch.Tensor, temperature: torch.Tensor,
+                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New context rows and the anchors -> ``(drafts [B, k]`` (target ids), ``q [B, k, V_target]``
+        the distributions they were drawn from)."""
