@@ -235,13 +235,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, start, causal: bool):
-        """``h [B, S, hidden]`` at cache rows ``start + i``; returns ``h`` and the updated caches."""
+    def forward(self, h, cos, sin, k_cache=None, v_cache=None, start=None, causal: bool = False, *,
+                context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None):
+        """``h [B, S, hidden]`` at cache rows ``start + i``; returns ``h`` and the updated caches.
+
+        Training (``mask`` given, as distillation runs the draft): no caches; the block attends to
+        ``context_kv`` (K/V ``[B, Hkv, C, D]`` of rows before it) and itself through ``mask
+        [S, C + S]``, every anchor's block in one call; the caches come back as None."""
         x = self.input_layernorm(h)
         attn = self.self_attn
-        k, v = attn.key_value(x, cos, sin)
-        o, k_cache, v_cache = block_attention(attn.query(x, cos, sin), k, v, k_cache, v_cache,
-                                              start, causal=causal, scale=attn.scale)
+        q, (k, v) = attn.query(x, cos, sin), attn.key_value(x, cos, sin)
+        if mask is None:
+            o, k_cache, v_cache = block_attention(q, k, v, k_cache, v_cache, start, causal=causal,
+                                                  scale=attn.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, torch.cat([context_kv[0], k], dim=2),
+                                               torch.cat([context_kv[1], v], dim=2), attn_mask=mask,
+                                               scale=attn.scale, enable_gqa=True)
         h = h + attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache
 

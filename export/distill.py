@@ -343,8 +343,8 @@ def teacher_forced_logits(draft: DraftStep, aux: torch.Tensor, tokens: torch.Ten
     cos, sin = draft.rotary.cos_sin(span.reshape(1, -1), h.dtype)
     mask = block_mask(anchors, seen, block)
     for layer in draft.layers:
-        k_ctx, v_ctx = layer.self_attn.key_value(context, ctx_cos, ctx_sin)  # context skips input_layernorm
-        h = _block_layer(layer, h, cos, sin, k_ctx, v_ctx, mask)
+        context_kv = layer.self_attn.key_value(context, ctx_cos, ctx_sin)   # skips input_layernorm
+        h, _, _ = layer(h, cos, sin, context_kv=context_kv, mask=mask)
     base = draft.lm_head(draft.norm(h)).reshape(count, block, -1)
     predecessors = tokens[span.clamp(max=length - 1)]                      # [anchor, y_1 .. y_{B-1}]
     bias = draft.markov_head.markov_w2(draft.markov_head.markov_w1(predecessors))
@@ -359,19 +359,6 @@ def block_mask(anchors: torch.Tensor, seen: int, block: int) -> torch.Tensor:
     owner = torch.arange(anchors.numel()).repeat_interleave(block)
     sees_context = torch.arange(seen)[None] < anchors.repeat_interleave(block)[:, None]
     return torch.cat([sees_context, owner[:, None] == owner[None]], dim=1)
-
-
-def _block_layer(layer, h, cos, sin, k_ctx, v_ctx, mask):
-    """``DecoderLayer.forward`` with the context K/V prepended and the training mask in place of
-    ``block_attention``'s fixed-capacity cache."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    k, v = attn.key_value(x, cos, sin)
-    o = F.scaled_dot_product_attention(attn.query(x, cos, sin), torch.cat([k_ctx, k], dim=2),
-                                       torch.cat([v_ctx, v], dim=2), attn_mask=mask,
-                                       scale=attn.scale, enable_gqa=True)
-    h = h + attn.output(o)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, to_draft: torch.Tensor | None,
