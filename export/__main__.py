@@ -1,4 +1,5 @@
-"""``python -m export``: the command line of the export side."""
+"""``python -m export``: the command line of the export side. Each command imports what it runs
+(torch, onnx, ...) when it runs, so that ``--help`` and flag errors come at once."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +8,12 @@ import signal
 import sys
 from pathlib import Path
 
-from .checkpoint import CheckpointError, resolve
-from .distill import DEFAULT_PROMPTS
-from .draft_config import LAYOUTS
+from .errors import CheckpointError, EngineBuildError, VerificationError
+from .layouts import LAYOUTS
 from .manifest import ManifestError
-from .onnx_check import VerificationError
 from .outputs import check_replaceable, staged_directory
-from .presets import PRESETS, make_preset
-from .tiny import TinySpec, make_tiny
-from .trt_build import EngineBuildError
+from .presets import PRESETS
+from .prompts import DEFAULT_PROMPTS
 
 TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
 DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
@@ -24,6 +22,9 @@ UNCHANGED = "no output was changed"
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
+    from .presets import make_preset
+    from .tiny import TinySpec, make_tiny
+
     out = Path(args.out)
     shape_flags = {name: value for name in TINY_SHAPE if (value := getattr(args, name)) is not None}
     if args.preset:
@@ -62,6 +63,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     if args.max_seq_len is None:
+        from .checkpoint import resolve
         from .target_config import load_target_config
 
         supported = load_target_config(resolve(args.target, "target")).max_position_embeddings
@@ -124,6 +126,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.force or not is_run(out):  # a distill run in --out is resumed, anything else is refused
         check_replaceable(out, args.force, "--out", sources=(Path(args.target), *spec.prompts))
+        from .checkpoint import resolve
+
         resolve(args.target, "target")   # a mistyped --target fails before a run is removed
         shutil.rmtree(out, ignore_errors=True)
     result = distill(args.target, out, spec)

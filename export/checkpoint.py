@@ -12,12 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .errors import CheckpointError
+
 # what a hub checkpoint needs: configs, weights, tokenizer files and chat templates
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used; the message names the file and field at fault."""
 
 
 def resolve(name_or_path: str | os.PathLike, role: str) -> Path:

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from .checkpoint import hf_location, read_config, resolve, write_tensors
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
-from .prompts import encode_prompt, read_jsonl_prompts
+from .prompts import DEFAULT_PROMPTS, encode_prompt, read_jsonl_prompts
 from .target_model import TargetStep, load_target
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gsm8k.jsonl"
 GENERATION_BATCH = 16         # prompts the target answers at a time
 TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when they fit in this
 # settings a resumed run must share with the run that wrote OUT (the rest may change)

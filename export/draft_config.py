@@ -18,10 +18,8 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, one_line, read_config
 from .decoder import CONFIG_ERRORS, LARGEST_DIMENSION, DecoderConfig, check_fields, is_int
+from .layouts import ANCHOR_FIRST, BONUS_ANCHOR
 
-ANCHOR_FIRST = "anchor-first"
-BONUS_ANCHOR = "bonus-anchor"
-LAYOUTS = (ANCHOR_FIRST, BONUS_ANCHOR)
 BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
 # backbone fields not handed to transformers: the precision is --dtype's, the model type is checked
 IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype")

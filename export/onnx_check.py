@@ -7,14 +7,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import VerificationError
+
 # max |ORT - PyTorch| allowed, relative to max(1, max |reference|), per activation dtype. Rounding
 # differences grow with depth: the tiny pairs agree to ~2e-6, the 30-layer SmolLM2 target to 1.4e-4
 # in fp32; a semantic error (a wrong mask, position or weight) is orders of magnitude above these.
 TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
-
-
-class VerificationError(RuntimeError):
-    """An exported graph disagrees with its PyTorch reference."""
 
 
 def check_model(path: Path) -> None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .checkpoint import match_config_mode, write_tensors
+# torch is imported where a pair is written, not where the command line lists the presets
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ def make_preset(out: Path, name: str, seed: int = 0) -> tuple[Path, Path]:
     """Write ``out/target`` and ``out/draft`` in the shapes of preset ``name``; returns their paths."""
     if name not in PRESETS:
         raise ValueError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
+    import torch
+
     torch.manual_seed(seed)
     target = _write_target(out / "target", PRESETS[name])
     _write_draft(out / "draft", target)
@@ -62,15 +66,19 @@ def release_taps(num_layers: int, count: int = 5) -> list[int]:
 
 def _random(shape, name: str) -> torch.Tensor:
     """bf16 weights as a release stores them: norms at one, matrices small and random."""
+    import torch
+
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     return torch.randn(shape, dtype=torch.bfloat16) * SCALE
 
 
 def _write_target(directory: Path, preset: Preset) -> dict:
+    import torch
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .checkpoint import match_config_mode
     from .tiny import _tokenizer
 
     config = AutoConfig.for_model(
@@ -92,6 +100,8 @@ def _write_target(directory: Path, preset: Preset) -> dict:
 
 
 def _write_draft(directory: Path, target: dict) -> None:
+    from .checkpoint import write_tensors
+
     hidden, vocab = target["hidden_size"], target["vocab_size"]
     taps = release_taps(target["num_hidden_layers"])
     config = {**target, "architectures": ["Qwen3DSparkModel"],

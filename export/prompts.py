@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# distill's default prompts, and the held-out text of the build's quality cost (its last records)
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gsm8k.jsonl"
+
 
 def read_jsonl_prompts(path: Path, flag: str) -> list[str]:
     """The first turn of every record; errors name ``flag``, the file and the line. A file with no

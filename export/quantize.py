@@ -231,8 +231,7 @@ def _linear_weight(node) -> tuple[object, bool] | None:
 def held_out_texts(tokenizer, max_tokens: int) -> list[list[int]] | None:
     """Token ids of the held-out prompts the quality cost is measured on (no chat template), each
     cut to ``max_tokens``; None when the prompt file is not there (an installed package)."""
-    from .distill import DEFAULT_PROMPTS
-    from .prompts import read_jsonl_prompts
+    from .prompts import DEFAULT_PROMPTS, read_jsonl_prompts
 
     if not DEFAULT_PROMPTS.is_file():
         return None

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import match_config_mode, write_tensors
-from .draft_config import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
+from .layouts import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")

@@ -18,13 +18,11 @@ import onnx
 from plugins.onnx_domain import DOMAIN
 from plugins.tensorrt_plugin import register_plugins
 
+from .errors import EngineBuildError
+
 MODULES = {"trt": "tensorrt", "trt-rtx": "tensorrt_rtx"}
 GPUS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 PROFILES = ("prefill", "decode")
-
-
-class EngineBuildError(RuntimeError):
-    """An engine could not be built; the message names the graph and the reason."""
 
 
 def import_tensorrt(backend: str):

@@ -32,7 +32,7 @@ def test_build_writes_the_engine_directory(built, capsys):
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["draft"]["k"] == 3 and manifest["limits"]["max_seq_len"] == 64
     assert manifest["draft"]["confidence_threshold"] == 0.25
-    assert OrtBackend(built).confidence_threshold == 0.25     # the runtime's default
+    assert OrtBackend(built).limits.confidence_threshold == 0.25     # the runtime's default
     cli.main(["inspect", str(built)])
     text = capsys.readouterr().out
     assert "k = 3 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
@@ -133,3 +133,19 @@ def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path):
     assert limits["max_seq_len"] == 96 and limits["max_prompt_chunk"] == 96
     with pytest.raises(SystemExit, match="--max-seq-len 97: the target supports at most 96"):
         cli.main([*args, "--out", str(tmp_path / "e2"), "--max-seq-len", "97"])
+
+
+def test_help_loads_neither_torch_nor_onnx():
+    """``--help`` of every command comes at once: the command line imports what a command runs
+    only when it runs."""
+    probe = ("import runpy, sys\n"
+             "for command in ([], ['build'], ['make-tiny'], ['distill']):\n"
+             "    sys.argv = ['export', *command, '--help']\n"
+             "    try:\n"
+             "        runpy.run_module('export', run_name='__main__', alter_sys=True)\n"
+             "    except SystemExit:\n"
+             "        pass\n"
+             "print(sorted(m for m in ('torch', 'onnx', 'numpy', 'transformers') if m in sys.modules))\n")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert loaded.stdout.strip().splitlines()[-1] == "[]", loaded.stdout[-500:]
