@@ -198,7 +198,8 @@ def _num_target_layers(target_dir: Path) -> int:
 
 
 def _target_config_dict(target_dir: Path) -> dict:
-    """The target's config as a dict, which a native draft config is a copy of (spec §1.1)."""
+    """The target's config as a dict, which a native draft config is a copy of
+    (``docs/dspark.md#checkpoint-and-config-conventions``)."""
     if target_dir.is_dir():
         return read_config(target_dir)
     from transformers import AutoConfig
@@ -276,8 +277,8 @@ def draft_vocabulary(texts: list[list[int]], size: int, mask: int, vocab: int) -
 
 def draft_config(target_raw: dict, target: TargetStep, spec: DistillSpec, taps: tuple[int, ...],
                  mask: int, kept: torch.Tensor | None) -> dict:
-    """A native DeepSpec config: a copy of the target's with the draft's fields set (spec §1.1),
-    laid out as ``export.tiny.write_draft`` writes one."""
+    """A native DeepSpec config: a copy of the target's with the draft's fields set, laid out as
+    ``export.tiny.write_draft`` writes one (``docs/dspark.md#checkpoint-and-config-conventions``)."""
     d = target.config.decoder
     config = {k: v for k, v in copy.deepcopy(target_raw).items() if k not in NOT_INHERITED}
     config.update(
@@ -470,8 +471,8 @@ def learning_rate(spec: DistillSpec, step: int) -> float:
 def save(out: Path, draft: DraftStep, optimizer, step: int, losses: list[float], settings: dict) -> None:
     """``model.safetensors`` (fp16; ``d2t`` int64) in the native layout, then ``trainer.pt`` (the fp32
     trainable weights, the optimizer, the step), each replaced atomically. The embedding is the
-    target's and is shared at load time (spec §1.3); a reduced vocabulary keeps its own
-    ``lm_head`` and ``d2t``."""
+    target's and is shared at load time (``docs/dspark.md#shared-and-ignored-tensors``); a reduced
+    vocabulary keeps its own ``lm_head`` and ``d2t``."""
     reduced = draft.config.draft_vocab_size < draft.target_vocab_size
     dropped = {"embed_tokens.weight"} | (set() if reduced else {"lm_head.weight", "d2t"})
     tensors = {name: (t.half() if t.is_floating_point() else t.long()).contiguous()

@@ -78,8 +78,8 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
 
 def resolve_k(config: DraftConfig, k: int | None) -> int:
     """Drafts per step: the trained number by default; fewer run the full block and keep the
-    first ``k`` proposals (spec §7); more are refused because rows past the block were never
-    trained."""
+    first ``k`` proposals; more are refused because rows past the block were never trained
+    (``docs/dspark.md#block-layouts-and-k``)."""
     if k is None:
         k = config.default_k if config.default_k is not None else config.max_drafts
     if k < 1:

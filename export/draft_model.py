@@ -137,9 +137,9 @@ class DraftStep(nn.Module):
 
 def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None = None,
                dtype: torch.dtype = torch.float32) -> DraftStep:
-    """Load a native or Speculators DSpark draft for ``target`` (spec §1.3, §7): ``embed_tokens``
-    and ``lm_head`` are shared from the target when the draft has none; ``t2d`` is ignored; the
-    confidence head is not used for proposals.
+    """Load a native or Speculators DSpark draft for ``target``: ``embed_tokens`` and ``lm_head``
+    are shared from the target when the draft has none; ``t2d`` is ignored; the confidence head is
+    not used for proposals (``docs/dspark.md#shared-and-ignored-tensors``).
 
     ``target`` is a loaded ``TargetStep``, or the target's checkpoint: then only its config is read,
     and its embeddings only if the draft shares them (``build`` exports one model at a time)."""

@@ -3,10 +3,11 @@
 
 The target is a Qwen3 checkpoint as the hub ships it: ``config.json``, bf16 weights in sharded
 safetensors with ``model.safetensors.index.json``, tied embeddings where the release ties them.
-The draft has the shape of DeepSeek's released DSpark drafts (``deepseek-ai/dspark_qwen3_4b_block7``,
-spec §1.1): a native DeepSpec config that is the target's with the DSpark fields overwritten,
-5 decoder layers, block 7, Markov rank 256, the full vocabulary, its own ``embed_tokens`` and
-``lm_head``, taps spread as in the releases, and a confidence head. Only the shapes are real: the
+The draft has the shape of DeepSeek's released DSpark drafts (``deepseek-ai/dspark_qwen3_4b_block7``):
+a native DeepSpec config that is the target's with the DSpark fields overwritten
+(``docs/dspark.md#checkpoint-and-config-conventions``), 5 decoder layers, block 7, Markov rank
+256, the full vocabulary, its own ``embed_tokens`` and ``lm_head``, taps spread as in the
+releases, and a confidence head. Only the shapes are real: the
 weights are random, so these pairs measure time and memory, never acceptance.
 """
 from __future__ import annotations

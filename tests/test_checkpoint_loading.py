@@ -1,6 +1,6 @@
-"""Loading target and draft checkpoints (spec §1, §7): the supported layouts load with the right
-configuration and tensors, and every unusable checkpoint is refused with a ``CheckpointError`` that
-names the file and the field or tensor at fault.
+"""Loading target and draft checkpoints (``docs/dspark.md#checkpoint-and-config-conventions``):
+the supported layouts load with the right configuration and tensors, and every unusable checkpoint
+is refused with a ``CheckpointError`` that names the file and the field or tensor at fault.
 
 Each bad case is a tiny checkpoint from the session fixture, copied into ``tmp_path`` and edited.
 """

@@ -1,4 +1,5 @@
-"""DSpark draft semantics (spec §3-§5), checked against explicit recomputations."""
+"""DSpark draft semantics (``docs/dspark.md``: the block backbone, the Markov head), checked
+against explicit recomputations."""
 import pytest
 import torch
 
