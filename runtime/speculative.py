@@ -89,16 +89,27 @@ class HostRow(NamedTuple):
     anchor: int
 
 
+class StepInputs(NamedTuple):
+    """What every step of a batch feeds the same, made once when the batch starts."""
+    noise_shape: tuple[int, int, int]      # [B, k, V_d]
+    zero_noise: torch.Tensor | None        # greedy drafting: the draft's argmax
+    temperatures: torch.Tensor             # [B]
+    every_draft: torch.Tensor              # [B] = k: the limit when no confidence cut applies
+    no_drafts: Proposal                    # target-only decoding's proposal
+
+
 @dataclass
 class Cursor:
-    """Where each sequence stands between steps, on the backend's device: the draft context
+    """Where each sequence stands between steps: on the backend's device, the draft context
     (``ctx_aux`` rows, from position ``ctx_start``, the first ``ctx_count`` of them verified), the
-    ``anchor`` token and its position ``anchor_pos`` (= each target cache's valid length)."""
+    ``anchor`` token and its position ``anchor_pos`` (= each target cache's valid length); on the
+    host, the same positions (``positions``), which the next step's copy back starts from."""
     ctx_aux: torch.Tensor
     ctx_start: torch.Tensor
     ctx_count: torch.Tensor
     anchor: torch.Tensor
     anchor_pos: torch.Tensor
+    positions: list[int]
 
 
 class Decoding:
@@ -171,7 +182,7 @@ class Decoding:
         emissions; the time it keeps them is not counted in ``times.total``."""
         times = self.result.times
         resumed = time.perf_counter()
-        cursor, emissions = self._start()
+        cursor, inputs, emissions = self._start()
         live = [e.sequence for e in emissions if not e.finished]
         times.total += time.perf_counter() - resumed
         yield emissions
@@ -179,42 +190,45 @@ class Decoding:
         while live:
             resumed = time.perf_counter()
             step += 1
-            proposal = self._propose(cursor, live)
+            proposal = self._propose(cursor, inputs, live)
             verdict = self._verify(cursor, proposal)
             emissions = self._advance(cursor, proposal, verdict, live, step)
             live = [e.sequence for e in emissions if not e.finished]
             times.total += time.perf_counter() - resumed
             yield emissions
 
-    def _start(self) -> tuple[Cursor, list[Emission]]:
+    def _start(self) -> tuple[Cursor, StepInputs, list[Emission]]:
         """Prefill every prompt and sample the first anchors (the step-0 emissions)."""
-        lengths = torch.tensor([len(p) for p in self.prompts], device=self.device)
+        batch, limits, device = len(self.prompts), self.backend.limits, self.device
+        noise_shape = (batch, limits.k, limits.draft_vocab_size)
+        drafting_argmax = self.speculative and self.greedy
+        none = torch.zeros(batch, dtype=torch.long, device=device)
+        inputs = StepInputs(
+            noise_shape, torch.zeros(noise_shape, device=device) if drafting_argmax else None,
+            torch.full((batch,), 1.0 if self.greedy else self.temperature, device=device),
+            torch.full((batch,), limits.k, device=device),
+            Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device), None, none))
+        lengths = torch.tensor([len(p) for p in self.prompts], device=device)
         self.backend.start(len(self.prompts))
         with self.result.times.measure("prefill"):
             last_logits, context = _prefill(self.backend, self.prompts, lengths, self.speculative)
         anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
         emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
                      for b, token in enumerate(anchor.tolist())]
-        self.positions = lengths.tolist()          # each sequence's anchor position, on the host
-        return Cursor(*context, anchor, lengths.clone()), emissions
+        return Cursor(*context, anchor, lengths.clone(), lengths.tolist()), inputs, emissions
 
-    def _propose(self, cursor: Cursor, live: list[int]) -> Proposal:
+    def _propose(self, cursor: Cursor, inputs: StepInputs, live: list[int]) -> Proposal:
         """The draft's ``k`` tokens after each anchor (zero noise when greedy: its argmax), cut
         at the confidence threshold; no drafts without speculation."""
-        backend, batch = self.backend, cursor.anchor.shape[0]
         if not self.speculative:
-            none = torch.zeros(batch, dtype=torch.long, device=self.device)
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), None, none)
-        shape = (batch, backend.limits.k, backend.limits.draft_vocab_size)
-        noise = (torch.zeros(shape, device=self.device) if self.greedy
-                 else gumbel_noise(shape, self.generator))
-        temperatures = torch.full((batch,), 1.0 if self.greedy else self.temperature, device=self.device)
+            return inputs.no_drafts
+        noise = inputs.zero_noise if self.greedy else gumbel_noise(inputs.noise_shape, self.generator)
         with self.result.times.measure("draft"):
-            drafts, q = backend.draft_step(cursor.ctx_aux, cursor.ctx_start, cursor.ctx_count,
-                                           cursor.anchor, temperatures, noise)
+            drafts, q = self.backend.draft_step(cursor.ctx_aux, cursor.ctx_start, cursor.ctx_count,
+                                                cursor.anchor, inputs.temperatures, noise)
         if self.confidence_threshold > 0:
             return self._confident(drafts, q, live)
-        return Proposal(drafts, q, torch.full((batch,), backend.limits.k, device=self.device))
+        return Proposal(drafts, q, inputs.every_draft)
 
     def _verify(self, cursor: Cursor, proposal: Proposal) -> Verdict:
         """The target on ``[anchor, drafts]`` at the anchors' positions, every row's logits; then
@@ -258,10 +272,10 @@ class Decoding:
             if not emission.finished:
                 counts[b] = row.accepted + 1
                 anchors[b] = row.emitted[row.accepted]
-                self.positions[b] += row.accepted + 1
+                cursor.positions[b] += row.accepted + 1
         cursor.ctx_aux, cursor.ctx_start = verdict.aux, cursor.anchor_pos
         cursor.ctx_count, cursor.anchor, cursor.anchor_pos = torch.tensor(
-            [counts, anchors, self.positions], device=self.device).unbind()
+            [counts, anchors, cursor.positions], device=self.device).unbind()
         return emissions
 
     def _confident(self, drafts: torch.Tensor, q: torch.Tensor, live: list[int]) -> Proposal:
