@@ -243,16 +243,21 @@ def held_out_texts(tokenizer, max_tokens: int) -> list[list[int]] | None:
 def teacher_forced(target, texts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-1 prediction and the negative log-likelihood of the true next token at
     every position of ``texts`` (each one sequence from position 0), concatenated."""
-    top1, nll = [], []
+    predictions = []
     with torch.no_grad():
         for ids in texts:
-            tokens = torch.tensor([ids])
             rows = torch.arange(len(ids) - 1)[None]
-            logits = target(tokens, torch.zeros(1, dtype=torch.long), rows,
-                            *target.empty_cache(1, len(ids)))[0][0].float()
-            top1.append(logits.argmax(-1))
-            nll.append(-torch.log_softmax(logits, -1).gather(1, tokens[0, 1:, None])[:, 0])
-    return torch.cat(top1), torch.cat(nll)
+            logits = target(torch.tensor([ids]), torch.zeros(1, dtype=torch.long), rows,
+                            *target.empty_cache(1, len(ids)))[0][0]
+            predictions.append(next_token_predictions(logits, ids))
+    return tuple(torch.cat(part) for part in zip(*predictions))
+
+
+def next_token_predictions(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """From ``logits [len(ids) - 1, V]`` (row ``i`` predicts ``ids[i + 1]``): the top-1 prediction
+    and the true next token's negative log-likelihood at each row."""
+    logits = logits.float()
+    return logits.argmax(-1), -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
 def quality_cost(reference: tuple[torch.Tensor, torch.Tensor],

@@ -28,7 +28,7 @@ def predictions(engine: Path, texts: list[list[int]]) -> tuple[torch.Tensor, tor
     every position of ``texts``, each text from position 0 in chunks the engine takes."""
     backend = OrtBackend(engine)
     chunk = backend.limits.max_prompt_chunk
-    top1, nll = [], []
+    predictions = []
     for ids in texts:
         backend.start(1)
         rows = []
@@ -37,10 +37,8 @@ def predictions(engine: Path, texts: list[list[int]]) -> tuple[torch.Tensor, tor
             logits, _ = backend.target_step(torch.tensor([piece]), torch.tensor([start]),
                                             torch.arange(len(piece))[None])
             rows.append(logits[0].float().clone())
-        logits = torch.cat(rows)[:len(ids) - 1]
-        top1.append(logits.argmax(-1))
-        nll.append(-torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
-    return torch.cat(top1), torch.cat(nll)
+        predictions.append(quantize.next_token_predictions(torch.cat(rows)[:len(ids) - 1], ids))
+    return tuple(torch.cat(part) for part in zip(*predictions))
 
 
 def main() -> None:
@@ -57,9 +55,9 @@ def main() -> None:
     results = {"reference": str(args.reference), "tokens": int(reference[0].numel()),
                "perplexity": math.exp(float(reference[1].mean())), "engines": {}}
     for engine in args.engines:
-        top1, nll = predictions(engine, texts)
-        results["engines"][str(engine)] = {"top1_agreement": float((top1 == reference[0]).float().mean()),
-                                           "perplexity": math.exp(float(nll.mean()))}
+        cost = quantize.quality_cost(reference, predictions(engine, texts))
+        results["engines"][str(engine)] = {"top1_agreement": cost["top1_agreement"],
+                                           "perplexity": cost["perplexity"]["quantized"]}
     print(json.dumps(results, indent=1))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
