@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import shutil
-import signal
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError, EngineBuildError, VerificationError
+from .errors import run_command
 from .layouts import LAYOUTS
-from .manifest import ManifestError
 from .outputs import check_replaceable, staged_directory
 from .presets import PRESETS
-from .prompts import DEFAULT_PROMPTS
 
 TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
 DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
@@ -105,44 +101,6 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(manifest.describe(manifest.read(Path(args.engine))))
 
 
-def cmd_distill(args: argparse.Namespace) -> None:
-    from .distill import DistillSpec, distill, is_run, summary
-
-    taps = None
-    if args.taps is not None:
-        try:
-            taps = tuple(int(t) for t in args.taps.split(","))
-        except ValueError:
-            raise ValueError(f"--taps {args.taps}: expected comma-separated layer ids, e.g. 1,9,17") from None
-    spec = DistillSpec(prompts=tuple(Path(p) for p in args.prompts), num_prompts=args.num_prompts,
-                       held_out=args.held_out, eval_prompts=args.eval_prompts,
-                       max_new_tokens=args.max_new_tokens,
-                       layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
-                       taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
-                       init_layer=args.init_layer,
-                       steps=args.steps, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
-                       loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
-                       progress=not args.quiet)
-    out = Path(args.out)
-    if args.force or not is_run(out):  # a distill run in --out is resumed, anything else is refused
-        check_replaceable(out, args.force, "--out", sources=(Path(args.target), *spec.prompts))
-        from .checkpoint import resolve
-
-        resolve(args.target, "target")   # a mistyped --target fails before a run is removed
-        shutil.rmtree(out, ignore_errors=True)
-    result = distill(args.target, out, spec)
-    print(summary(result, out, spec.eval_prompts))
-
-
-def _init_layer(value: str) -> int | None:
-    if value == "random":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a layer index or 'random', not {value!r}") from None
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="python -m export",
                                    description="Export DSpark speculative decoding pairs.")
@@ -220,54 +178,6 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(run=cmd_build, interrupted=UNCHANGED)
 
-    d = commands.add_parser("distill", help="train a small DSpark draft for a target on the CPU",
-                            description="Let the target answer prompts greedily, then train a fresh "
-                                        "native DSpark draft (the target's embeddings, frozen) to "
-                                        "predict those answers block by block, as DeepSpec does. "
-                                        "Checkpoints go to --out every --save-every steps; rerunning "
-                                        "the same command resumes there.")
-    d.add_argument("--target", required=True, help="target checkpoint: directory, .gguf file or hub id")
-    d.add_argument("--out", required=True, help="draft directory (also holds data.pt and trainer.pt)")
-    d.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS)], metavar="FILE",
-                   help="JSON Lines files of {\"turns\": [...]}; the first turn of each record is a "
-                        "prompt [data/prompts/gsm8k.jsonl]")
-    d.add_argument("--num-prompts", type=int, default=64,
-                   help="training prompts per file, from the top [64]")
-    d.add_argument("--held-out", type=int, default=4,
-                   help="records at the end of every file that training never sees, so that they "
-                        "can be benchmarked [4]")
-    d.add_argument("--eval-prompts", type=int, default=4,
-                   help="the first file's held-out prompts the final acceptance (tau) is measured "
-                        "on [4]")
-    d.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target answers with [128]")
-    d.add_argument("--layers", type=int, default=1, help="draft decoder layers [1]")
-    d.add_argument("--block-size", type=int, default=4, help="block width = drafts per step [4]")
-    d.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head [32]")
-    d.add_argument("--taps", help="target layers the draft reads, DeepSpec convention (-1 = embeddings), "
-                                  "comma-separated [3 spread over the target, never the final layer]")
-    d.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="reduced draft vocabulary of N ids, with d2t: the mask token and the N-1 "
-                        "most frequent ids of the training prompts and answers [the target's]")
-    d.add_argument("--mask-token-id", type=int,
-                   help="MASK token of the block [the tokenizer's pad/unk id, else 0]")
-    d.add_argument("--init-layer", type=_init_layer, default=-1, metavar="L",
-                   help="start the draft's decoder layers from the target's: the last one from "
-                        "layer L (negative counts from the end), or 'random' [-1: the last layer]")
-    d.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")
-    d.add_argument("--lr", type=float, default=2e-3,
-                   help="peak AdamW learning rate, cosine-decayed to a tenth at --steps [2e-3]")
-    d.add_argument("--warmup", type=int, default=50, help="linear warm-up steps [50]")
-    d.add_argument("--batch-anchors", type=int, default=128,
-                   help="anchors (blocks) per step, from one sequence [128]")
-    d.add_argument("--loss-decay", type=float, metavar="GAMMA",
-                   help="weigh block row j by exp(-j / GAMMA) [uniform]")
-    d.add_argument("--save-every", type=int, default=100, help="checkpoint interval in steps [100]")
-    d.add_argument("--seed", type=int, default=0, help="random seed [0]")
-    d.add_argument("--force", action="store_true", help="replace a non-empty --out (and start over)")
-    d.add_argument("--quiet", action="store_true", help="no progress bars")
-    d.set_defaults(run=cmd_distill,
-                   interrupted="rerun the same command to resume from the last checkpoint in --out")
-
     inspect = commands.add_parser("inspect", help="describe an engine directory",
                                   description="Print an engine directory's manifest in human terms.")
     inspect.add_argument("engine", metavar="DIR", help="engine directory")
@@ -277,23 +187,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    # a plain ``kill`` ends the process through SystemExit, so that a half-built output is removed
-    # as on any other failure (its default action would leave the hidden staging folder behind)
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        args.run(args)
-    except (CheckpointError, ManifestError, VerificationError, EngineBuildError, ValueError) as err:
-        raise SystemExit(f"error: {err}") from None
-    except OSError as err:   # a full disk, a folder that became unwritable mid-build
-        where = f" ({err.filename})" if err.filename else ""
-        raise SystemExit(f"error: {err.strerror or err}{where}; {args.interrupted}") from None
-    except KeyboardInterrupt:
-        print(f"interrupted: {args.interrupted}", file=sys.stderr)
-        raise SystemExit(130) from None
-
-
-def _terminated(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    run_command(lambda: args.run(args), args.interrupted)
 
 
 if __name__ == "__main__":

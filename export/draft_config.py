@@ -13,6 +13,7 @@ Conventions (``docs/dspark.md#target-taps``, ``#block-layouts-and-k``):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from .layouts import ANCHOR_FIRST, BONUS_ANCHOR
 BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
 # backbone fields not handed to transformers: the precision is --dtype's, the model type is checked
 IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype")
+# target config keys a Qwen3 draft must not inherit
+NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path",
+                 "transformers_version", "mlp_bias", "pretraining_tp", "dtype", "torch_dtype",
+                 "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,29 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
         raise CheckpointError(f"{path}: speculators_config.proposal_methods[0].speculative_tokens "
                               f"{config.default_k} exceeds the {config.max_drafts} drafts a "
                               f"block_size {config.block_size} ({config.layout}) block proposes")
+    return config
+
+
+def native_config(target: dict, *, layers: int, block_size: int, taps, mask_token_id: int,
+                  markov_rank: int, num_anchors: int, draft_vocab_size: int | None = None,
+                  confidence_head: bool = False, bonus_anchor: bool = False) -> dict:
+    """What ``load_draft_config`` reads back as a native draft: a copy of the target's config.json
+    ``target`` (which names its ``num_hidden_layers`` and backbone shape) less ``NOT_INHERITED``,
+    with a ``layers``-layer Qwen3 backbone and the DSpark fields set; ``taps`` in the DeepSpec
+    convention (``docs/dspark.md#checkpoint-and-config-conventions``)."""
+    config = {k: v for k, v in copy.deepcopy(target).items() if k not in NOT_INHERITED}
+    config.update(
+        architectures=["Qwen3DSparkModel"], model_type="qwen3", num_target_layers=target["num_hidden_layers"],
+        num_hidden_layers=layers, layer_types=["full_attention"] * layers, attention_bias=False,
+        hidden_act="silu", tie_word_embeddings=False, target_layer_ids=list(taps), block_size=block_size,
+        mask_token_id=mask_token_id, num_anchors=num_anchors, markov_rank=markov_rank,
+        markov_head_type="vanilla", enable_confidence_head=confidence_head)
+    if confidence_head:
+        config["confidence_head_with_markov"] = True
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
+    if bonus_anchor:
+        config["dspark_bonus_anchor"] = True
     return config
 
 

@@ -102,16 +102,13 @@ def _write_target(directory: Path, preset: Preset) -> dict:
 
 def _write_draft(directory: Path, target: dict) -> None:
     from .checkpoint import write_tensors
+    from .draft_config import native_config
 
     hidden, vocab = target["hidden_size"], target["vocab_size"]
     taps = release_taps(target["num_hidden_layers"])
-    config = {**target, "architectures": ["Qwen3DSparkModel"],
-              "num_target_layers": target["num_hidden_layers"], "num_hidden_layers": DRAFT_LAYERS,
-              "block_size": BLOCK_SIZE, "tie_word_embeddings": False,
-              "layer_types": ["full_attention"] * DRAFT_LAYERS, "mask_token_id": MASK_TOKEN_ID,
-              "target_layer_ids": taps, "num_anchors": 512, "markov_rank": MARKOV_RANK,
-              "markov_head_type": "vanilla", "enable_confidence_head": True,
-              "confidence_head_with_markov": True}
+    config = native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
+                           mask_token_id=MASK_TOKEN_ID, markov_rank=MARKOV_RANK, num_anchors=512,
+                           confidence_head=True)
     heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
     head_dim, intermediate = target["head_dim"], target["intermediate_size"]
     shapes = {"embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),

@@ -8,7 +8,6 @@ near-ties.
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import match_config_mode, write_tensors
+from .draft_config import native_config
 from .layouts import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
@@ -114,26 +114,26 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     says (format, layout, block size, taps, reduced vocabulary)."""
     vocab, hidden = target["vocab_size"], target["hidden_size"]
     draft_vocab = spec.draft_vocab or vocab
-    backbone = {key: target[key] for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "eos_token_id")}
-    backbone.update(model_type="qwen3", num_hidden_layers=1, attention_bias=False,
-                    tie_word_embeddings=False, layer_types=["full_attention"], hidden_act="silu")
     markov_rank, mask_token_id = 8, SPECIALS.index("<mask>")
-    dspark = dict(block_size=spec.block_size, mask_token_id=mask_token_id, markov_rank=markov_rank,
-                  markov_head_type="vanilla", enable_confidence_head=True,
-                  confidence_head_with_markov=True)
-    if draft_vocab < vocab:
-        dspark["draft_vocab_size"] = draft_vocab
-    drafts = spec.block_size if spec.layout == ANCHOR_FIRST else spec.block_size - 1
+    reduced = draft_vocab if draft_vocab < vocab else None
 
     if spec.draft_format == "native":
-        config = copy.deepcopy(target) | backbone | dspark
-        config.update(architectures=["Qwen3DSparkModel"], num_target_layers=target["num_hidden_layers"],
-                      target_layer_ids=list(spec.taps), num_anchors=64)
-        if spec.layout == BONUS_ANCHOR:
-            config["dspark_bonus_anchor"] = True
+        config = native_config(target, layers=1, block_size=spec.block_size, taps=spec.taps,
+                               mask_token_id=mask_token_id, markov_rank=markov_rank, num_anchors=64,
+                               draft_vocab_size=reduced, confidence_head=True,
+                               bonus_anchor=spec.layout == BONUS_ANCHOR)
     else:
+        backbone = {key: target[key] for key in (
+            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "eos_token_id")}
+        backbone.update(model_type="qwen3", num_hidden_layers=1, attention_bias=False,
+                        tie_word_embeddings=False, layer_types=["full_attention"], hidden_act="silu")
+        dspark = dict(block_size=spec.block_size, mask_token_id=mask_token_id, markov_rank=markov_rank,
+                      markov_head_type="vanilla", enable_confidence_head=True,
+                      confidence_head_with_markov=True)
+        if reduced is not None:
+            dspark["draft_vocab_size"] = reduced
+        drafts = spec.block_size if spec.layout == ANCHOR_FIRST else spec.block_size - 1
         config = dict(speculators_model_type="dspark", architectures=["DSparkSpeculator"],
                       transformer_layer_config=backbone,
                       aux_hidden_state_layer_ids=[t + 1 for t in spec.taps],  # vLLM capture ids

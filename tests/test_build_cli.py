@@ -136,13 +136,14 @@ def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path):
 
 
 def test_help_loads_neither_torch_nor_onnx():
-    """``--help`` of every command comes at once: the command line imports what a command runs
-    only when it runs."""
+    """``--help`` of every command comes at once: the command lines (export's, distill's) import what
+    a command runs only when it runs."""
     probe = ("import runpy, sys\n"
-             "for command in ([], ['build'], ['make-tiny'], ['distill']):\n"
-             "    sys.argv = ['export', *command, '--help']\n"
+             "for module, *command in (['export'], ['export', 'build'], ['export', 'make-tiny'], "
+             "['distill']):\n"
+             "    sys.argv = [module, *command, '--help']\n"
              "    try:\n"
-             "        runpy.run_module('export', run_name='__main__', alter_sys=True)\n"
+             "        runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
              "    except SystemExit:\n"
              "        pass\n"
              "print(sorted(m for m in ('torch', 'onnx', 'numpy', 'transformers') if m in sys.modules))\n")

@@ -1,4 +1,4 @@
-"""``python -m export distill``: a DSpark draft trained on the tiny target loads, keeps the greedy
+"""``python -m distill``: a DSpark draft trained on the tiny target loads, keeps the greedy
 invariant, learns (the loss falls), resumes from its checkpoint, and refuses bad options."""
 import json
 
@@ -6,9 +6,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import export.__main__ as cli
-import export.distill as distill_module
-from export.distill import DistillSpec, default_taps, distill, learning_rate, teacher_forced_logits
+import distill.__main__ as cli
+import distill.loop as loop
+from distill.draft_init import default_taps
+from distill.loop import learning_rate
+from distill.loss import teacher_forced_logits
+from distill.options import DistillSpec
+from distill.run import distill
 from export.pair import load_pair
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
@@ -39,7 +43,7 @@ def prompts_file(tmp_path_factory):
 
 
 def _distill(target, out, prompts_file, *extra):
-    cli.main(["distill", "--target", str(target), "--out", str(out), "--prompts", str(prompts_file),
+    cli.main(["--target", str(target), "--out", str(out), "--prompts", str(prompts_file),
               *SMALL, *extra])
 
 
@@ -107,19 +111,19 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
     target_dir, _ = tiny()
     out = tmp_path / "draft"
     args = ("--steps", "7", "--save-every", "2", "--eval-prompts", "0")
-    save = distill_module.save
+    save = loop.save   # where train() looks it up
 
     def interrupted_after_step_4(out, draft, optimizer, step, *rest):
         save(out, draft, optimizer, step, *rest)
         if step == 4:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(distill_module, "save", interrupted_after_step_4)
+    monkeypatch.setattr(loop, "save", interrupted_after_step_4)
     with pytest.raises(SystemExit) as exit_info:
         _distill(target_dir, out, prompts_file, *args)
     assert exit_info.value.code == 130   # Ctrl-C: the status of a run stopped by SIGINT
     assert "rerun the same command to resume" in capsys.readouterr().err
-    monkeypatch.setattr(distill_module, "save", save)
+    monkeypatch.setattr(loop, "save", save)
     first = torch.load(out / "trainer.pt")
     data_written = (out / "data.pt").stat().st_mtime_ns
     assert first["step"] == 4 and len(first["losses"]) == 4

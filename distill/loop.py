@@ -1,0 +1,114 @@
+"""``train()``: the optimisation loop (AdamW, warm-up then cosine, one sequence per step), the
+target's taps it reads, and ``DistillResult``, what a run reports."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from export.draft_model import DraftStep
+from export.target_model import TargetStep
+
+from .checkpoint import save
+from .loss import block_loss, teacher_forced_logits
+from .options import DistillSpec
+
+TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when they fit in this
+
+
+@dataclass
+class DistillResult:
+    steps: int                      # the step count OUT's draft was trained for
+    resumed_from: int               # the step this run started at (0: a fresh run)
+    losses: list[float] = field(default_factory=list)   # one per step, all runs together
+    tau: float | None = None        # held-out greedy acceptance (tokens per verify step)
+
+
+@torch.enable_grad()
+def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, out: Path,
+          trainer: dict | None, kept: torch.Tensor | None, settings: dict) -> DistillResult:
+    """AdamW on everything but the embeddings, one sequence per step; the sequence and its anchors
+    are drawn from a generator seeded by ``(seed, step)``, so a resumed run continues the same
+    draws."""
+    sequences = [(torch.tensor(p + c), len(p)) for p, c in zip(data["prompts"], data["continuations"])
+                 if len(c) >= 2]     # an anchor needs a generated token after it
+    if not sequences:
+        raise ValueError(f"the target generated fewer than 2 tokens for every prompt; raise "
+                         f"--max-new-tokens ({spec.max_new_tokens}) or use other --prompts")
+    to_draft = None
+    if kept is not None:
+        to_draft = torch.full((draft.target_vocab_size,), -100, dtype=torch.long)
+        to_draft[kept] = torch.arange(len(kept))
+    draft.train()
+    parameters = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=0.01)
+    start, losses = 0, []
+    if trainer is not None:
+        optimizer.load_state_dict(trainer["optimizer"])
+        start, losses = trainer["step"], list(trainer["losses"])
+    taps = _TapCache(target, sequences, spec.progress)
+    # sequences are drawn by their number of anchors, so every generated token is as likely a target
+    anchors_per_sequence = torch.tensor([t.numel() - 1 - p for t, p in sequences], dtype=torch.float)
+
+    bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="distill", unit="step",
+               disable=not spec.progress)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(spec, step)
+        generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+        index = int(torch.multinomial(anchors_per_sequence, 1, generator=generator))
+        tokens, prompt_length = sequences[index]
+        candidates = torch.arange(prompt_length, tokens.numel() - 1)   # generated tokens with a next one
+        pick = torch.randperm(candidates.numel(), generator=generator)[:spec.batch_anchors]
+        logits, labels = teacher_forced_logits(draft, taps[index].float(), tokens,
+                                               candidates[pick].sort().values)
+        loss = block_loss(logits, labels, to_draft, spec.loss_decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if (step + 1) % spec.save_every == 0 or step + 1 == spec.steps:
+            save(out, draft, optimizer, step + 1, losses, settings)
+    bar.close()
+    draft.eval()
+    return DistillResult(steps=max(start, spec.steps), resumed_from=start, losses=losses)
+
+
+class _TapCache:
+    """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), computed
+    up front in fp16 when all of them fit in ``TAP_CACHE_BYTES``, else recomputed per step."""
+
+    def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]], progress: bool):
+        self.target, self.sequences = target, sequences
+        width = len(target.taps) * target.config.decoder.hidden_size
+        fits = sum(t.numel() for t, _ in sequences) * width * 2 <= TAP_CACHE_BYTES
+        self.cache = None
+        if fits:
+            rows = tqdm(range(len(sequences)), desc="target taps", unit="seq", disable=not progress)
+            self.cache = [self._taps(i).half() for i in rows]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.cache[index] if self.cache is not None else self._taps(index)
+
+    @torch.no_grad()
+    def _taps(self, index: int) -> torch.Tensor:
+        tokens = self.sequences[index][0]
+        # no logit rows: distillation reads the taps only, so the lm_head is not run
+        no_rows = torch.zeros(1, 0, dtype=torch.long)
+        _, aux, *_ = self.target(tokens[None], torch.zeros(1, dtype=torch.long), no_rows,
+                                 *self.target.empty_cache(1, tokens.numel()))
+        return aux[0]
+
+
+def learning_rate(spec: DistillSpec, step: int) -> float:
+    """Linear warm-up over ``--warmup`` steps, then a cosine from ``--lr`` down to a tenth of it at
+    ``--steps``: a function of the step and ``--steps`` only, so a run resumed with the same
+    ``--steps`` continues the same schedule."""
+    warm = min(1.0, (step + 1) / spec.warmup) if spec.warmup else 1.0
+    progress = min(1.0, step / spec.steps)
+    return spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))

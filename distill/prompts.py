@@ -1,0 +1,34 @@
+"""The prompts a run trains and is measured on: the first records of each ``--prompts`` file, and
+held-out ones from its end, as token ids through the target's chat template."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from export.checkpoint import hf_location
+from export.prompts import encode_prompt, read_jsonl_prompts
+
+from .options import DistillSpec
+
+
+def load_tokenizer(target_dir: Path):
+    """The target's tokenizer (directory, GGUF file or hub id)."""
+    location, options = hf_location(target_dir)
+    return AutoTokenizer.from_pretrained(location, **options)
+
+
+def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids, through the chat template as a user would send them, of the first turn of: the
+    first ``--num-prompts`` records of each file short of its last ``--held-out`` (training), and
+    the first ``--eval-prompts`` of the first file's held-out records (acceptance)."""
+    train, held = [], []
+    for index, path in enumerate(spec.prompts):
+        texts = read_jsonl_prompts(path, "--prompts")
+        if len(texts) <= spec.held_out:
+            raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --held-out {spec.held_out} "
+                             f"leaves none to train on")
+        train += texts[:min(spec.num_prompts, len(texts) - spec.held_out)]
+        if index == 0:
+            held = texts[len(texts) - spec.held_out:][:spec.eval_prompts]
+    return [encode_prompt(tokenizer, t) for t in train], [encode_prompt(tokenizer, t) for t in held]
