@@ -123,28 +123,33 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
     which ``blocks_of(weight [K, N])`` gives blocks as ``DequantizeLinear -> MatMul`` (plus, where
     the blocks have offsets, the input's per-block sums times the offsets); returns how many.
     A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
-    stored ``[N, K]``). The weights are read mapped from the old file while the new one is written
-    beside it, then the new one takes its place."""
+    stored ``[N, K]``). Layers that read the same input (q / k / v, gate / up) become one product
+    with their weights side by side, split after it: one kernel call instead of two or three.
+    The weights are read mapped from the old file while the new one is written beside it, then the
+    new one takes its place."""
     import onnx_ir as ir
 
     model = ir.load(path)
     graph = model.graph
-    dequantized: dict[tuple[str, bool], tuple[ir.Value, ir.Value | None]] = {}   # once per weight
+    dequantized: dict[tuple, tuple[ir.Value, ir.Value | None]] = {}   # once per weight (or group)
     block_sums: dict[tuple[str, int], ir.Value] = {}   # once per input
     replaced = 0
-    for node in list(graph):
-        found = _linear_weight(node)
-        if found is None:
-            continue
-        weight, transposed = found
-        key = (weight.name, transposed)
+    pending = _linear_groups(graph)
+    while pending:
+        group = pending.pop(0)
+        nodes = [node for node, _, _ in group]
+        key = tuple((weight.name, transposed) for _, weight, transposed in group)
         new_nodes = []
         if key not in dequantized:
-            matrix = weight.const_value.numpy()
-            blocks = blocks_of(np.ascontiguousarray(matrix.T if transposed else matrix))
+            matrices = [weight.const_value.numpy() for _, weight, _ in group]
+            matrices = [m.T if transposed else m for m, (_, _, transposed) in zip(matrices, group)]
+            blocks = blocks_of(np.ascontiguousarray(np.concatenate(matrices, axis=1)))
             if blocks is None:
+                if len(group) > 1:   # e.g. one of them is not the GGUF file's: each on its own
+                    pending[:0] = [[member] for member in group]
                 continue
-            stem = f"{weight.name}{'_t' if transposed else ''}_int{blocks.bits}"
+            fused = "_fused" if len(group) > 1 else ""
+            stem = f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}"
             dq = ir.node("DequantizeLinear", [_initializer(graph, f"{stem}_q", _packed(blocks)),
                                               _initializer(graph, f"{stem}_scales", blocks.scales)],
                          attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
@@ -153,15 +158,16 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
                        _initializer(graph, f"{stem}_offsets", blocks.offsets))
             dequantized[key] = dq.outputs[0], offsets
         weight_values, offsets = dequantized[key]
-        x = node.inputs[0]
-        matmul = ir.node("MatMul", [x, weight_values], name=node.name)
+        x = nodes[0].inputs[0]
+        name = "_".join(node.name or weight.name for node, weight, _ in group)
+        matmul = ir.node("MatMul", [x, weight_values], name=name)
         new_nodes.append(matmul)
         result = matmul.outputs[0]
         if offsets is not None:   # + (x summed over each block of the input axis) @ offsets
             block = weight_values.producer().attributes["block_size"].value
             if (x.name, block) not in block_sums:
                 if x.shape is None:
-                    raise ValueError(f"{path.name}: {node.name}'s input has no known rank")
+                    raise ValueError(f"{path.name}: {name}'s input has no known rank")
                 shape = [0] * (len(x.shape) - 1) + [-1, block]
                 reshape = ir.node("Reshape", [x, _initializer(graph, f"{x.name}_blocks_{block}_shape",
                                                               np.array(shape, np.int64))])
@@ -170,18 +176,29 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
                                  attributes={"keepdims": 0})
                 new_nodes += [reshape, reduce]
                 block_sums[(x.name, block)] = reduce.outputs[0]
-            offset = ir.node("MatMul", [block_sums[(x.name, block)], offsets], name=f"{node.name}_offsets")
-            add = ir.node("Add", [result, offset.outputs[0]], name=f"{node.name}_add_offsets")
+            offset = ir.node("MatMul", [block_sums[(x.name, block)], offsets], name=f"{name}_offsets")
+            add = ir.node("Add", [result, offset.outputs[0]], name=f"{name}_add_offsets")
             new_nodes += [offset, add]
             result = add.outputs[0]
-        if len(node.inputs) > 2 and node.inputs[2] is not None:   # a Gemm's bias
-            add = ir.node("Add", [result, node.inputs[2]], name=f"{node.name}_bias")
-            new_nodes.append(add)
-            result = add.outputs[0]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, node.outputs, [result])
-        if not weight.uses():
-            graph.initializers.pop(weight.name)
-        replaced += 1
+        results = [result]
+        if len(group) > 1:
+            widths = [weight.const_value.shape[0 if transposed else 1] for _, weight, transposed in group]
+            sizes = _initializer(graph, f"{name}_widths", np.array(widths, np.int64))
+            split = ir.node("Split", [result, sizes], attributes={"axis": -1}, num_outputs=len(group),
+                            name=f"{name}_split")
+            new_nodes.append(split)
+            results = list(split.outputs)
+        for index, node in enumerate(nodes):
+            if len(node.inputs) > 2 and node.inputs[2] is not None:   # a Gemm's bias
+                add = ir.node("Add", [results[index], node.inputs[2]], name=f"{node.name}_bias")
+                new_nodes.append(add)
+                results[index] = add.outputs[0]
+        ir.convenience.replace_nodes_and_values(graph, nodes[0], nodes, new_nodes,
+                                                [node.outputs[0] for node in nodes], results)
+        for _, weight, _ in group:
+            if not weight.uses():
+                graph.initializers.pop(weight.name)
+        replaced += len(group)
     staging = path.parent / f".{path.name}.quantized"
     staging.mkdir()
     try:
@@ -192,6 +209,23 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return replaced
+
+
+def _linear_groups(graph) -> list[list[tuple]]:
+    """The graph's linear layers as ``(node, weight, stored transposed)``, in order; the layers
+    that read the same input, each with a weight of its own and of the same input size, in one
+    group."""
+    groups: dict[object, list[tuple]] = {}
+    for node in graph:
+        found = _linear_weight(node)
+        if found is None:
+            continue
+        weight, transposed = found
+        size = weight.const_value.shape[1 if transposed else 0]
+        # a weight the tracer shares between layers (the draft's K/V projections) stays alone
+        key = (node.inputs[0].name, size) if len(weight.uses()) == 1 else node
+        groups.setdefault(key, []).append((node, weight, transposed))
+    return list(groups.values())
 
 
 def _initializer(graph, name: str, array: np.ndarray):

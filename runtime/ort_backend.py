@@ -12,10 +12,10 @@ call, or greedy speculative output (k + 1 rows per verify step) would differ fro
 output (1 row per step). Measured on ORT 1.32 (``tests/test_quantize.py``, and
 single MatMuls up to 576 x 49152): every accuracy level (0, 1, 2, 4), the fusion disabled, and even
 plain fp32 MatMul give a row bit-identical results in any call of 2 or more rows, and a slightly
-different one (~1e-6) in a call of exactly one row, which takes its own kernel. So a one-row call
-(batch 1, one input row or one logit row) is made a two-row call: the row repeated, the copy's
-results dropped. The copy writes its K/V one row past the sequence's end, which the next step
-overwrites before any row reads it.
+different one (~1e-6) in a call of exactly one row, which takes its own kernel. So on every
+engine, float ones included, a one-row call (batch 1, one input row or one logit row) is made a
+two-row call: the row repeated, the copy's results dropped. The copy writes its K/V one row past
+the sequence's end, which the next step overwrites before any row reads it.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class OrtBackend(EngineBackend):
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
-        if self.quantized and batch == 1 and int(start[0]) + 1 < self.limits.capacity:
+        if batch == 1 and int(start[0]) + 1 < self.limits.capacity:
             # one-row calls take another kernel path (module docstring): made two-row calls
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
             logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows

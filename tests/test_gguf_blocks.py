@@ -102,3 +102,44 @@ def test_q4_1_runs_as_matmulnbits_with_the_files_weights(gguf_file, tmp_path):
         assert np.abs(y - exact).max() < tolerance * np.abs(exact).max(), level
         for rows in (2, 3, 4):
             assert np.array_equal(session.run(None, {"x": x[:, :rows]})[0], y[:, :rows]), (level, rows)
+
+
+def test_layers_that_read_one_input_run_as_one_product(gguf_file, tmp_path):
+    """Two Q4_1 layers of one input (a ``MatMul`` and a ``Gemm`` with a bias, as q / k / v or gate /
+    up are) become one ``DequantizeLinear -> MatMul`` with their weights side by side, split after
+    it, each output still its own layer's; a Q8_0 layer beside them, which one block type cannot
+    hold, leaves each layer on its own."""
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    bias = np.random.default_rng(3).standard_normal(N).astype(np.float32)
+    layers = {"a": ("MatMul", weights["Q4_1"]), "b": ("Gemm", weights["Q4_1"][:, ::-1]),
+              "c": ("MatMul", weights["Q8_0"])}
+    x = np.random.default_rng(2).standard_normal((5, K)).astype(np.float32)
+    for names, nodes_after in ((("a", "b"), {"DequantizeLinear": 1, "MatMul": 2, "Split": 1}),
+                               (("a", "b", "c"), {"DequantizeLinear": 3, "MatMul": 5})):
+        nodes, initializers = [], []
+        for name in names:
+            op, weight = layers[name]
+            if op == "Gemm":
+                nodes.append(helper.make_node("Gemm", ["x", f"w_{name}", "bias"], [name], transB=1))
+                initializers += [onnx.numpy_helper.from_array(np.ascontiguousarray(weight.T), f"w_{name}"),
+                                 onnx.numpy_helper.from_array(bias, "bias")]
+            else:
+                nodes.append(helper.make_node("MatMul", ["x", f"w_{name}"], [name]))
+                initializers.append(onnx.numpy_helper.from_array(np.ascontiguousarray(weight), f"w_{name}"))
+        graph = helper.make_graph(
+            nodes, "layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, K])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, [5, N]) for n in names], initializers)
+        model = tmp_path / f"{''.join(names)}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
+        assert quantize.quantize_graph(model, GgufBlocks(path).lookup) == len(names)
+        ops = [node.op_type for node in onnx.load(model).graph.node]
+        assert {op: ops.count(op) for op in nodes_after} == nodes_after, ops
+
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        outputs = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        for name, y in zip(names, outputs):
+            exact = x.astype(np.float64) @ layers[name][1].astype(np.float64) + (bias if name == "b" else 0)
+            assert np.abs(y - exact).max() < 1e-5 * np.abs(exact).max(), name
