@@ -56,6 +56,8 @@ def cmd_build(args: argparse.Namespace) -> None:
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         args.k = args.k or demo_pair.K
         args.weights = args.weights or demo_pair.WEIGHTS
+        if args.quantize_draft is None:
+            args.quantize_draft = demo_pair.QUANTIZE_DRAFT
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     if args.max_seq_len is None:
@@ -74,7 +76,7 @@ def cmd_build(args: argparse.Namespace) -> None:
                        confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
                        weights=args.weights, weights_block=args.weights_block,
-                       quantize_draft=args.quantize_draft, progress=not args.quiet)
+                       quantize_draft=bool(args.quantize_draft), progress=not args.quiet)
     print(f"built {out} in {result.seconds:.1f}s")
     # no tensor records the width a draft was trained at, so say where k came from
     draft = manifest.read(out)["draft"]
@@ -165,9 +167,10 @@ def parser() -> argparse.ArgumentParser:
                         "weights llama.cpp computes with [float; the demo pair: gguf]")
     b.add_argument("--weights-block", type=int, default=32, metavar="N",
                    help="weights per quantization scale, along the input axis (a power of two >= 16) [32]")
-    b.add_argument("--quantize-draft", action="store_true",
-                   help="quantize the draft's linear layers too, as --weights says [the draft keeps "
-                        "its --dtype weights]")
+    b.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction,
+                   help="quantize the draft's linear layers too, as --weights says (int4 beside a gguf "
+                        "target: a draft has no GGUF file) [the draft keeps its --dtype weights; the "
+                        "demo pair: quantized]")
     b.add_argument("--backend", choices=["onnx", "trt", "trt-rtx"], default="onnx",
                    help="also build TensorRT (trt) or TensorRT-RTX (trt-rtx) engines with the "
                         "dspark plugins; build those graphs with --dtype fp16 or bf16 [onnx]")

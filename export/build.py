@@ -58,7 +58,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
     ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
-    own blocks."""
+    own blocks (and ``quantize_draft`` rounds the draft to int4)."""
     if not 0 <= confidence_threshold <= 1:
         raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
                          f"draft) .. 1")
@@ -72,7 +72,9 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     if weights == quantize.GGUF and dtype != "fp32":
         raise ValueError(f"--weights gguf: needs --dtype fp32, got {dtype} (the file's blocks are found "
                          f"by their exact values, which {dtype} rounds)")
-    formats = {"target": weights or quantize.FLOAT, "draft": weights if quantize_draft else quantize.FLOAT}
+    draft_weights = quantize.GGUF_DRAFT if weights == quantize.GGUF else weights
+    formats = {"target": weights or quantize.FLOAT,
+               "draft": draft_weights if quantize_draft else quantize.FLOAT}
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()
     steps = ["read configs", "draft", "target", *([f"build {backend} engines"] if backend != "onnx" else []),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export import demo_pair
+from export import demo_pair, quantize
 from export.pair import load_pair
 from export.target_model import every_row
 from runtime import Generator
@@ -64,7 +64,8 @@ def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2):
 
 
 def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
-    """The demo engine keeps the GGUF file's own blocks (``demo_pair.WEIGHTS``) and runs them as
+    """The demo engine keeps the GGUF file's own blocks (``demo_pair.WEIGHTS``), its draft rounded
+    to int4 (a draft has no GGUF file), and runs them as
     llama.cpp does, activations rounded to int8 per block: its target agrees with transformers' fp32
     on most next tokens of transformers' own answers (a near tie may go the other way, as it does
     in llama.cpp), speculative output equals its own target-only output, and drafts are accepted."""
@@ -76,6 +77,7 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
     draft = built["draft"]
     assert draft["k"] == demo_pair.K and draft["confidence_threshold"] == demo_pair.CONFIDENCE_THRESHOLD
     assert built["weights"]["target"] == demo_pair.WEIGHTS == "gguf"
+    assert built["weights"]["draft"] == quantize.GGUF_DRAFT == "int4" and demo_pair.QUANTIZE_DRAFT
     generator = Generator.from_engine(out)
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
     result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1)

