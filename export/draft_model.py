@@ -130,9 +130,40 @@ class DraftStep(nn.Module):
             tokens.append(token)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
+    def training_logits(self, aux, tokens, anchors):
+        """Training's forward (``python -m distill``): the logits ``[n, block_size, V_d]`` of every
+        anchor's block at once, in one dense masked attention, as ``write_context`` +
+        ``block_logits`` + the Markov bias compute them one anchor at a time, with the true tokens
+        as Markov predecessors. ``aux [S, T*H]`` are the target's taps of ``tokens [S]``;
+        ``anchors [n]`` are positions (each with a token after it)."""
+        block, length, count = self.config.block_size, tokens.numel(), anchors.numel()
+        span = anchors[:, None] + torch.arange(block)                      # [n, B] positions
+        seen = int(anchors.max())                                          # context rows any block sees
+        context = self.context_input(aux[None, :seen])
+        ctx_cos, ctx_sin = self.rotary.cos_sin(torch.arange(seen)[None], context.dtype)
+        ids = torch.full((count, block), self.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = tokens[anchors]
+        h = self.embed_tokens(ids.reshape(1, -1))
+        cos, sin = self.rotary.cos_sin(span.reshape(1, -1), h.dtype)
+        mask = _block_mask(anchors, seen, block)
+        for layer in self.layers:
+            context_kv = layer.self_attn.key_value(context, ctx_cos, ctx_sin)   # skips input_layernorm
+            h, _, _ = layer(h, cos, sin, context_kv=context_kv, mask=mask)
+        base = self.lm_head(self.norm(h)).reshape(count, block, -1)
+        predecessors = tokens[span.clamp(max=length - 1)]                  # [anchor, y_1 .. y_{B-1}]
+        return base + self.markov_head.markov_w2(self.markov_head.markov_w1(predecessors))
+
     def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
         weight = self.lm_head.weight
         return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
+
+
+def _block_mask(anchors: torch.Tensor, seen: int, block: int) -> torch.Tensor:
+    """``[n*B, seen + n*B]``: a row of anchor ``i``'s block sees the context rows ``< p_i`` and the
+    ``B`` rows of its own block (non-causal), nothing of the other blocks."""
+    owner = torch.arange(anchors.numel()).repeat_interleave(block)
+    sees_context = torch.arange(seen)[None] < anchors.repeat_interleave(block)[:, None]
+    return torch.cat([sees_context, owner[:, None] == owner[None]], dim=1)
 
 
 def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None = None,

@@ -202,7 +202,7 @@ class _Rewrite:
                                                 [node.outputs[0] for node in nodes], results)
         for feed in feeds:
             if not feed.is_initializer() and not feed.uses():
-                self.graph.remove(feed.producer())
+                self.graph.remove(feed.producer(), safe=True)
         for _, weight, _ in group:
             if not weight.uses():
                 self.graph.initializers.pop(weight.name)

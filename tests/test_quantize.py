@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -73,6 +74,8 @@ def test_linear_layers_are_dequantize_linear_into_matmul(engines, weights):
         float_weights = [n.name for n in matmuls if n.input[1] in initializers
                          and len(initializers[n.input[1]].dims) == 2]
         assert float_weights == [] or name == "draft"   # the draft's Markov head: rank 8 < a block
+        used = {i for n in graph.node for i in n.input}   # no float copy is left behind
+        assert [t.name for t in graph.initializer if t.name not in used] == []
         quantized = [n for n in matmuls if n.input[1] in dequantize]
         # layers that read one input (q / k / v, gate / up) are one product, split after it
         split = {n.input[0]: len(n.output) for n in graph.node if n.op_type == "Split"}
@@ -122,6 +125,31 @@ def test_the_rounding_is_onnx_runtimes():
     # idempotent: the de-quantized values quantize to the same integers and scales
     again = quantize.rtn(quantize.Blocks(q, scales, 4).values(), 4, 32)
     assert np.array_equal(again[0], q) and np.array_equal(again[1], scales)
+
+
+def test_a_weight_shared_through_a_transpose_is_quantized_once_and_not_kept(tmp_path):
+    """The tracer passes a weight that several layers share (the draft's K/V projections, the
+    unrolled Markov head) through one ``Transpose``: each layer reads one de-quantized copy, and
+    neither the float weight nor its ``Transpose`` is left behind."""
+    h = onnx.helper
+    weight = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)   # [N, K]
+    graph = h.make_graph(
+        [h.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0], name="share"),
+         h.make_node("MatMul", ["x", "w_t"], ["y"], name="context"),
+         h.make_node("MatMul", ["z", "w_t"], ["u"], name="block")], "g",
+        [h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 64]) for name in ("x", "z")],
+        [h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 48]) for name in ("y", "u")],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    path = tmp_path / "shared.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
+    assert quantize.quantize_graph(path, quantize.rtn_blocks(4, 32)) == 2
+    model = onnx.load(path)
+    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "MatMul", "MatMul"]
+    assert [t.name for t in model.graph.initializer if t.name == "w"] == []
+    x, z = np.random.default_rng(1).standard_normal((2, 2, 64)).astype(np.float32)
+    y, u = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x, "z": z})
+    values = quantize.Blocks(*quantize.rtn(np.ascontiguousarray(weight.T), 4, 32), 4).values()
+    assert np.allclose(y, x @ values, atol=1e-4) and np.allclose(u, z @ values, atol=1e-4)
 
 
 def test_int8_scales_are_positive_for_tensorrt():
