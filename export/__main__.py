@@ -56,8 +56,8 @@ def cmd_build(args: argparse.Namespace) -> None:
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         args.k = args.k or demo_pair.K
         args.weights = args.weights or demo_pair.WEIGHTS
-        if args.quantize_draft is None:
-            args.quantize_draft = demo_pair.QUANTIZE_DRAFT
+        if args.quantize_draft is None:   # as the target is, unless --weights float
+            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != "float"
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     if args.max_seq_len is None:

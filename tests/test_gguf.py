@@ -94,3 +94,26 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
         agree += int((logits[0].argmax(-1) == torch.tensor(answer)).sum())
         total += len(answer)
     assert agree / total > 0.9, (agree, total)   # measured 142 of 144 (RTN int4 weights: 111)
+
+
+class _Built(Exception):
+    """Raised by a stand-in ``build`` with the options the command line resolved."""
+
+
+@pytest.mark.parametrize("flags, weights, quantize_draft", [
+    ([], "gguf", True), (["--weights", "float"], "float", False), (["--weights", "int4"], "int4", True),
+    (["--no-quantize-draft"], "gguf", False)])
+def test_the_demo_pairs_defaults_resolve_as_documented(monkeypatch, tmp_path, flags, weights, quantize_draft):
+    """With no pair, the target keeps its GGUF blocks and the draft is quantized as the target is;
+    ``--weights float`` keeps both float (it was refused: a float target with a quantized draft)."""
+    import export.build
+
+    def resolved(target, draft, out, **options):
+        raise _Built(options)
+
+    monkeypatch.setattr(export.build, "build", resolved)
+    with pytest.raises(_Built) as built:
+        cli.main(["build", "--out", str(tmp_path / "engine"), "--quiet", *flags])
+    options = built.value.args[0]
+    assert (options["weights"], options["quantize_draft"]) == (weights, quantize_draft)
+    assert options["k"] == demo_pair.K and options["confidence_threshold"] == demo_pair.CONFIDENCE_THRESHOLD
