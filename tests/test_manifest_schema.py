@@ -198,11 +198,11 @@ def test_write_refuses_what_the_schema_refuses(built, tmp_path):
 
 
 def test_the_package_ships_the_schema_and_the_demo_draft(tmp_path):
-    """A wheel of the project holds the schema ``read`` needs and the demo pair's draft, and
-    setuptools has nothing to warn about the data folders (export.drafts)."""
+    """A wheel of the project holds the schema ``read`` needs, the distill package and the demo
+    pair's draft, and setuptools has nothing to warn about the data folders (export.drafts)."""
     pytest.importorskip("setuptools", reason="builds the wheel offline, with the setuptools installed here")
     source = tmp_path / "source"
-    for package in ("export", "runtime", "plugins"):
+    for package in ("export", "distill", "runtime", "plugins"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -213,6 +213,6 @@ def test_the_package_ships_the_schema_and_the_demo_draft(tmp_path):
     assert "absent from the `packages` configuration" not in result.stderr
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "export/manifest.schema.json" in names
+    assert {"export/manifest.schema.json", "distill/__main__.py"} <= names
     assert {"export/drafts/smollm2-135m-instruct/config.json",
             "export/drafts/smollm2-135m-instruct/model.safetensors"} <= names
