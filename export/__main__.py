@@ -52,12 +52,13 @@ def cmd_build(args: argparse.Namespace) -> None:
         raise SystemExit("error: pass both --target and --draft, or neither for the built-in demo pair")
     if args.target is None:
         from . import demo_pair
+        from .quantize import FLOAT
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         args.k = args.k or demo_pair.K
         args.weights = args.weights or demo_pair.WEIGHTS
         if args.quantize_draft is None:   # as the target is, unless --weights float
-            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != "float"
+            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != FLOAT
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     if args.max_seq_len is None:

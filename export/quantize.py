@@ -214,8 +214,8 @@ class _Rewrite:
 
         key = tuple((weight.name, transposed) for _, weight, transposed in group)
         if key not in self.dequantized:
-            matrices = [weight.const_value.numpy() for _, weight, _ in group]
-            matrices = [m.T if transposed else m for m, (_, _, transposed) in zip(matrices, group)]
+            matrices = [weight.const_value.numpy().T if transposed else weight.const_value.numpy()
+                        for _, weight, transposed in group]
             blocks = self.blocks_of(np.ascontiguousarray(np.concatenate(matrices, axis=1)))
             if blocks is None:
                 return None
