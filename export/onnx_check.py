@@ -7,7 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plugins.block_attention.ort_contrib import lowered_graph
+
 from .errors import VerificationError
+from .manifest import is_cache
 
 # max |ORT - PyTorch| allowed, relative to max(1, max |reference|), per activation dtype. Rounding
 # differences grow with depth: the tiny pairs agree to ~2e-6, the 30-layer SmolLM2 target to 1.4e-4
@@ -53,6 +56,9 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
+    lowered = lowered_graph(path)
+    if lowered is not None:   # the form the ORT backend runs at batch 1 is checked as well
+        _check_lowered(path, lowered, options, feeds, expected, TOLERANCE[dtype])
     if drafts is not None:
         tokens, probabilities = drafts
         rows = _comparable_drafts(path, got[tokens], expected[tokens], expected[probabilities],
@@ -77,6 +83,29 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
                                     f"{TOLERANCE[dtype]:g} for {dtype})")
         worst = max(worst, difference)
     return worst
+
+
+def _check_lowered(path: Path, lowered: bytes, options, feeds: dict, expected: dict,
+                   tolerance: float) -> None:
+    """The graph with its causal attention lowered to ONNX Runtime's kernel
+    (``plugins/block_attention/ort_contrib.py``), run on the first sequence of ``feeds`` (the
+    kernel's batch), against ``expected``'s first sequence: the outputs other than the caches,
+    whose rows past the new ones that kernel leaves as scratch when they are not bound in place."""
+    import onnxruntime as ort
+
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    session = ort.InferenceSession(lowered, options, providers=["CPUExecutionProvider"])
+    names = [name for name in expected if not is_cache(name)]
+    got = session.run(names, {name: value[:1] for name, value in feeds.items()})
+    for name, actual in zip(names, got):
+        reference = expected[name][:1]
+        scale = max(1.0, float(np.abs(reference).max()))
+        difference = float(np.abs(actual.astype(np.float32) - reference).max()) / scale
+        if not difference <= tolerance:
+            raise VerificationError(f"{path.name}: output '{name}' of the graph as ONNX Runtime runs it "
+                                    f"at batch 1 (attention lowered to GroupQueryAttention) differs from "
+                                    f"the PyTorch reference by {difference:.3g} (relative; tolerance "
+                                    f"{tolerance:g})")
 
 
 def _comparable_drafts(path: Path, actual: np.ndarray, reference: np.ndarray,

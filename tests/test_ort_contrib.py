@@ -1,0 +1,74 @@
+"""The target's causal attention lowered to ONNX Runtime's GroupQueryAttention when the ORT
+backend loads it at batch 1: every layer lowered, the draft's non-causal attention left alone,
+the same results as the portable graph step after step, and the build verifying that form."""
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+from export.onnx_export import Limits
+from plugins.block_attention import ort_contrib
+from runtime.ort_backend import OrtBackend
+
+from conftest import ENGINE_CASES
+
+LIMITS = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+
+
+@pytest.fixture(scope="module", params=ENGINE_CASES)
+def engine(request, engine_dir):
+    return engine_dir(LIMITS, **ENGINE_CASES[request.param])
+
+
+def test_each_causal_layer_is_lowered_and_the_draft_keeps_its_body(engine):
+    backend = OrtBackend(engine)
+    target, draft = (ir.load(engine / backend.manifest["graphs"][name]["file"]) for name in ("target", "draft"))
+    layers = backend.manifest["target"]["decoder"]["num_layers"]
+    assert ort_contrib.lower(target) == layers
+    ops = [node.op_type for node in target.graph]
+    assert ops.count("GroupQueryAttention") == layers and "BlockAttention" not in ops
+    assert ops.count("ReduceMax") == 1   # the sequence lengths are computed once, not per layer
+    assert ort_contrib.lower(draft) == 0
+    assert backend._lowered["target"] is not None and backend._lowered["draft"] is None
+
+
+def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine):
+    """Prefill chunks, one-row and multi-row steps at batch 1 (the lowered session) against the
+    same steps through the portable graph: logits, taps and every cache row written so far."""
+    lowered, portable = OrtBackend(engine), OrtBackend(engine)
+    portable._lowered = dict.fromkeys(portable._lowered)   # the portable graph at batch 1 too
+    for backend in (lowered, portable):
+        backend.start(1)
+    assert lowered.sessions["target"] is not portable.sessions["target"]
+    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(0))
+    position = 0
+    for rows in (8, 5, 1, 2, 5, 1, 3, 1):
+        step = (ids[:, position:position + rows], torch.tensor([position]), torch.arange(rows)[None])
+        (logits, aux), (logits_p, aux_p) = lowered.target_step(*step), portable.target_step(*step)
+        torch.testing.assert_close(logits, logits_p, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(aux, aux_p, rtol=1e-4, atol=1e-4)
+        position += rows
+    caches = [v.numpy()[:, :, :position] for v in lowered.bindings["target"].get_outputs()[:4]]
+    caches_p = [v.numpy()[:, :, :position] for v in portable.bindings["target"].get_outputs()[:4]]
+    assert all(np.abs(c).sum() > 0 for c in caches)
+    for cache, cache_p in zip(caches, caches_p):
+        np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
+
+
+def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch):
+    """A lowering that changed the result (here: the wrong attention scale) fails the build."""
+    from export import build, onnx_check
+    from export.errors import VerificationError
+
+    def wrong(path):
+        model = ir.load(path)
+        ort_contrib.lower(model)
+        for node in model.graph:
+            if node.op_type == "GroupQueryAttention":
+                node.attributes["scale"] = ir.AttrFloat32("scale", 0.5 * node.attributes["scale"].value)
+        return ir.to_proto(model).SerializeToString()
+
+    monkeypatch.setattr(onnx_check, "lowered_graph", wrong)
+    target_dir, draft_dir = tiny(**ENGINE_CASES["qwen3-native"])
+    with pytest.raises(VerificationError, match="GroupQueryAttention"):
+        build.build(str(target_dir), str(draft_dir), tmp_path / "engine", limits=LIMITS, progress=False)
