@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from plugins.block_attention.ort_contrib import rotary_tables
+
 from . import manifest as manifest_file
 from . import quantize
 from .checkpoint import CheckpointError, hf_location, resolve
@@ -150,7 +152,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         phase(f"{name}: verify")
         check_model(path)
         differences[name] = None if expected is None else compare_with_reference(
-            path, verify, expected, dtype_name, drafts=("tokens", "q") if name == "draft" else None)
+            path, verify, expected, dtype_name, drafts=("tokens", "q") if name == "draft" else None,
+            rotary=rotary_tables(decoder.rope_inv_freq, decoder.rope_attention_scaling, limits.max_seq_len))
         del expected, verify
         release_freed_memory()
         bar.update()

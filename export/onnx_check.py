@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugins.block_attention.ort_contrib import lowered_graph
+from plugins.block_attention.ort_contrib import lowered_session
 
 from .errors import VerificationError
 from .manifest import is_cache
@@ -30,7 +30,7 @@ def check_model(path: Path) -> None:
 
 def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
                            expected: dict[str, torch.Tensor], dtype: str,
-                           drafts: tuple[str, str] | None = None) -> float:
+                           drafts: tuple[str, str] | None = None, rotary=None) -> float:
     """Run the graph in ONNX Runtime on ``inputs`` and compare with the PyTorch module's outputs
     ``expected`` (by output name). Integer outputs must be identical; float outputs within
     ``TOLERANCE``. Returns the largest relative float difference. ``drafts`` names the draft
@@ -56,9 +56,7 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
-    lowered = lowered_graph(path)
-    if lowered is not None:   # the form the ORT backend runs at batch 1 is checked as well
-        _check_lowered(path, lowered, options, feeds, expected, TOLERANCE[dtype])
+    _check_lowered(path, rotary, feeds, expected, TOLERANCE[dtype])
     if drafts is not None:
         tokens, probabilities = drafts
         rows = _comparable_drafts(path, got[tokens], expected[tokens], expected[probabilities],
@@ -85,16 +83,18 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     return worst
 
 
-def _check_lowered(path: Path, lowered: bytes, options, feeds: dict, expected: dict,
-                   tolerance: float) -> None:
-    """The graph with its causal attention lowered to ONNX Runtime's kernel
-    (``plugins/block_attention/ort_contrib.py``), run on the first sequence of ``feeds`` (the
-    kernel's batch), against ``expected``'s first sequence: the outputs other than the caches,
-    whose rows past the new ones that kernel leaves as scratch when they are not bound in place."""
+def _check_lowered(path: Path, rotary, feeds: dict, expected: dict, tolerance: float) -> None:
+    """The graph as the ORT backend runs it at batch 1, its causal attention lowered to ONNX
+    Runtime's kernel (``plugins/block_attention/ort_contrib.py``; nothing to check where there is
+    none), on the first sequence of ``feeds`` against ``expected``'s: the outputs other than the
+    caches, whose rows past the new ones that kernel leaves as scratch unless bound in place."""
     import onnxruntime as ort
 
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-    session = ort.InferenceSession(lowered, options, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = lowered_session(path, options, rotary)
+    if session is None:
+        return
     names = [name for name in expected if not is_cache(name)]
     got = session.run(names, {name: value[:1] for name, value in feeds.items()})
     for name, actual in zip(names, got):

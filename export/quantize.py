@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,7 +159,8 @@ class _Rewrite:
 
     def __init__(self, graph, blocks_of: Callable[[np.ndarray], Blocks | None], file: str):
         self.graph, self.blocks_of, self.file = graph, blocks_of, file
-        self.dequantized: dict[tuple, tuple] = {}   # weights -> (values, offsets): a shared weight once
+        self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, blocks): a shared weight once
+        self.readers: Counter[str] = Counter()       # products made so far that read each
         self.block_sums: dict[tuple[str, int], object] = {}   # (input, block) -> its block sums, once
 
     def replace(self, group: list[tuple]) -> bool:
@@ -209,7 +211,12 @@ class _Rewrite:
         return True
 
     def _dequantize(self, group: list[tuple], new_nodes: list) -> tuple | None:
-        """``(weights side by side [K, sum N] as DequantizeLinear's output, offsets or None)``."""
+        """``(weights side by side [K, sum N] as DequantizeLinear's output, offsets or None)``.
+        A weight that several products read (the draft's K/V projections, the unrolled Markov
+        head) is quantized once, and each product reads a copy of its blocks through a
+        ``DequantizeLinear`` of its own: ONNX Runtime fuses one into ``MatMulNBits`` only where
+        the product is the one reader of it and of its blocks, and otherwise de-quantizes the whole
+        weight at every step (about 1 ms of the demo draft's step)."""
         import onnx_ir as ir
 
         key = tuple((weight.name, transposed) for _, weight, transposed in group)
@@ -220,15 +227,17 @@ class _Rewrite:
             if blocks is None:
                 return None
             fused = "_fused" if len(group) > 1 else ""
-            stem = f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}"
-            dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)),
-                                              _initializer(self.graph, f"{stem}_scales", blocks.scales)],
-                         attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
-            new_nodes.append(dq)
-            offsets = (None if blocks.offsets is None else
-                       _initializer(self.graph, f"{stem}_offsets", blocks.offsets))
-            self.dequantized[key] = dq.outputs[0], offsets
-        return self.dequantized[key]
+            self.dequantized[key] = f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}", blocks
+        stem, blocks = self.dequantized[key]
+        reader, self.readers[stem] = self.readers[stem], self.readers[stem] + 1
+        stem += f"_{reader}" if reader else ""
+        dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)),
+                                          _initializer(self.graph, f"{stem}_scales", blocks.scales)],
+                     attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
+        new_nodes.append(dq)
+        if blocks.offsets is None:
+            return dq.outputs[0], None
+        return dq.outputs[0], _initializer(self.graph, f"{stem}_offsets", blocks.offsets)
 
     def _block_sums(self, x, block: int, name: str, new_nodes: list):
         """``x [..., K]`` summed over each block of ``block`` values: ``[..., K / block]``."""

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from export.manifest import cache_output, is_cache, weight_formats
-from plugins.block_attention.ort_contrib import lowered_graph
+from plugins.block_attention.ort_contrib import lowered_session, rotary_tables
 
 from .engine_backend import EngineBackend, damaged
 
@@ -38,7 +38,6 @@ class OrtBackend(EngineBackend):
     host_threads = 1
 
     def __init__(self, engine: str | Path, threads: int | None = None):
-        import onnxruntime as ort
 
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
@@ -47,50 +46,56 @@ class OrtBackend(EngineBackend):
         if m["dtype"] not in NUMPY_DTYPES:
             raise ValueError(f"{self.directory}: dtype {m['dtype']} engines cannot run on the ONNX "
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
+        self.threads = threads
+        self.quantized = set(weight_formats(m).values()) != {"float"}
+        self._dtype = NUMPY_DTYPES[m["dtype"]]
+        decoder = m["target"]["decoder"]
+        self._rotary = rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"],
+                                     m["limits"]["max_seq_len"])
+        # (graph, lowered) -> session; the batch-1 sessions load, or fail, now
+        self._sessions, self._lowered = {}, {}
+        for name in m["graphs"]:
+            session = self._load(name, lowered=True)
+            self._lowered[name] = session is not None
+            self._sessions[name, session is not None] = session or self._load(name, lowered=False)
+        self.sessions = {name: self._session(name, 1) for name in m["graphs"]}
+
+    def _options(self):
+        import onnxruntime as ort
+
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads is not None:
-            options.intra_op_num_threads = threads
+        if self.threads is not None:
+            options.intra_op_num_threads = self.threads
         # workers spin between the ops of a call (waking them for each op costs more than the op on
         # a small CPU) but stop when it returns, so that they do not slow the loop's own work
         # between calls (verification, sampling) or the other graph's call
         options.add_session_config_entry("session.force_spinning_stop", "1")
-        # a lowered graph is loaded from memory: its weights are found in the engine directory
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(self.directory))
-        self.quantized = set(weight_formats(m).values()) != {"float"}
         if self.quantized:   # ONNX Runtime's default too, pinned: see the module's docstring
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-        self._dtype = NUMPY_DTYPES[m["dtype"]]
-        self._options, self._sessions = options, {}
-        # graph -> its causal attention lowered (plugins/block_attention/ort_contrib.py), or None
-        self._lowered = {name: self._load(graph["file"], lowered_graph)
-                         for name, graph in m["graphs"].items()}
-        self.sessions = {name: self._session(name, 1) for name in m["graphs"]}   # loads, or fails, now
+        return options
 
     def _session(self, graph: str, batch: int):
-        """``graph``'s session for ``batch`` sequences, made on first use. At batch 1 it runs the
-        lowered graph, whose GroupQueryAttention is one kernel where the portable body is many
-        small ops (the demo target's step: 18.0 -> 14.6 ms); that kernel takes several new rows
-        over a past only at batch 1, so larger batches run the portable graph, in a second session
-        (its own copy of the pre-packed weights) made when the first such batch starts."""
-        import onnxruntime as ort
-
-        lowered = self._lowered[graph] if batch == 1 else None
-        key = (graph, lowered is not None)
+        """``graph``'s session for ``batch`` sequences. At batch 1 it runs the graph lowered
+        (``plugins/block_attention/ort_contrib.py``): its causal attention, with the rotations
+        before it, is one GroupQueryAttention where the portable body is many small ops (the demo
+        target's two-row step: 18.0 -> 14.6 ms). That kernel takes several new rows over a past
+        only at batch 1, so larger batches run the portable graph, in a second session (its own
+        copy of the pre-packed weights) made when the first such batch starts."""
+        key = (graph, batch == 1 and self._lowered[graph])
         if key not in self._sessions:
-            def load(path):
-                return ort.InferenceSession(str(path) if lowered is None else lowered, self._options,
-                                            providers=["CPUExecutionProvider"])
-
-            self._sessions[key] = self._load(self.manifest["graphs"][graph]["file"], load)
+            self._sessions[key] = self._load(graph, lowered=False)
         return self._sessions[key]
 
-    def _load(self, file: str, load):
-        """``load(path)`` for the engine's ``file``; the engine is damaged if it fails."""
-        path = self.file(file)
+    def _load(self, graph: str, lowered: bool):
+        """A session of ``graph`` as the engine holds it, or lowered (None: nothing to lower)."""
+        import onnxruntime as ort
+
+        path = self.file(self.manifest["graphs"][graph]["file"])
         try:
-            return load(path)
+            if lowered:
+                return lowered_session(path, self._options(), self._rotary)
+            return ort.InferenceSession(str(path), self._options(), providers=["CPUExecutionProvider"])
         except Exception as err:   # ONNX Runtime's and onnx_ir's errors share no base
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 

@@ -20,16 +20,20 @@ def engine(request, engine_dir):
     return engine_dir(LIMITS, **ENGINE_CASES[request.param])
 
 
-def test_each_causal_layer_is_lowered_and_the_draft_keeps_its_body(engine):
+def test_each_causal_layer_is_lowered_with_its_rotations_and_the_draft_keeps_its_body(engine):
     backend = OrtBackend(engine)
-    target, draft = (ir.load(engine / backend.manifest["graphs"][name]["file"]) for name in ("target", "draft"))
+    graphs = backend.manifest["graphs"]
+    target, draft = (ir.load(engine / graphs[name]["file"]) for name in ("target", "draft"))
     layers = backend.manifest["target"]["decoder"]["num_layers"]
-    assert ort_contrib.lower(target) == layers
+    assert ort_contrib.lower(target, backend._rotary) == layers
     ops = [node.op_type for node in target.graph]
     assert ops.count("GroupQueryAttention") == layers and "BlockAttention" not in ops
+    assert "RotaryEmbedding" not in ops
+    assert all(node.attributes["do_rotary"].value == 1 for node in target.graph
+               if node.op_type == "GroupQueryAttention")
     assert ops.count("ReduceMax") == 1   # the sequence lengths are computed once, not per layer
-    assert ort_contrib.lower(draft) == 0
-    assert backend._lowered["target"] is not None and backend._lowered["draft"] is None
+    assert ort_contrib.lower(draft, backend._rotary) == 0
+    assert backend._lowered == {"target": True, "draft": False}
 
 
 def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine):
@@ -57,18 +61,19 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
 
 def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch):
     """A lowering that changed the result (here: the wrong attention scale) fails the build."""
-    from export import build, onnx_check
+    from export import build
     from export.errors import VerificationError
 
-    def wrong(path):
-        model = ir.load(path)
-        ort_contrib.lower(model)
+    lower = ort_contrib.lower
+
+    def wrong(model, rotary=None):
+        count = lower(model, rotary)
         for node in model.graph:
             if node.op_type == "GroupQueryAttention":
                 node.attributes["scale"] = ir.AttrFloat32("scale", 0.5 * node.attributes["scale"].value)
-        return ir.to_proto(model).SerializeToString()
+        return count
 
-    monkeypatch.setattr(onnx_check, "lowered_graph", wrong)
+    monkeypatch.setattr(ort_contrib, "lower", wrong)
     target_dir, draft_dir = tiny(**ENGINE_CASES["qwen3-native"])
     with pytest.raises(VerificationError, match="GroupQueryAttention"):
         build.build(str(target_dir), str(draft_dir), tmp_path / "engine", limits=LIMITS, progress=False)

@@ -129,7 +129,9 @@ def test_the_rounding_is_onnx_runtimes():
 
 def test_a_weight_shared_through_a_transpose_is_quantized_once_and_not_kept(tmp_path):
     """The tracer passes a weight that several layers share (the draft's K/V projections, the
-    unrolled Markov head) through one ``Transpose``: each layer reads one de-quantized copy, and
+    unrolled Markov head) through one ``Transpose``: it is quantized once, each layer reads it
+    through a ``DequantizeLinear`` of its own, so that ONNX Runtime fuses each into ``MatMulNBits``
+    (a de-quantized copy that two layers read stays a float weight made at every step), and
     neither the float weight nor its ``Transpose`` is left behind."""
     h = onnx.helper
     weight = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)   # [N, K]
@@ -144,10 +146,17 @@ def test_a_weight_shared_through_a_transpose_is_quantized_once_and_not_kept(tmp_
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
     assert quantize.quantize_graph(path, quantize.rtn_blocks(4, 32)) == 2
     model = onnx.load(path)
-    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear", "MatMul", "MatMul"]
+    assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear"] * 2 + ["MatMul"] * 2
     assert [t.name for t in model.graph.initializer if t.name == "w"] == []
+    assert len(model.graph.initializer) == 4   # the int4 values and their scales, one copy per reader
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")   # float products
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    fused = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    assert fused == ["MatMulNBits"] * 2
     x, z = np.random.default_rng(1).standard_normal((2, 2, 64)).astype(np.float32)
-    y, u = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x, "z": z})
+    y, u = session.run(None, {"x": x, "z": z})
     values = quantize.Blocks(*quantize.rtn(np.ascontiguousarray(weight.T), 4, 32), 4).values()
     assert np.allclose(y, x @ values, atol=1e-4) and np.allclose(u, z @ values, atol=1e-4)
 

@@ -1,14 +1,14 @@
 """ONNX Runtime's CPU form of a causal ``dspark::BlockAttention``: one
-``com.microsoft.GroupQueryAttention`` node.
+``com.microsoft.GroupQueryAttention`` node, which also applies the rotary embedding before it.
 
 ONNX Runtime runs a ``dspark`` node by inlining its portable function body, about 18 small ops per
 layer (write indices, the visible-row count, the mask, two scatters and two slices), and on a small
-model those ops, not the matrix products, dominate a step: the SmolLM2-135M target's two-row step
-took 18.0 ms with the body and 14.6 ms with this form (interleaved, 2 threads). GroupQueryAttention
-does the same work in one kernel, in place, when its past and present caches are one buffer (the
-runtime binds them so): it writes each sequence's new K/V rows at ``start`` (its ``seqlens_k + 1 -
-rows``) and attends causally over the rows before them, which is the causal pattern of
-``reference.py``. The non-causal pattern (the draft's) has no contrib form and keeps the body.
+model those ops, not the matrix products, weigh most in a step: the SmolLM2-135M target's two-row
+step took 18.0 ms with the body and 14.6 ms with this form (interleaved, 2 threads).
+GroupQueryAttention does the same work in one kernel, in place when its past and present caches
+are one buffer (the runtime binds them so): it writes each sequence's new K/V rows at ``start``
+(its ``seqlens_k + 1 - rows``) and attends causally over the rows before them, the causal pattern
+of ``reference.py``. The non-causal pattern (the draft's) has no contrib form and keeps the body.
 
 The rewrite happens when a graph is loaded, so the engine file stays the portable one that
 TensorRT and other runtimes read. Where the caches are not one buffer, GroupQueryAttention copies
@@ -27,11 +27,16 @@ from .onnx_function import NAME
 CONTRIB = "com.microsoft"
 
 
-def lower(model) -> int:
+def lower(model, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """Replace, in ``model`` (``onnx_ir.Model``) main graph, every causal ``BlockAttention`` whose
     head counts and size are static by ``GroupQueryAttention``; returns how many. The sequence
-    lengths it takes are computed once per (``start``, row count) that the nodes share."""
+    lengths it takes are computed once per (``start``, row count) that the nodes share.
+
+    With ``rotary`` (``rotary_tables``), a node whose q and k come straight from rotate-half
+    ``RotaryEmbedding`` nodes takes them before those and rotates them itself, at the positions
+    its sequence lengths give (``start + i``): two ops and their layout changes fewer per layer."""
     import onnx_ir as ir
+    import onnx_ir.passes.common
 
     graph, lowered = model.graph, 0
     lengths: dict[tuple, tuple] = {}
@@ -42,7 +47,11 @@ def lower(model) -> int:
         if not all(_static(value, axis) for value, axis in ((q, 1), (q, 3), (k_cache, 1))):
             continue
         heads, head_dim, kv_heads = q.shape[1], q.shape[3], k_cache.shape[1]
-        new_nodes = []
+        new_nodes, tables = [], []
+        if rotary is not None and _rotated(q, head_dim) and _rotated(k_new, head_dim):
+            q, k_new = q.producer().inputs[0], k_new.producer().inputs[0]
+            tables = [_constant(graph, f"rotary_{name}", table.astype(q.dtype.numpy()), None)
+                      for name, table in zip(("cos", "sin"), rotary)]
         key = (start.name, str(q.shape[2]) if _symbolic(q, 2) else node.name)
         if key not in lengths:
             lengths[key] = _sequence_lengths(graph, q, start, new_nodes)
@@ -58,8 +67,8 @@ def lower(model) -> int:
         attention = ir.node(
             "GroupQueryAttention",
             [rows_first(q, heads), rows_first(k_new, kv_heads), rows_first(v_new, kv_heads),
-             k_cache, v_cache, seqlens_k, total],
-            attributes={"num_heads": heads, "kv_num_heads": kv_heads,
+             k_cache, v_cache, seqlens_k, total, *tables],
+            attributes={"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": int(bool(tables)),
                         "scale": node.attributes["scale"].value},
             domain=CONTRIB, num_outputs=3, name=f"{node.name}_gqa")
         heads_out = ir.node("Reshape", [attention.outputs[0], _constant(
@@ -72,19 +81,53 @@ def lower(model) -> int:
         lowered += 1
     if lowered:
         model.opset_imports[CONTRIB] = 1
+        ir.passes.common.RemoveUnusedNodesPass()(model)   # the rotations now in the attention
     return lowered
 
 
-def lowered_graph(path: Path) -> bytes | None:
-    """The serialized graph at ``path`` with its causal ``BlockAttention`` nodes lowered, its
-    weights left in the file's external data (ONNX Runtime must be told that folder); None
-    when there is nothing to lower."""
+def rotary_tables(inv_freq, scaling: float, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """GroupQueryAttention's cos and sin caches ``[capacity, head_dim / 2]`` for a decoder's
+    rotate-half RoPE, computed as ``export.decoder.Rotary`` computes them (float32)."""
+    import torch
+
+    freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)
+    return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
+
+
+def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None):
+    """An ONNX Runtime CPU session of the graph at ``path`` with its causal ``BlockAttention``
+    nodes lowered (``lower``), or None when there is nothing to lower; ``options`` are this
+    session's alone. A graph loaded from memory has its weights looked up in a folder, which ONNX
+    Runtime maps as it maps them beside a graph file, but it refuses a weights file that is a
+    symbolic link out of that folder (a Hugging Face cache's snapshot): such files are given to
+    it mapped, and it copies them while it loads (measured on the demo target: 0.9 GB peak
+    instead of 0.5)."""
+    import mmap
+
     import onnx_ir as ir
+    import onnxruntime as ort
 
     model = ir.load(path)
-    if not lower(model):
+    if not lower(model, rotary):
         return None
-    return ir.to_proto(model).SerializeToString()
+    files = sorted({value.const_value.location for value in model.graph.initializers.values()
+                    if isinstance(value.const_value, ir.ExternalTensor)})
+    proto = ir.to_proto(model).SerializeToString()
+    del model
+    if not any((path.parent / name).is_symlink() for name in files):
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(path.parent))
+        return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
+    maps = []
+    try:
+        for name in files:
+            with open(path.parent / name, "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        options.add_external_initializers_from_files_in_memory(files, maps, [len(m) for m in maps])
+        return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
+    finally:   # ONNX Runtime has copied what it needs
+        for mapped in maps:
+            mapped.close()
 
 
 def _sequence_lengths(graph, q, start, new_nodes: list) -> tuple:
@@ -102,14 +145,24 @@ def _sequence_lengths(graph, q, start, new_nodes: list) -> tuple:
     return seqlens_k.outputs[0], total.outputs[0]
 
 
-def _constant(graph, name: str, values: list[int], dtype=np.int64):
-    """A small initializer of ``graph``, made once."""
+def _rotated(value, head_dim: int) -> bool:
+    """Whether ``value`` comes from a rotate-half ``RotaryEmbedding`` over whole ``[B, H, S, D]``
+    heads at the positions its cos / sin inputs give (no ``position_ids``)."""
+    node = value.producer()
+    return (node is not None and node.op_type == "RotaryEmbedding" and node.domain == ""
+            and len(node.inputs) == 3 and not node.attributes.get_int("interleaved", 0)
+            and node.attributes.get_int("rotary_embedding_dim", 0) in (0, head_dim)
+            and node.inputs[0].shape is not None and len(node.inputs[0].shape) == 4)
+
+
+def _constant(graph, name: str, values, dtype=np.int64):
+    """An initializer of ``graph`` (``dtype`` None: ``values`` is the array), made once."""
     import onnx_ir as ir
 
     name = f"gqa_{name}"
     if name not in graph.initializers:
-        value = ir.Value(name=name, const_value=ir.tensor(np.array(values, dtype)))
-        graph.register_initializer(value)
+        array = values if dtype is None else np.array(values, dtype)
+        graph.register_initializer(ir.Value(name=name, const_value=ir.tensor(array)))
     return graph.initializers[name]
 
 
