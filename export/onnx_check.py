@@ -30,11 +30,14 @@ def check_model(path: Path) -> None:
 
 def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
                            expected: dict[str, torch.Tensor], dtype: str,
-                           drafts: tuple[str, str] | None = None, rotary=None) -> float:
+                           drafts: tuple[str, str] | None = None,
+                           rotary: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """Run the graph in ONNX Runtime on ``inputs`` and compare with the PyTorch module's outputs
     ``expected`` (by output name). Integer outputs must be identical; float outputs within
     ``TOLERANCE``. Returns the largest relative float difference. ``drafts`` names the draft
-    graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says.
+    graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says. The graph
+    is also run as the ORT backend runs it at batch 1 (``_check_lowered``; ``rotary``: the
+    decoder's cos / sin tables that form takes).
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
@@ -45,13 +48,7 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     weights plus the largest one in fp32."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    options.enable_cpu_mem_arena = False
-    options.enable_mem_pattern = False
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), _options(), providers=["CPUExecutionProvider"])
     feeds = {name: to_numpy(tensor) for name, tensor in inputs.items()}
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
@@ -83,16 +80,25 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     return worst
 
 
+def _options():
+    """ONNX Runtime settings of a verification run (``compare_with_reference`` says why)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
+    return options
+
+
 def _check_lowered(path: Path, rotary, feeds: dict, expected: dict, tolerance: float) -> None:
     """The graph as the ORT backend runs it at batch 1, its causal attention lowered to ONNX
     Runtime's kernel (``plugins/block_attention/ort_contrib.py``; nothing to check where there is
     none), on the first sequence of ``feeds`` against ``expected``'s: the outputs other than the
     caches, whose rows past the new ones that kernel leaves as scratch unless bound in place."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    session = lowered_session(path, options, rotary)
+    session = lowered_session(path, _options(), rotary)
     if session is None:
         return
     names = [name for name in expected if not is_cache(name)]

@@ -38,7 +38,6 @@ class OrtBackend(EngineBackend):
     host_threads = 1
 
     def __init__(self, engine: str | Path, threads: int | None = None):
-
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
