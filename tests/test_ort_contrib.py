@@ -77,3 +77,28 @@ def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch):
     target_dir, draft_dir = tiny(**ENGINE_CASES["qwen3-native"])
     with pytest.raises(VerificationError, match="GroupQueryAttention"):
         build.build(str(target_dir), str(draft_dir), tmp_path / "engine", limits=LIMITS, progress=False)
+
+
+def test_an_engine_whose_files_are_links_into_a_cache_runs_lowered(engine_dir, tmp_path):
+    """A Hugging Face cache's snapshot holds links to blobs named by hash: ONNX Runtime refuses a
+    graph loaded from memory whose weights file is a link out of its folder, so the lowered graph
+    gets the file mapped instead, and generates what the engine itself does."""
+    from runtime.speculative import generate
+
+    from conftest import PROMPTS
+
+    engine = engine_dir(LIMITS, **ENGINE_CASES["qwen3-native"])
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for index, file in enumerate(sorted(engine.rglob("*"))):
+        if file.is_file():
+            blob = blobs / f"{index:040x}"
+            blob.write_bytes(file.read_bytes())
+            link = snapshot / file.relative_to(engine)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(blob)
+    linked = OrtBackend(snapshot)
+    assert linked._lowered["target"]
+    expected = generate(OrtBackend(engine), PROMPTS[:1], max_new_tokens=12)
+    assert generate(linked, PROMPTS[:1], max_new_tokens=12).token_ids == expected.token_ids
