@@ -32,7 +32,7 @@ from . import quantize
 from .checkpoint import CheckpointError, hf_location, resolve
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
-from .gguf_blocks import SUPPORTED, GgufBlocks
+from .gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from .onnx_check import VerificationError, check_model, compare_with_reference
 from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .target_config import load_target_config
@@ -91,6 +91,10 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     if weights == quantize.GGUF and target_dir.suffix != ".gguf":
         raise ValueError(f"--weights gguf: the target {target} is not a .gguf file; use --weights int4 "
                          f"or int8")
+    if weights == quantize.GGUF and (unsupported := unsupported_matrices(target_dir)):
+        raise ValueError(f"--weights gguf: {target_dir} holds {len(unsupported)} matrices of types it cannot "
+                         f"keep ({', '.join(unsupported[:3])}{', ...' if len(unsupported) > 3 else ''}; it "
+                         f"keeps {' / '.join(SUPPORTED)}); use --weights int4 or int8")
     target_config = load_target_config(target_dir)
     if limits.max_seq_len > target_config.max_position_embeddings:
         raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "

@@ -29,6 +29,21 @@ BLOCK = 32
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
 
 
+def unsupported_matrices(path: Path) -> list[str]:
+    """The matrices of the GGUF file at ``path`` that ``--weights gguf`` cannot keep as they are,
+    as ``"name (TYPE)"``, read from its header alone so that a build refuses them before loading
+    and tracing a model for minutes (Q4_K_M files hold Q4_K and Q6_K, for one). A matrix is a 2-D
+    tensor; the token embeddings count only where they are also the output layer (no
+    ``output.weight``), since the engine's embedding lookup keeps floats."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    tied = "output.weight" not in {t.name for t in tensors}
+    return [f"{t.name} ({t.tensor_type.name})" for t in tensors
+            if len(t.shape) == 2 and t.tensor_type.name not in SUPPORTED
+            and (t.name != "token_embd.weight" or tied)]
+
+
 class GgufBlocks:
     """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, indexed by their rows' de-quantized values."""
 

@@ -143,3 +143,38 @@ def test_layers_that_read_one_input_run_as_one_product(gguf_file, tmp_path):
         for name, y in zip(names, outputs):
             exact = x.astype(np.float64) @ layers[name][1].astype(np.float64) + (bias if name == "b" else 0)
             assert np.abs(y - exact).max() < 1e-5 * np.abs(exact).max(), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_file_with_other_types_is_refused_before_any_model_is_loaded(tiny, tmp_path, tied):
+    """A Q4_K_M-style file (matrices of types ``--weights gguf`` cannot keep) is refused from its
+    header, naming the tensors; the token embeddings count only where they are the output layer."""
+    import gguf
+
+    from export import __main__ as cli
+    from export.gguf_blocks import unsupported_matrices
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": "F16", "blk.0.attn_q.weight": "F16", "blk.0.ffn_up.weight": "Q8_0",
+               "blk.0.attn_norm.weight": "F32", **({} if tied else {"output.weight": "Q8_0"})}
+    for name, kind in tensors.items():
+        shape = (K,) if name.endswith("norm.weight") else (N, K)
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype),
+                          raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = ["blk.0.attn_q.weight (F16)"] + (["token_embd.weight (F16)"] if tied else [])
+    assert sorted(unsupported_matrices(path)) == expected
+    _, draft = tiny()
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["build", "--target", str(path), "--draft", str(draft), "--out", str(tmp_path / "e"),
+                  "--weights", "gguf", "--quiet"])
+    message = str(refused.value.code)
+    assert message.startswith("error: --weights gguf: ") and "\n" not in message, message
+    assert all(name in message for name in expected) and "use --weights int4 or int8" in message
+    assert not (tmp_path / "e").exists()
