@@ -12,10 +12,14 @@ call, or greedy speculative output (k + 1 rows per verify step) would differ fro
 output (1 row per step). Measured on ORT 1.32 (``tests/test_quantize.py``, and
 single MatMuls up to 576 x 49152): every accuracy level (0, 1, 2, 4), the fusion disabled, and even
 plain fp32 MatMul give a row bit-identical results in any call of 2 or more rows, and a slightly
-different one (~1e-6) in a call of exactly one row, which takes its own kernel. So on every
+different one (~1e-6, which int8 activations can grow to 0.85 in a logit of the demo's gguf
+engine) in a call of exactly one row, which takes its own kernel. So on every
 engine, float ones included, a one-row call (batch 1, one input row or one logit row) is made a
 two-row call: the row repeated, the copy's results dropped. The copy writes its K/V one row past
 the sequence's end, which the next step overwrites before any row reads it.
+
+At batch 1 the target graph runs rewritten in memory, its attention and rotary embedding in ONNX
+Runtime's own ``GroupQueryAttention`` kernel (``_session``).
 """
 from __future__ import annotations
 
