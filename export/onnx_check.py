@@ -70,14 +70,19 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
                                         f"reference at {int((actual != reference).sum())} of "
                                         f"{reference.size} positions")
             continue
-        scale = max(1.0, float(np.abs(reference).max()))
-        difference = float(np.abs(actual.astype(np.float32) - reference).max()) / scale
+        difference = _relative_difference(actual, reference)
         if not difference <= TOLERANCE[dtype]:
             raise VerificationError(f"{path.name}: output '{name}' differs from the PyTorch "
                                     f"reference by {difference:.3g} (relative; tolerance "
                                     f"{TOLERANCE[dtype]:g} for {dtype})")
         worst = max(worst, difference)
     return worst
+
+
+def _relative_difference(actual: np.ndarray, reference: np.ndarray) -> float:
+    """max |actual - reference| relative to max(1, max |reference|), as ``TOLERANCE`` bounds it."""
+    scale = max(1.0, float(np.abs(reference).max()))
+    return float(np.abs(actual.astype(np.float32) - reference).max()) / scale
 
 
 def _options():
@@ -104,9 +109,7 @@ def _check_lowered(path: Path, rotary, feeds: dict, expected: dict, tolerance: f
     names = [name for name in expected if not is_cache(name)]
     got = session.run(names, {name: value[:1] for name, value in feeds.items()})
     for name, actual in zip(names, got):
-        reference = expected[name][:1]
-        scale = max(1.0, float(np.abs(reference).max()))
-        difference = float(np.abs(actual.astype(np.float32) - reference).max()) / scale
+        difference = _relative_difference(actual, expected[name][:1])
         if not difference <= tolerance:
             raise VerificationError(f"{path.name}: output '{name}' of the graph as ONNX Runtime runs it "
                                     f"at batch 1 (attention lowered to GroupQueryAttention) differs from "
