@@ -1,0 +1,75 @@
+"""What a verify row costs on this machine: the target step's time at each row count, and the draft
+step's, through the runtime's own backend (batch 1, caches bound in place, a one-row step run as
+two rows, as ``generate`` runs it), in interleaved rounds so that a slow spell of a shared machine
+falls on all row counts alike. Speculation pays where a row costs less than the tokens it is
+expected to add: its acceptance times a one-token step.
+
+    python scripts/row_cost.py --engine engines/demo --rows 1 2 3 4 5 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.ort_backend import OrtBackend  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--context", type=int, default=128, help="cached rows before each timed step")
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(OrtBackend.host_threads)
+    backend = OrtBackend(args.engine, threads=args.threads)
+    if args.context + max(args.rows) > backend.limits.capacity or min(args.rows) < 1:
+        sys.exit(f"--rows / --context: expected 1 <= rows and context + rows <= the engine's "
+                 f"capacity {backend.limits.capacity}")
+    generator = torch.Generator().manual_seed(0)
+    draft = backend.manifest["draft"]
+    vocab = draft["target_vocab_size"]
+    backend.start(1)
+    prompt = torch.randint(vocab, (1, args.context), generator=generator)
+    _, aux = backend.target_step(prompt, torch.tensor([0]), torch.tensor([[args.context - 1]]))
+    start = torch.tensor([args.context])
+
+    def target(rows: int):
+        ids = torch.randint(vocab, (1, rows), generator=generator)
+        return lambda: backend.target_step(ids, start, torch.arange(rows)[None])
+
+    draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
+                   torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
+    steps = {rows: target(rows) for rows in sorted(set(args.rows))}
+    steps["draft"] = lambda: backend.draft_step(*draft_feeds)
+    times = {name: [] for name in steps}
+    for round_ in range(args.rounds + 3):   # the first rounds warm up, untimed
+        for name, step in steps.items():
+            began = time.perf_counter()
+            step()
+            if round_ >= 3:
+                times[name].append(time.perf_counter() - began)
+    ms = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
+    print(f"{args.engine}: median of {args.rounds} interleaved rounds, {args.threads} threads, "
+          f"{args.context} cached rows")
+    previous = None
+    for rows in (name for name in ms if name != "draft"):
+        label = "1 row (run as 2)" if rows == 1 else f"{rows} rows"
+        line = f"  target, {label:17s} {ms[rows]:7.2f} ms"
+        if previous is not None:
+            line += f"  (+{(ms[rows] - ms[previous]) / (rows - previous):.2f} ms a row)"
+        print(line)
+        previous = rows
+    print(f"  draft step {ms['draft']:21.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
