@@ -10,6 +10,11 @@ Conventions (``docs/dspark.md#target-taps``, ``#block-layouts-and-k``):
   ``p_anchor + j + 1``, ``block_size`` drafts) or ``bonus-anchor`` (same block, row 0 is not
   sampled, row ``j`` predicts ``p_anchor + j``, ``block_size - 1`` drafts). Both draft the
   positions ``p_anchor + 1 ... p_anchor + k``.
+- A native config may nest ``mask_token_id`` and ``target_layer_ids`` in ``dflash_config`` or
+  ``eagle_config``; they are read where vLLM reads them: ``dflash_config``, then ``eagle_config``,
+  then the top level.
+- ``logit_scale`` (default 1) multiplies the draft's logits, the Markov bias included, as vLLM's
+  logits processor does; the loader folds it into ``lm_head`` and ``markov_w2``.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import CheckpointError, one_line, read_config
-from .decoder import CONFIG_ERRORS, LARGEST_DIMENSION, DecoderConfig, check_fields, is_int
+from .decoder import CONFIG_ERRORS, LARGEST_DIMENSION, DecoderConfig, check_fields, is_int, is_positive_number
 from .layouts import ANCHOR_FIRST, BONUS_ANCHOR
 
 BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
@@ -27,7 +32,9 @@ IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype"
 # target config keys a Qwen3 draft must not inherit
 NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path",
                  "transformers_version", "mlp_bias", "pretraining_tp", "dtype", "torch_dtype",
-                 "tie_word_embeddings")
+                 "tie_word_embeddings", "logit_scale")
+# where vLLM reads a native draft's nestable fields, first to last
+NESTED_SECTIONS = ("dflash_config", "eagle_config")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class DraftConfig:
     mask_token_id: int
     markov_rank: int
     default_k: int | None               # Speculators' speculative_tokens, if the config names one
+    logit_scale: float                  # multiplies the logits and the Markov bias
 
     @property
     def max_drafts(self) -> int:
@@ -67,7 +75,13 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
             f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] (native "
             f"DeepSpec) or speculators_model_type 'dspark' (Speculators), got architectures "
             f"{raw.get('architectures')}")
-    _check_taps(config, path, target_num_layers)
+    if config.source_format == "native":
+        taps_field = _nested(raw, "target_layer_ids", path)[1]
+        _check_taps(config, path, target_num_layers, taps_field, shift=0)
+        if "eagle_aux_hidden_state_layer_ids" in raw:
+            _check_capture_ids(raw["eagle_aux_hidden_state_layer_ids"], config, path, taps_field)
+    else:
+        _check_taps(config, path, target_num_layers, "aux_hidden_state_layer_ids", shift=1)
     if config.target_hidden_size != target_hidden_size:
         raise CheckpointError(f"{path}: target_hidden_size {config.target_hidden_size} does not match "
                               f"the target's hidden_size {target_hidden_size}")
@@ -177,9 +191,32 @@ def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") ->
     return rank
 
 
+def _nested(raw: dict, key: str, path: Path) -> tuple[dict, str]:
+    """``({label: value}, label)`` for a field a native config may nest, from the first of
+    ``NESTED_SECTIONS`` that has it, else the top level (``{}`` where none has it); the label names
+    the section, as ``dflash_config.mask_token_id``."""
+    for section in NESTED_SECTIONS:
+        nested = raw.get(section)
+        if nested is not None and not isinstance(nested, dict):
+            raise CheckpointError(f"{path}: field '{section}' = {nested!r}: expected an object")
+        if nested and key in nested:
+            return {f"{section}.{key}": nested[key]}, f"{section}.{key}"
+    return {key: raw[key]} if key in raw else {}, key
+
+
+def _logit_scale(raw: dict, path: Path, field: str) -> float:
+    value = raw.get("logit_scale", 1.0)
+    if not is_positive_number(value):
+        raise CheckpointError(f"{path}: field '{field}logit_scale' = {value!r}: expected a number > 0 "
+                              f"(it multiplies the draft's logits)")
+    return float(value)
+
+
 def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
     decoder, vocab, positions = _decoder(raw, path, "")
-    taps = _require(raw, "target_layer_ids", path, "DeepSpec tap layers")
+    taps_source, taps_field = _nested(raw, "target_layer_ids", path)
+    taps = _require(taps_source, taps_field, path, "DeepSpec tap layers")
+    mask_source, mask_field = _nested(raw, "mask_token_id", path)
     bonus = _bool_field(raw, "dspark_bonus_anchor", path,
                         not _bool_field(raw, "sample_from_anchor", path, True))
     return DraftConfig(
@@ -187,14 +224,15 @@ def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
         decoder=decoder,
         vocab_size=vocab,
         draft_vocab_size=_optional_int(raw, "draft_vocab_size", path, "draft vocabulary", vocab),
-        target_layer_ids=_taps(taps, path, "target_layer_ids", shift=0),
+        target_layer_ids=_taps(taps, path, taps_field, shift=0),
         target_hidden_size=_optional_int(raw, "target_hidden_size", path, "the target's hidden size",
                                          target_hidden_size),
         block_size=_int_field(raw, "block_size", path, BLOCK_SIZE, 2, maximum=positions),
         layout=BONUS_ANCHOR if bonus else ANCHOR_FIRST,
-        mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
+        mask_token_id=_int_field(mask_source, mask_field, path, "MASK token of the block", 0),
         markov_rank=_markov(raw, path),
         default_k=None,
+        logit_scale=_logit_scale(raw, path, ""),
     )
 
 
@@ -231,6 +269,7 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
         mask_token_id=_int_field(raw, "mask_token_id", path, "MASK token of the block", 0),
         markov_rank=_markov(raw, path, rank_default=256),
         default_k=default_k,
+        logit_scale=_logit_scale(raw[backbone_key], path, f"{backbone_key}."),
     )
 
 
@@ -247,9 +286,7 @@ def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
     return tuple(sorted(i + shift for i in ids))
 
 
-def _check_taps(config: DraftConfig, path: Path, target_num_layers: int) -> None:
-    field = "target_layer_ids" if config.source_format == "native" else "aux_hidden_state_layer_ids"
-    shift = 0 if config.source_format == "native" else 1
+def _check_taps(config: DraftConfig, path: Path, target_num_layers: int, field: str, shift: int) -> None:
     last = target_num_layers - 2  # the final layer's output is only seen normed in HF; DeepSpec refuses it
     for tap in config.target_layer_ids:
         if not -1 <= tap <= last:
@@ -257,3 +294,13 @@ def _check_taps(config: DraftConfig, path: Path, target_num_layers: int) -> None
                 f"{path}: field '{field}' names layer {tap + shift}, outside the target's "
                 f"{target_num_layers} layers (allowed {-1 + shift}..{last + shift} in this field's "
                 f"convention; the final layer cannot be tapped)")
+
+
+def _check_capture_ids(ids, config: DraftConfig, path: Path, taps_field: str) -> None:
+    """A native config that also names vLLM's capture ids must name the layers its taps do: vLLM
+    captures the input of layer ``t + 1`` for tap ``t``."""
+    expected = [tap + 1 for tap in config.target_layer_ids]
+    if ids != expected:
+        raise CheckpointError(f"{path}: field 'eagle_aux_hidden_state_layer_ids' = {ids!r}: expected "
+                              f"{expected}, the capture ids of {taps_field} "
+                              f"{list(config.target_layer_ids)} (each plus one)")

@@ -235,6 +235,9 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
         config = replace(config, draft_vocab_size=tc.vocab_size)
         for name in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
             tensors[name] = tensors[name][:tc.vocab_size]
+    if config.logit_scale != 1.0:   # as vLLM's logits processor: the base logits and the Markov bias
+        for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+            tensors[name] = tensors[name].float() * config.logit_scale   # a new tensor: lm_head may be shared
     island = {name: tensors[name] for name in FP32_ISLAND}  # build_module consumes ``tensors``
     draft = build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
     return keep_context_input_fp32(draft, island)

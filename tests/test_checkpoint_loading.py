@@ -179,6 +179,69 @@ def test_native_bonus_anchor_flag(tiny, tmp_path):
     assert draft.config.layout == BONUS_ANCHOR and draft.k == 3
 
 
+@pytest.mark.parametrize("sections", [["dflash_config"], ["eagle_config"], ["eagle_config", "dflash_config"]])
+def test_native_nested_taps_and_mask_are_read_where_vllm_reads_them(tiny, tmp_path, sections):
+    """dflash_config, then eagle_config, then the top level; the last section listed holds the true
+    values, everything before it decoys."""
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    mask = SPECIALS.index("<mask>")
+
+    def nest(config):
+        config.update(target_layer_ids=[0, 1], mask_token_id=0)
+        for section in sections[:-1]:
+            config[section] = {"target_layer_ids": [1, 2], "mask_token_id": 1}
+        config[sections[-1]] = {"target_layer_ids": [0, 2], "mask_token_id": mask, "causal": False}
+
+    edit_config(draft_dir, nest)
+    config = load_draft_for(target_dir, draft_dir).config
+    assert (config.target_layer_ids, config.mask_token_id) == ((0, 2), mask)
+
+
+def test_nested_tap_outside_the_target_names_its_section(tiny, tmp_path):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(dflash_config={"target_layer_ids": [0, 7]}))
+    refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+            r"'dflash_config.target_layer_ids' names layer 7\b")
+
+
+@pytest.mark.parametrize("ids, loads", [([1, 3], True), ([0, 2], False), ([1, 2, 3], False)])
+def test_native_capture_ids_must_be_the_taps_plus_one(tiny, tmp_path, ids, loads):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(eagle_aux_hidden_state_layer_ids=ids))
+    if loads:
+        assert load_draft_for(target_dir, draft_dir).config.target_layer_ids == (0, 2)
+    else:
+        refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+                r"'eagle_aux_hidden_state_layer_ids' = .*expected \[1, 3\]")
+
+
+@pytest.mark.parametrize("spec", [{}, SPECULATORS], ids=["native", "speculators"])
+def test_logit_scale_multiplies_the_logits_and_the_markov_bias(tiny, tmp_path, spec):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path, **spec)
+    target = load_target(target_dir)
+    plain = load_draft(draft_dir, target)
+    key = "transformer_layer_config" if spec else None
+    edit_config(draft_dir, lambda c: (c[key] if key else c).update(logit_scale=0.75))
+    scaled = load_draft(draft_dir, target)
+    torch.manual_seed(0)
+    aux = torch.randn(12, plain.config.target_hidden_size * len(plain.config.target_layer_ids))
+    tokens, anchors = torch.randint(VOCAB, (12,)), torch.tensor([2, 5, 9])
+    with torch.no_grad():
+        expected = 0.75 * plain.training_logits(aux, tokens, anchors)
+        torch.testing.assert_close(scaled.training_logits(aux, tokens, anchors), expected)
+    # the target's lm_head, which a native draft shares, is left as it was
+    assert torch.equal(target.lm_head.weight, load_target(target_dir).lm_head.weight)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "2", True])
+def test_logit_scale_of_the_wrong_type_or_range_is_named(tiny, tmp_path, value):
+    target_dir, draft_dir = copy_pair(tiny, tmp_path)
+    edit_config(draft_dir, update(logit_scale=value))
+    err = refused(lambda: load_draft_for(target_dir, draft_dir), draft_dir / "config.json",
+                  rf"'logit_scale' = {value!r}")
+    one_line_naming(err, "expected a number > 0")
+
+
 def test_speculators_draft_config_is_translated(tiny):
     target_dir, draft_dir = tiny(**SPECULATORS)
     raw = json.loads((draft_dir / "config.json").read_text())

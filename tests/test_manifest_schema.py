@@ -160,7 +160,7 @@ def json_path(path: tuple) -> str:
 
 # maps whose keys are names (files, tool versions) and the fields old engines lack
 FREE_KEYS = {("source", "target", "files"), ("source", "draft", "files"), ("tools",)}
-OPTIONAL = {("draft", "confidence_threshold"), ("weights",)}
+OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("weights",)}
 
 
 def test_every_field_is_typed_and_required(engine_dir):
