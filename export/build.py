@@ -126,6 +126,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             quantized[name] = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
             gguf = GgufBlocks(target_dir)
             blocks_of = gguf.lookup
+        keep_float = quantize.float_weights(module)
         spec = specs[name] = draft_spec(module, limits) if name == "draft" else target_spec(module, limits)
         described[name] = _describe(module, confidence_threshold)
         trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
@@ -143,7 +144,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         if formats[name] != quantize.FLOAT:
             # a layer the tracer shares may be written twice (the draft's K/V projections), so
             # the graph may hold more; fewer means a layer was traced in a form left unquantized
-            in_graph = quantize.quantize_graph(path, blocks_of)
+            in_graph = quantize.quantize_graph(path, blocks_of, keep_float)
             if in_graph < quantized[name] and formats[name] == quantize.GGUF:
                 raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
                                  f"{quantized[name]} linear layers are not in it as "

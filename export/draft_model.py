@@ -24,6 +24,12 @@ from .target_model import TargetStep, load_embeddings
 class MarkovHead(nn.Module):
     """Low-rank logit bias ``markov_w2 @ markov_w1[prev]`` from the previous *target* token."""
 
+    # ``build --weights`` leaves it float: ONNX Runtime fuses its product and the add of the base
+    # logits into a Gemm before it can fuse a DequantizeLinear into the product, so a quantized
+    # weight is de-quantized at every step, once per unrolled draft (0.66 ms of the demo draft's
+    # 4 ms step, profiled); and it is small (rank x V_d)
+    keep_float = True
+
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)

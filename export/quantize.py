@@ -10,8 +10,8 @@ lets int4's through), and ONNX Runtime fuses either. A graph gets it as standard
 which ONNX Runtime fuses into ``MatMulNBits`` on the CPU and TensorRT-RTX builds as a weight-only
 quantized layer, its weights kept int4 / int8 in the engine (``tests/test_tensorrt_build.py``).
 The rewrite is ours rather than the tool's, whose QDQ path refuses 8 bits, skips ``Gemm`` (the
-target's ``lm_head``) and writes a weight that several MatMuls share (the draft's Markov head, used
-``k`` times) once per use. Function bodies (the ``dspark`` nodes') are not touched.
+target's ``lm_head``) and writes a weight that several MatMuls share (the draft's K/V projections)
+once per use. Function bodies (the ``dspark`` nodes') are not touched.
 
 The PyTorch module is quantized first (``quantize_linears``): its weights become the de-quantized
 values, so the reference that verifies the graph computes with exactly the graph's weights. The
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,11 +71,23 @@ def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarr
     return q.reshape(k, n), scales.astype(matrix.dtype)
 
 
+def float_weights(module: torch.nn.Module) -> set[str]:
+    """The weights quantization leaves float: those of the linear layers inside a submodule that
+    sets ``keep_float`` (the draft's Markov head), by their names in the module and its graph."""
+    kept = {id(m) for holder in module.modules() if getattr(holder, "keep_float", False)
+            for m in holder.modules()}
+    return {f"{name}.weight" for name, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear) and id(m) in kept}
+
+
 def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
-    its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was).
-    Returns how many were replaced; none is refused, so no engine is labelled quantized that is not."""
-    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
+    except ``float_weights``. Returns how many were replaced; none is refused, so no engine is
+    labelled quantized that is not."""
+    kept = float_weights(module)
+    linears = [m for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and f"{name}.weight" not in kept]
     replaced = 0
     for linear in linears:
         if linear.in_features % block:
@@ -122,10 +134,12 @@ def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:
     return blocks_of
 
 
-def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
+def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
+                   keep: Set[str] = frozenset()) -> int:
     """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
-    which ``blocks_of(weight [K, N])`` gives blocks as ``DequantizeLinear -> MatMul`` (plus, where
-    the blocks have offsets, the input's per-block sums times the offsets); returns how many.
+    which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
+    ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the input's per-block sums
+    times the offsets); returns how many.
     A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
     stored ``[N, K]``). Layers that read the same input (q / k / v, gate / up) become one product
     with their weights side by side, split after it: one kernel call instead of two or three
@@ -135,7 +149,7 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None])
 
     model = ir.load(path)
     rewrite = _Rewrite(model.graph, blocks_of, path.name)
-    pending, replaced = _linear_groups(model.graph), 0
+    pending, replaced = _linear_groups(model.graph, keep), 0
     while pending:
         group = pending.pop(0)
         if rewrite.replace(group):
@@ -212,11 +226,11 @@ class _Rewrite:
 
     def _dequantize(self, group: list[tuple], new_nodes: list) -> tuple | None:
         """``(weights side by side [K, sum N] as DequantizeLinear's output, offsets or None)``.
-        A weight that several products read (the draft's K/V projections, the unrolled Markov
-        head) is quantized once, and each product reads a copy of its blocks through a
-        ``DequantizeLinear`` of its own: ONNX Runtime fuses one into ``MatMulNBits`` only where
-        the product is the one reader of it and of its blocks, and otherwise de-quantizes the whole
-        weight at every step (about 1 ms of the demo draft's step)."""
+        A weight that several products read (the draft's K/V projections) is quantized once,
+        and each product reads a copy of its blocks through a ``DequantizeLinear`` of its own:
+        ONNX Runtime fuses one into ``MatMulNBits`` only where the product is the one reader of it
+        and of its blocks, and otherwise de-quantizes the whole weight at every step (about 1 ms of
+        the demo draft's step)."""
         import onnx_ir as ir
 
         key = tuple((weight.name, transposed) for _, weight, transposed in group)
@@ -257,14 +271,14 @@ class _Rewrite:
         return self.block_sums[(x.name, block)]
 
 
-def _linear_groups(graph) -> list[list[tuple]]:
-    """The graph's linear layers as ``(node, weight, stored transposed)``, in order; the layers
-    that read the same input, each with a weight of its own and of the same input size, in one
-    group."""
+def _linear_groups(graph, keep: Set[str]) -> list[list[tuple]]:
+    """The graph's linear layers as ``(node, weight, stored transposed)``, in order, but those
+    whose weight is named in ``keep``; the layers that read the same input, each with a weight of
+    its own and of the same input size, in one group."""
     groups: dict[object, list[tuple]] = {}
     for node in graph:
         found = _linear_weight(node)
-        if found is None:
+        if found is None or found[0].name in keep:
             continue
         weight, transposed = found
         size = weight.const_value.shape[1 if transposed else 0]

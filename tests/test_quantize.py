@@ -36,10 +36,10 @@ def engines(tiny, tmp_path_factory):
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
             rewrite = quantize.quantize_graph
 
-            def keeping_the_traced_graph(path, blocks_of):
+            def keeping_the_traced_graph(path, blocks_of, keep):
                 for name in (path.name, f"{path.name}.data"):
                     shutil.copy(path.parent / name, traced / name)
-                return rewrite(path, blocks_of)
+                return rewrite(path, blocks_of, keep)
 
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(quantize, "quantize_graph", keeping_the_traced_graph)
@@ -73,7 +73,7 @@ def test_linear_layers_are_dequantize_linear_into_matmul(engines, weights):
         matmuls = [n for n in graph.node if n.op_type in ("MatMul", "Gemm")]
         float_weights = [n.name for n in matmuls if n.input[1] in initializers
                          and len(initializers[n.input[1]].dims) == 2]
-        assert float_weights == [] or name == "draft"   # the draft's Markov head: rank 8 < a block
+        assert float_weights == [] or name == "draft"   # the draft's Markov head stays float
         used = {i for n in graph.node for i in n.input}   # no float copy is left behind
         assert [t.name for t in graph.initializer if t.name not in used] == []
         quantized = [n for n in matmuls if n.input[1] in dequantize]
@@ -161,6 +161,35 @@ def test_a_weight_shared_through_a_transpose_is_quantized_once_and_not_kept(tmp_
     assert np.allclose(y, x @ values, atol=1e-4) and np.allclose(u, z @ values, atol=1e-4)
 
 
+def test_the_markov_head_stays_float_in_the_module_and_the_graph(tmp_path):
+    """ONNX Runtime fuses the Markov head's product and the add of the base logits into a Gemm
+    before it could fuse a DequantizeLinear, so a quantized Markov weight would be de-quantized at
+    every step: the PyTorch reference and the graph both keep it float, and quantize the rest."""
+    from export.draft_model import MarkovHead
+
+    model = torch.nn.Module()
+    model.head, model.proj = MarkovHead(100, 64, rank=32), torch.nn.Linear(32, 48, bias=False)
+    markov, proj = model.head.markov_w2.weight.detach().clone(), model.proj.weight.detach().clone()
+    assert quantize.float_weights(model) == {"head.markov_w2.weight"}
+    assert quantize.quantize_linears(model, 4, 32) == 1
+    assert torch.equal(model.head.markov_w2.weight, markov) and not torch.equal(model.proj.weight, proj)
+
+    h = onnx.helper
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "proj.weight"], ["y"], name="proj"),
+         h.make_node("MatMul", ["x", "head.markov_w2.weight"], ["z"], name="markov")], "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 32])],
+        [h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("y", "z")],
+        [onnx.numpy_helper.from_array(proj.numpy().T.copy(), "proj.weight"),
+         onnx.numpy_helper.from_array(markov.numpy().T.copy(), "head.markov_w2.weight")])
+    path = tmp_path / "markov.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
+    assert quantize.quantize_graph(path, quantize.rtn_blocks(4, 32), quantize.float_weights(model)) == 1
+    nodes = {n.name: n for n in onnx.load(path).graph.node}
+    assert nodes["markov"].input[1] == "head.markov_w2.weight"
+    assert sorted(n.op_type for n in nodes.values()) == ["DequantizeLinear", "MatMul", "MatMul"]
+
+
 def test_int8_scales_are_positive_for_tensorrt():
     """TensorRT's ONNX parser refuses a negative int8 scale: int8 maps a block's largest magnitude to
     +-127 with a positive scale, as idempotently as int4's rounding."""
@@ -190,14 +219,14 @@ def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypa
     one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
     rewrite = quantize.quantize_graph
 
-    def corrupted(path, blocks_of):
+    def corrupted(path, blocks_of, keep):
         def flipped(matrix):
             blocks = blocks_of(matrix)
             if blocks is not None:
                 blocks.scales[0] = -blocks.scales[0]
             return blocks
 
-        return rewrite(path, flipped)
+        return rewrite(path, flipped, keep)
 
     monkeypatch.setattr(quantize, "quantize_graph", corrupted)
     with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
