@@ -36,8 +36,9 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     ``expected`` (by output name). Integer outputs must be identical; float outputs within
     ``TOLERANCE``. Returns the largest relative float difference. ``drafts`` names the draft
     graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says. The graph
-    is also run as the ORT backend runs it at batch 1 (``_check_lowered``; ``rotary``: the
-    decoder's cos / sin tables that form takes).
+    is also run as the ORT backend runs it at batch 1, its attention lowered to ONNX Runtime's own
+    kernels (``plugins/block_attention/ort_contrib.py``; ``rotary``: the decoder's cos / sin
+    tables that form takes), on the first sequence of ``inputs``.
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
@@ -53,11 +54,25 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
-    _check_lowered(path, rotary, feeds, expected, TOLERANCE[dtype])
+    lowered = lowered_session(path, _options(), rotary)
+    if lowered is not None:   # the outputs but the caches, whose rows past the new ones are scratch
+        names = [name for name in expected if not is_cache(name)]
+        first = dict(zip(names, lowered.run(names, {name: value[:1] for name, value in feeds.items()})))
+        _compare(path, first, {name: expected[name][:1] for name in names}, dtype, drafts,
+                 " of the graph as ONNX Runtime runs it at batch 1 (attention lowered to its own kernels)")
+    return _compare(path, got, expected, dtype, drafts)
+
+
+def _compare(path: Path, got: dict, expected: dict, dtype: str, drafts: tuple[str, str] | None,
+             form: str = "") -> float:
+    """``compare_with_reference``'s comparison of ``got`` with ``expected`` (by output name; ``form``
+    says which run of the graph gave ``got``, for messages). Returns the largest relative float
+    difference."""
+    got, expected, tolerance = dict(got), dict(expected), TOLERANCE[dtype]
     if drafts is not None:
         tokens, probabilities = drafts
-        rows = _comparable_drafts(path, got[tokens], expected[tokens], expected[probabilities],
-                                  TOLERANCE[dtype])
+        rows = _comparable_drafts(path, got[tokens], expected[tokens], expected[probabilities], tolerance,
+                                  form)
         for outputs in (got, expected):
             outputs[tokens] = outputs[tokens][:, :rows]
             outputs[probabilities] = outputs[probabilities][:, :rows + 1]
@@ -66,15 +81,15 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
         actual = got[name]
         if not np.issubdtype(reference.dtype, np.floating):
             if not np.array_equal(actual, reference):
-                raise VerificationError(f"{path.name}: output '{name}' differs from the PyTorch "
+                raise VerificationError(f"{path.name}: output '{name}'{form} differs from the PyTorch "
                                         f"reference at {int((actual != reference).sum())} of "
                                         f"{reference.size} positions")
             continue
         difference = _relative_difference(actual, reference)
-        if not difference <= TOLERANCE[dtype]:
-            raise VerificationError(f"{path.name}: output '{name}' differs from the PyTorch "
+        if not difference <= tolerance:
+            raise VerificationError(f"{path.name}: output '{name}'{form} differs from the PyTorch "
                                     f"reference by {difference:.3g} (relative; tolerance "
-                                    f"{TOLERANCE[dtype]:g} for {dtype})")
+                                    f"{tolerance:g} for {dtype})")
         worst = max(worst, difference)
     return worst
 
@@ -98,27 +113,8 @@ def _options():
     return options
 
 
-def _check_lowered(path: Path, rotary, feeds: dict, expected: dict, tolerance: float) -> None:
-    """The graph as the ORT backend runs it at batch 1, its causal attention lowered to ONNX
-    Runtime's kernel (``plugins/block_attention/ort_contrib.py``; nothing to check where there is
-    none), on the first sequence of ``feeds`` against ``expected``'s: the outputs other than the
-    caches, whose rows past the new ones that kernel leaves as scratch unless bound in place."""
-    session = lowered_session(path, _options(), rotary)
-    if session is None:
-        return
-    names = [name for name in expected if not is_cache(name)]
-    got = session.run(names, {name: value[:1] for name, value in feeds.items()})
-    for name, actual in zip(names, got):
-        difference = _relative_difference(actual, expected[name][:1])
-        if not difference <= tolerance:
-            raise VerificationError(f"{path.name}: output '{name}' of the graph as ONNX Runtime runs it "
-                                    f"at batch 1 (attention lowered to GroupQueryAttention) differs from "
-                                    f"the PyTorch reference by {difference:.3g} (relative; tolerance "
-                                    f"{tolerance:g})")
-
-
 def _comparable_drafts(path: Path, actual: np.ndarray, reference: np.ndarray,
-                       probabilities: np.ndarray, tolerance: float) -> int:
+                       probabilities: np.ndarray, tolerance: float, form: str = "") -> int:
     """How many leading draft rows must match exactly. Each draft is the argmax of its row's
     distribution, and each row is conditioned on the draft before it. Where rounding makes the
     two runtimes pick different tokens at a near tie (the reference gives the two within
@@ -132,7 +128,7 @@ def _comparable_drafts(path: Path, actual: np.ndarray, reference: np.ndarray,
     for sequence in np.flatnonzero(differ[:, row]):
         chosen, best = probabilities[sequence, row, [actual[sequence, row], reference[sequence, row]]]
         if not chosen >= (1 - tolerance) * best:
-            raise VerificationError(f"{path.name}: draft {row} of sequence {sequence} is token "
+            raise VerificationError(f"{path.name}: draft {row} of sequence {sequence}{form} is token "
                                     f"{actual[sequence, row]}, the PyTorch reference's is "
                                     f"{reference[sequence, row]} (reference probabilities "
                                     f"{chosen:.3g} and {best:.3g}: not a near tie)")

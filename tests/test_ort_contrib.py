@@ -1,11 +1,13 @@
-"""The target's causal attention lowered to ONNX Runtime's GroupQueryAttention when the ORT
-backend loads it at batch 1: every layer lowered, the draft's non-causal attention left alone,
-the same results as the portable graph step after step, and the build verifying that form."""
+"""The attention lowered to ONNX Runtime's own kernels when the ORT backend loads a graph at
+batch 1 (the target's causal attention to GroupQueryAttention, the draft's block to an Attention
+over the rows it sees): every layer lowered, the same results as the portable graph step after
+step, and the build verifying that form."""
 import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
 
+from export.manifest import is_cache
 from export.onnx_export import Limits
 from plugins.block_attention import ort_contrib
 from runtime.ort_backend import OrtBackend
@@ -20,7 +22,7 @@ def engine(request, engine_dir):
     return engine_dir(LIMITS, **ENGINE_CASES[request.param])
 
 
-def test_each_causal_layer_is_lowered_with_its_rotations_and_the_draft_keeps_its_body(engine):
+def test_each_layer_is_lowered_the_targets_with_its_rotations(engine):
     backend = OrtBackend(engine)
     graphs = backend.manifest["graphs"]
     target, draft = (ir.load(engine / graphs[name]["file"]) for name in ("target", "draft"))
@@ -32,8 +34,14 @@ def test_each_causal_layer_is_lowered_with_its_rotations_and_the_draft_keeps_its
     assert all(node.attributes["do_rotary"].value == 1 for node in target.graph
                if node.op_type == "GroupQueryAttention")
     assert ops.count("ReduceMax") == 1   # the sequence lengths are computed once, not per layer
-    assert ort_contrib.lower(draft, backend._rotary) == 0
-    assert backend._lowered == {"target": True, "draft": False}
+    draft_layers = backend.manifest["draft"]["decoder"]["num_layers"]
+    assert ort_contrib.lower(draft, backend._rotary) == draft_layers
+    ops = [node.op_type for node in draft.graph]
+    assert ops.count("Attention") == draft_layers and "BlockAttention" not in ops
+    # the caches pass through the attention: the context's CacheWrite writes the bound buffer
+    assert {value.producer().op_type for value in draft.graph.outputs if is_cache(value.name)} \
+        == {"CacheWrite"}
+    assert backend._lowered == {"target": True, "draft": True}
 
 
 def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine):
@@ -59,7 +67,40 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
         np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
 
 
-def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch):
+def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engine):
+    """Draft steps after a prefill and after verify steps of several lengths, sampled (so that
+    the probabilities are finite and compared), at batch 1 lowered and portable: the same
+    proposals and probabilities, and the same context rows in the caches."""
+    lowered, portable = OrtBackend(engine), OrtBackend(engine)
+    portable._lowered = dict.fromkeys(portable._lowered)
+    draft = lowered.manifest["draft"]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (1, 30), generator=generator)
+    uniform = torch.rand(4, 1, draft["k"], draft["draft_vocab_size"], generator=generator)
+    noise = -torch.log(-torch.log(uniform))   # Gumbel
+    results = []
+    for backend in (lowered, portable):
+        backend.start(1)
+        _, aux = backend.target_step(ids, torch.tensor([0]), torch.tensor([[29]]))
+        steps, seen = [], 0
+        for index, rows in enumerate((20, 3, 1, 4)):   # context rows the verify steps accepted
+            context = (aux[:, seen:seen + rows], torch.tensor([seen]), torch.tensor([rows]))
+            steps.append(backend.draft_step(*context, ids[:, seen + rows], torch.ones(1), noise[index]))
+            seen += rows
+        bound = backend.bindings["draft"].get_outputs()[:2 * draft["decoder"]["num_layers"]]   # bound first
+        caches = [v.numpy()[:, :, :seen].copy() for v in bound]
+        results.append((steps, caches))
+    (steps, caches), (steps_p, caches_p) = results
+    for (tokens, q), (tokens_p, q_p) in zip(steps, steps_p):
+        assert torch.equal(tokens, tokens_p)
+        torch.testing.assert_close(q, q_p, rtol=1e-4, atol=1e-5)
+    assert all(np.abs(c).sum() > 0 for c in caches)
+    for cache, cache_p in zip(caches, caches_p):
+        np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("graph, lowered_op", [("target", "GroupQueryAttention"), ("draft", "Attention")])
+def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch, graph, lowered_op):
     """A lowering that changed the result (here: the wrong attention scale) fails the build."""
     from export import build
     from export.errors import VerificationError
@@ -69,13 +110,13 @@ def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch):
     def wrong(model, rotary=None):
         count = lower(model, rotary)
         for node in model.graph:
-            if node.op_type == "GroupQueryAttention":
+            if node.op_type == lowered_op:
                 node.attributes["scale"] = ir.AttrFloat32("scale", 0.5 * node.attributes["scale"].value)
         return count
 
     monkeypatch.setattr(ort_contrib, "lower", wrong)
     target_dir, draft_dir = tiny(**ENGINE_CASES["qwen3-native"])
-    with pytest.raises(VerificationError, match="GroupQueryAttention"):
+    with pytest.raises(VerificationError, match=f"{graph}.onnx: .* as ONNX Runtime runs it at batch 1"):
         build.build(str(target_dir), str(draft_dir), tmp_path / "engine", limits=LIMITS, progress=False)
 
 
