@@ -42,7 +42,9 @@ class OrtBackend(EngineBackend):
     # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
     host_threads = 1
 
-    def __init__(self, engine: str | Path, threads: int | None = None):
+    def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True):
+        """``threads``: ONNX Runtime's intra-op threads (None: all cores); ``lower`` False runs the
+        graphs as the engine holds them at batch 1 too (to compare the two forms)."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
@@ -57,10 +59,11 @@ class OrtBackend(EngineBackend):
         self._rotary = rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"],
                                      m["limits"]["max_seq_len"])
         # (graph, lowered) -> session; the batch-1 sessions load, or fail, now
-        self._sessions, self._lowered = {}, {}
+        self._sessions = {}
+        self.lowered: dict[str, bool] = {}   # graph -> whether it runs lowered at batch 1
         for name in m["graphs"]:
-            session = self._load(name, lowered=True)
-            self._lowered[name] = session is not None
+            session = self._load(name, lowered=True) if lower else None
+            self.lowered[name] = session is not None
             self._sessions[name, session is not None] = session or self._load(name, lowered=False)
         self.sessions = {name: self._session(name, 1) for name in m["graphs"]}
 
@@ -88,7 +91,7 @@ class OrtBackend(EngineBackend):
         new rows over a past, and one slice bound serves every sequence, only at batch 1, so
         larger batches run the portable graph, in a second session (its own copy of the
         pre-packed weights) made when the first such batch starts."""
-        key = (graph, batch == 1 and self._lowered[graph])
+        key = (graph, batch == 1 and self.lowered[graph])
         if key not in self._sessions:
             self._sessions[key] = self._load(graph, lowered=False)
         return self._sessions[key]

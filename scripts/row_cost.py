@@ -4,7 +4,7 @@ two rows, as ``generate`` runs it), in interleaved rounds so that a slow spell o
 falls on all row counts alike. Speculation pays where a row costs less than the tokens it is
 expected to add: its acceptance times a one-token step.
 
-    python scripts/row_cost.py --engine engines/demo --rows 1 2 3 4 5 --threads 2
+    python scripts/row_cost.py --engine engines/demo [engines/other ...] --rows 1 2 3 4 5 [--portable]
 """
 from __future__ import annotations
 
@@ -23,33 +23,25 @@ from runtime.ort_backend import OrtBackend  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True)
+    p.add_argument("--engine", nargs="+", required=True, help="one or more, timed interleaved")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--context", type=int, default=128, help="cached rows before each timed step")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--portable", action="store_true",
+                   help="also time the graphs as the engine holds them, not lowered (interleaved)")
     args = p.parse_args()
     torch.set_num_threads(OrtBackend.host_threads)
-    backend = OrtBackend(args.engine, threads=args.threads)
-    if args.context + max(args.rows) > backend.limits.capacity or min(args.rows) < 1:
-        sys.exit(f"--rows / --context: expected 1 <= rows and context + rows <= the engine's "
-                 f"capacity {backend.limits.capacity}")
-    generator = torch.Generator().manual_seed(0)
-    draft = backend.manifest["draft"]
-    vocab = draft["target_vocab_size"]
-    backend.start(1)
-    prompt = torch.randint(vocab, (1, args.context), generator=generator)
-    _, aux = backend.target_step(prompt, torch.tensor([0]), torch.tensor([[args.context - 1]]))
-    start = torch.tensor([args.context])
-
-    def target(rows: int):
-        ids = torch.randint(vocab, (1, rows), generator=generator)
-        return lambda: backend.target_step(ids, start, torch.arange(rows)[None])
-
-    draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
-                   torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
-    steps = {rows: target(rows) for rows in sorted(set(args.rows))}
-    steps["draft"] = lambda: backend.draft_step(*draft_feeds)
+    forms = ("lowered", "portable") if args.portable else ("lowered",)
+    backends = {(engine, form): OrtBackend(engine, threads=args.threads, lower=form == "lowered")
+                for engine in args.engine for form in forms}
+    capacity = min(backend.limits.capacity for backend in backends.values())
+    if args.context + max(args.rows) > capacity or min(args.rows) < 1:
+        sys.exit(f"--rows / --context: expected 1 <= rows and context + rows <= the engines' "
+                 f"capacity {capacity}")
+    steps = {}
+    for key, backend in backends.items():
+        steps |= {(*key, name): step for name, step in _steps(backend, args.rows, args.context).items()}
     times = {name: [] for name in steps}
     for round_ in range(args.rounds + 3):   # the first rounds warm up, untimed
         for name, step in steps.items():
@@ -58,17 +50,40 @@ def main() -> None:
             if round_ >= 3:
                 times[name].append(time.perf_counter() - began)
     ms = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
-    print(f"{args.engine}: median of {args.rounds} interleaved rounds, {args.threads} threads, "
-          f"{args.context} cached rows")
-    previous = None
-    for rows in (name for name in ms if name != "draft"):
-        label = "1 row (run as 2)" if rows == 1 else f"{rows} rows"
-        line = f"  target, {label:17s} {ms[rows]:7.2f} ms"
-        if previous is not None:
-            line += f"  (+{(ms[rows] - ms[previous]) / (rows - previous):.2f} ms a row)"
-        print(line)
-        previous = rows
-    print(f"  draft step {ms['draft']:21.2f} ms")
+    print(f"median of {args.rounds} interleaved rounds, {args.threads} threads, {args.context} cached rows")
+    for engine, form in backends:
+        print(f"{engine}{', portable graphs' if form == 'portable' else ''}:")
+        previous = None
+        for rows in sorted(set(args.rows)):
+            label = "1 row (run as 2)" if rows == 1 else f"{rows} rows"
+            line = f"  target, {label:17s} {ms[engine, form, rows]:7.2f} ms"
+            if previous is not None:
+                extra = (ms[engine, form, rows] - ms[engine, form, previous]) / (rows - previous)
+                line += f"  (+{extra:.2f} ms a row)"
+            print(line)
+            previous = rows
+        print(f"  draft step {ms[engine, form, 'draft']:21.2f} ms")
+
+
+def _steps(backend: OrtBackend, rows: list[int], context: int) -> dict:
+    """Calls that time ``backend``'s target step at each row count and its draft step, after a
+    prefill of ``context`` random tokens (the caches are not advanced: each call is the same)."""
+    generator = torch.Generator().manual_seed(0)
+    draft = backend.manifest["draft"]
+    vocab = draft["target_vocab_size"]
+    backend.start(1)
+    prompt = torch.randint(vocab, (1, context), generator=generator)
+    _, aux = backend.target_step(prompt, torch.tensor([0]), torch.tensor([[context - 1]]))
+    start = torch.tensor([context])
+
+    def target(count: int):
+        ids = torch.randint(vocab, (1, count), generator=generator)
+        return lambda: backend.target_step(ids, start, torch.arange(count)[None])
+
+    draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
+                   torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
+    return {**{count: target(count) for count in sorted(set(rows))},
+            "draft": lambda: backend.draft_step(*draft_feeds)}
 
 
 if __name__ == "__main__":

@@ -41,14 +41,13 @@ def test_each_layer_is_lowered_the_targets_with_its_rotations(engine):
     # the caches pass through the attention: the context's CacheWrite writes the bound buffer
     assert {value.producer().op_type for value in draft.graph.outputs if is_cache(value.name)} \
         == {"CacheWrite"}
-    assert backend._lowered == {"target": True, "draft": True}
+    assert backend.lowered == {"target": True, "draft": True}
 
 
 def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine):
     """Prefill chunks, one-row and multi-row steps at batch 1 (the lowered session) against the
     same steps through the portable graph: logits, taps and every cache row written so far."""
-    lowered, portable = OrtBackend(engine), OrtBackend(engine)
-    portable._lowered = dict.fromkeys(portable._lowered)   # the portable graph at batch 1 too
+    lowered, portable = OrtBackend(engine), OrtBackend(engine, lower=False)
     for backend in (lowered, portable):
         backend.start(1)
     assert lowered.sessions["target"] is not portable.sessions["target"]
@@ -71,8 +70,7 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
     """Draft steps after a prefill and after verify steps of several lengths, sampled (so that
     the probabilities are finite and compared), at batch 1 lowered and portable: the same
     proposals and probabilities, and the same context rows in the caches."""
-    lowered, portable = OrtBackend(engine), OrtBackend(engine)
-    portable._lowered = dict.fromkeys(portable._lowered)
+    lowered, portable = OrtBackend(engine), OrtBackend(engine, lower=False)
     draft = lowered.manifest["draft"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (1, 30), generator=generator)
@@ -140,6 +138,6 @@ def test_an_engine_whose_files_are_links_into_a_cache_runs_lowered(engine_dir, t
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(blob)
     linked = OrtBackend(snapshot)
-    assert linked._lowered["target"]
+    assert linked.lowered == {"target": True, "draft": True}
     expected = generate(OrtBackend(engine), PROMPTS[:1], max_new_tokens=12)
     assert generate(linked, PROMPTS[:1], max_new_tokens=12).token_ids == expected.token_ids
