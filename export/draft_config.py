@@ -67,21 +67,14 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
     raw = read_config(directory)
     path = directory / "config.json"
     if "speculators_model_type" in raw:
-        config = _from_speculators(raw, path, target_hidden_size)
+        config = _from_speculators(raw, path, target_hidden_size, target_num_layers)
     elif isinstance(raw.get("architectures"), list) and "Qwen3DSparkModel" in raw["architectures"]:
-        config = _from_native(raw, path, target_hidden_size)
+        config = _from_native(raw, path, target_hidden_size, target_num_layers)
     else:
         raise CheckpointError(
             f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] (native "
             f"DeepSpec) or speculators_model_type 'dspark' (Speculators), got architectures "
             f"{raw.get('architectures')}")
-    if config.source_format == "native":
-        taps_field = _nested(raw, "target_layer_ids", path)[1]
-        _check_taps(config, path, target_num_layers, taps_field, shift=0)
-        if "eagle_aux_hidden_state_layer_ids" in raw:
-            _check_capture_ids(raw["eagle_aux_hidden_state_layer_ids"], config, path, taps_field)
-    else:
-        _check_taps(config, path, target_num_layers, "aux_hidden_state_layer_ids", shift=1)
     if config.target_hidden_size != target_hidden_size:
         raise CheckpointError(f"{path}: target_hidden_size {config.target_hidden_size} does not match "
                               f"the target's hidden_size {target_hidden_size}")
@@ -212,14 +205,14 @@ def _logit_scale(raw: dict, path: Path, field: str) -> float:
     return float(value)
 
 
-def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
+def _from_native(raw: dict, path: Path, target_hidden_size: int, target_num_layers: int) -> DraftConfig:
     decoder, vocab, positions = _decoder(raw, path, "")
     taps_source, taps_field = _nested(raw, "target_layer_ids", path)
     taps = _require(taps_source, taps_field, path, "DeepSpec tap layers")
     mask_source, mask_field = _nested(raw, "mask_token_id", path)
     bonus = _bool_field(raw, "dspark_bonus_anchor", path,
                         not _bool_field(raw, "sample_from_anchor", path, True))
-    return DraftConfig(
+    config = DraftConfig(
         source_format="native",
         decoder=decoder,
         vocab_size=vocab,
@@ -234,9 +227,15 @@ def _from_native(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
         default_k=None,
         logit_scale=_logit_scale(raw, path, ""),
     )
+    _check_taps(config.target_layer_ids, path, target_num_layers, taps_field, shift=0)
+    if "eagle_aux_hidden_state_layer_ids" in raw:
+        _check_capture_ids(raw["eagle_aux_hidden_state_layer_ids"], config.target_layer_ids, path,
+                           taps_field)
+    return config
 
 
-def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftConfig:
+def _from_speculators(raw: dict, path: Path, target_hidden_size: int,
+                      target_num_layers: int) -> DraftConfig:
     kind = raw["speculators_model_type"]
     if kind != "dspark":
         raise CheckpointError(f"{path}: speculators_model_type {kind!r}: expected 'dspark'")
@@ -256,7 +255,7 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
     default_k = _int_field(method, "speculative_tokens", path,
                            "speculators_config.proposal_methods[0]: drafts per step", 1)
     taps = _require(raw, "aux_hidden_state_layer_ids", path, "vLLM capture layer ids")
-    return DraftConfig(
+    config = DraftConfig(
         source_format="speculators",
         decoder=decoder,
         vocab_size=vocab,
@@ -271,6 +270,8 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int) -> DraftCo
         default_k=default_k,
         logit_scale=_logit_scale(raw[backbone_key], path, f"{backbone_key}."),
     )
+    _check_taps(config.target_layer_ids, path, target_num_layers, "aux_hidden_state_layer_ids", shift=1)
+    return config
 
 
 def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
@@ -286,9 +287,11 @@ def _taps(ids, path: Path, field: str, shift: int) -> tuple[int, ...]:
     return tuple(sorted(i + shift for i in ids))
 
 
-def _check_taps(config: DraftConfig, path: Path, target_num_layers: int, field: str, shift: int) -> None:
+def _check_taps(taps: tuple[int, ...], path: Path, target_num_layers: int, field: str, shift: int) -> None:
+    """Every tap (DeepSpec convention) names a layer of the target, ``field`` in its own
+    convention (``shift``: what it adds to a DeepSpec id)."""
     last = target_num_layers - 2  # the final layer's output is only seen normed in HF; DeepSpec refuses it
-    for tap in config.target_layer_ids:
+    for tap in taps:
         if not -1 <= tap <= last:
             raise CheckpointError(
                 f"{path}: field '{field}' names layer {tap + shift}, outside the target's "
@@ -296,11 +299,10 @@ def _check_taps(config: DraftConfig, path: Path, target_num_layers: int, field: 
                 f"convention; the final layer cannot be tapped)")
 
 
-def _check_capture_ids(ids, config: DraftConfig, path: Path, taps_field: str) -> None:
+def _check_capture_ids(ids, taps: tuple[int, ...], path: Path, taps_field: str) -> None:
     """A native config that also names vLLM's capture ids must name the layers its taps do: vLLM
     captures the input of layer ``t + 1`` for tap ``t``."""
-    expected = [tap + 1 for tap in config.target_layer_ids]
+    expected = [tap + 1 for tap in taps]
     if ids != expected:
         raise CheckpointError(f"{path}: field 'eagle_aux_hidden_state_layer_ids' = {ids!r}: expected "
-                              f"{expected}, the capture ids of {taps_field} "
-                              f"{list(config.target_layer_ids)} (each plus one)")
+                              f"{expected}, the capture ids of {taps_field} {list(taps)} (each plus one)")

@@ -88,9 +88,9 @@ class OrtBackend(EngineBackend):
         rotations before it, is one GroupQueryAttention where the portable body is many small ops
         (the demo target's two-row step: 18.0 -> 14.6 ms), and the draft's block attention no
         longer copies its caches (demo draft step 3.7 -> 3.0 ms). GroupQueryAttention takes several
-        new rows over a past, and one slice bound serves every sequence, only at batch 1, so
-        larger batches run the portable graph, in a second session (its own copy of the
-        pre-packed weights) made when the first such batch starts."""
+        new rows over a past only at batch 1, and the draft's form slices the caches at one
+        ``start`` for all sequences, so larger batches run the portable graph, in a second session
+        (its own copy of the pre-packed weights) made when the first such batch starts."""
         key = (graph, batch == 1 and self.lowered[graph])
         if key not in self._sessions:
             self._sessions[key] = self._load(graph, lowered=False)

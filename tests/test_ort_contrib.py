@@ -22,7 +22,7 @@ def engine(request, engine_dir):
     return engine_dir(LIMITS, **ENGINE_CASES[request.param])
 
 
-def test_each_layer_is_lowered_the_targets_with_its_rotations(engine):
+def test_each_layer_of_both_graphs_is_lowered_the_targets_with_its_rotations(engine):
     backend = OrtBackend(engine)
     graphs = backend.manifest["graphs"]
     target, draft = (ir.load(engine / graphs[name]["file"]) for name in ("target", "draft"))

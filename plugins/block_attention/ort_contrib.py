@@ -137,8 +137,8 @@ def rotary_tables(inv_freq, scaling: float, capacity: int) -> tuple[np.ndarray, 
 
 
 def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None):
-    """An ONNX Runtime CPU session of the graph at ``path`` with its causal ``BlockAttention``
-    nodes lowered (``lower``), or None when there is nothing to lower; ``options`` are this
+    """An ONNX Runtime CPU session of the graph at ``path`` with its ``BlockAttention`` nodes
+    lowered (``lower``), or None when there is nothing to lower; ``options`` are this
     session's alone. A graph loaded from memory has its weights looked up in a folder, which ONNX
     Runtime maps as it maps them beside a graph file, but it refuses a weights file that is a
     symbolic link out of that folder (a Hugging Face cache's snapshot): such files are given to
