@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from export.cli_parser import Parser
 from export.errors import run_command
 from export.outputs import check_replaceable
 from export.prompts import DEFAULT_PROMPTS
@@ -57,7 +58,7 @@ def _init_layer(value: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m distill",
+    p = Parser(prog="python -m distill",
                                 description="Let the target answer prompts greedily, then train a fresh "
                                             "native DSpark draft (the target's embeddings, frozen) to "
                                             "predict those answers block by block, as DeepSpec does. "

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .cli_parser import Parser
 from .errors import run_command
 from .layouts import LAYOUTS
 from .outputs import check_replaceable, staged_directory
@@ -50,11 +51,13 @@ def cmd_build(args: argparse.Namespace) -> None:
 
     if (args.target is None) != (args.draft is None):
         raise SystemExit("error: pass both --target and --draft, or neither for the built-in demo pair")
+    k_origin = f"--k {args.k}" if args.k else None
     if args.target is None:
         from . import demo_pair
         from .quantize import FLOAT
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
+        k_origin = k_origin or "the demo pair's default"
         args.k = args.k or demo_pair.K
         args.weights = args.weights or demo_pair.WEIGHTS
         if args.quantize_draft is None:   # as the target is, unless --weights float
@@ -81,8 +84,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     print(f"built {out} in {result.seconds:.1f}s")
     # no tensor records the width a draft was trained at, so say where k came from
     draft = manifest.read(out)["draft"]
-    origin = (f"--k {args.k}" if args.k else
-              f"the draft's config.json: block_size {draft['block_size']}, {draft['layout']}")
+    origin = k_origin or f"the draft's config.json: block_size {draft['block_size']}, {draft['layout']}"
     print(f"  k = {draft['k']} drafts per step (from {origin})")
     for name, size in result.files.items():
         print(f"  {name:40} {size / 1e6:10.2f} MB")
@@ -105,7 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m export",
+    root = Parser(prog="python -m export",
                                    description="Export DSpark speculative decoding pairs.")
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from pathlib import Path
 
 SCHEMA_VERSION = 2   # 2: the target graph takes logit_rows; the draft records its precision
@@ -92,8 +93,7 @@ def read(directory: Path) -> dict:
     """The manifest of an engine directory, checked against the schema of its version."""
     path = Path(directory) / FILENAME
     if not path.is_file():
-        raise ManifestError(f"{path}: missing; build an engine directory with "
-                            f"`python -m export build --target ... --draft ... --out {directory}`")
+        raise ManifestError(_not_an_engine(Path(directory)))
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -106,6 +106,23 @@ def read(directory: Path) -> dict:
     if problem:
         raise ManifestError(f"{path}: {problem}; rebuild the engine directory")
     return manifest
+
+
+def _not_an_engine(directory: Path) -> str:
+    """What to say of a directory that has no manifest: it is not there, it is a checkpoint (which
+    ``build`` reads, and will not write into), or it has not been built into."""
+    if not directory.exists():
+        return f"{directory}: no such engine directory"
+    if not directory.is_dir():
+        return f"{directory}: a file, not an engine directory"
+    marker = next((name for name in ("config.json", "model.safetensors.index.json")
+                   if (directory / name).is_file()), None)
+    if marker:
+        return (f"{directory}: a model checkpoint ({marker}), not an engine directory; build an "
+                f"engine from checkpoints with `python -m export build --target TARGET --draft DRAFT "
+                f"--out engines/NAME` and pass that folder")
+    return (f"{directory / FILENAME}: missing; build an engine directory with "
+            f"`python -m export build --target ... --draft ... --out {directory}`")
 
 
 def violation(manifest) -> str | None:
@@ -132,6 +149,13 @@ def _validator():
     return Draft202012Validator(json.loads(SCHEMA.read_text()))
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _shape(tensor: dict) -> str:
+    return ", ".join(str(s) for s in tensor["shape"])
+
+
 def describe(manifest: dict) -> str:
     """The manifest in human terms, for ``python -m export inspect``."""
     t, d, limits = manifest["target"], manifest["draft"], manifest["limits"]
@@ -155,9 +179,20 @@ def describe(manifest: dict) -> str:
     for name, graph in manifest["graphs"].items():
         lines.append(f"graph    {name}: {graph['file']}")
         for kind in ("inputs", "outputs"):
-            for tensor in graph[kind]:
-                shape = ", ".join(str(s) for s in tensor["shape"])
-                lines.append(f"           {kind[:-1]:6} {tensor['name']:12} {tensor['dtype']:8} [{shape}]")
+            tensors = graph[kind]
+            for tensor in (t for t in tensors if not is_cache(t["name"])):
+                lines.append(f"           {kind[:-1]:6} {tensor['name']:12} {tensor['dtype']:8} "
+                             f"[{_shape(tensor)}]")
+            caches = [t for t in tensors if is_cache(t["name"])]
+            if caches and kind == "inputs":   # one line for all layers' caches, which share a shape
+                size = sum(math.prod(s for s in t["shape"] if isinstance(s, int)) * _ITEMSIZE[t["dtype"]]
+                           for t in caches)
+                lines.append(f"           {kind[:-1]:6} {caches[0]['name']} .. {caches[-1]['name']}: "
+                             f"{len(caches)} caches {caches[0]['dtype']} [{_shape(caches[0])}], "
+                             f"{size / 2**20:.1f} MiB per sequence")
+            elif caches:
+                lines.append(f"           {kind[:-1]:6} {caches[0]['name']} .. {caches[-1]['name']}: "
+                             f"the input caches, updated")
     tools = ", ".join(f"{k} {v}" for k, v in manifest["tools"].items())
     lines.append(f"backends {', '.join(manifest['backends'])} (built with {tools})")
     return "\n".join(lines)

@@ -71,10 +71,12 @@ def capacity_needed(prompt_tokens: int, max_new_tokens: int, limits: BackendLimi
 
 class Backend(Protocol):
     """What ``Decoding`` drives. Tensors live on ``device``; ``host_threads`` is how many threads
-    the loop's own torch work may use between calls (None: leave torch's setting)."""
+    the loop's own torch work may use between calls (None: leave torch's setting);
+    ``default_batch`` how many prompts a ``Generator`` batches unless told (None: ``max_batch``)."""
     limits: BackendLimits
     device: torch.device
     host_threads: int | None
+    default_batch: int | None
 
     def start(self, batch: int) -> None:
         """Empty caches for ``batch`` sequences."""

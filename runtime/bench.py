@@ -2,12 +2,16 @@
 ``transformers`` ``generate`` on the original target as the outside baseline; optionally llama.cpp
 on a GGUF file too (``--llama-cpp``), in a process of its own, interleaved prompt by prompt.
 
-Every prompt runs at batch 1. The result is printed, written as JSON, and plotted (acceptance per
-position and tokens/s) to a PNG. Ctrl-C stops it at any moment with one line (status 130); like
-``generate``, the module imports only small standard modules at the top.
+Every prompt runs at batch 1. The engine's modes (and llama.cpp) run prompt by prompt in turn, and
+the whole pass ``--repeat`` times: each figure is the median over the passes, with its spread (the
+fastest and slowest pass), since one pass on a shared machine can be 30% off. The result is
+printed, written as JSON, and plotted (acceptance per position and tokens/s) to a PNG. Ctrl-C
+stops it at any moment with one line (status 130); like ``generate``, the module imports only
+small standard modules at the top.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,9 +21,9 @@ from .generate import check_flags, read_prompts, stopping_on_ctrl_c
 
 
 def parser():
-    import argparse
+    from export.cli_parser import Parser
 
-    p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
     p.add_argument("--prompts-file", type=Path, required=True,
                    help="JSON Lines of {\"turns\": [...]} (e.g. data/prompts/gsm8k.jsonl)")
@@ -27,6 +31,9 @@ def parser():
                    help="leave out the first N prompts, e.g. those a draft was distilled on [0]")
     p.add_argument("--limit", type=int, default=8, help="first N prompts after --skip [8]")
     p.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="passes over the prompts, the methods interleaved in each; figures are "
+                        "medians with their spread [3]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
     p.add_argument("--confidence-threshold", type=float, metavar="P",
@@ -97,39 +104,46 @@ def run(args) -> dict:
     chat = not args.no_chat_template
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                    chat_template=chat, confidence_threshold=args.confidence_threshold)
+    modes = ("speculative", "target_only")
     # every prompt of both modes is checked before any runs
-    decodings = {name: generator.decodings(prompts, batch_size=1, speculative=name == "speculative",
-                                           **options)
-                 for name in ("speculative", "target_only")}
+    for name in modes:
+        generator.decodings(prompts, batch_size=1, speculative=name == "speculative", **options)
     generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
 
     report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "backend": args.backend,
+              "temperature": args.temperature, "backend": args.backend, "repeat": args.repeat,
+              "weights": manifest_weights(args.engine),
               "confidence_threshold": (generator.backend.limits.confidence_threshold
                                        if args.confidence_threshold is None else args.confidence_threshold),
               "runs": {}}
     # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
-    # machine falls on every mode alike
-    runs = {name: [] for name in decodings}
+    # machine falls on every mode alike; then the whole pass again
+    passes = []
     with _llama_cpp(args, generator) as llama:
-        llama_runs = []
-        for index in tqdm(range(len(prompts)), desc="engine" + (" + llama.cpp" if llama else ""),
-                          leave=False):
-            for name, batches in decodings.items():
-                for _ in batches[index]:
-                    pass
-                runs[name].append(generator.collect([batches[index]]))
+        for repeat in range(args.repeat):
+            runs = {name: [] for name in modes}
+            llama_runs = []
+            decodings = {name: generator.decodings(prompts, batch_size=1, speculative=name == "speculative",
+                                                   **options) for name in modes}
+            for index in tqdm(range(len(prompts)), leave=False,
+                              desc=f"pass {repeat + 1}: engine" + (" + llama.cpp" if llama else "")):
+                for name, batches in decodings.items():
+                    for _ in batches[index]:
+                        pass
+                    runs[name].append(generator.collect([batches[index]]))
+                if llama:
+                    llama_runs.append(llama.generate(generator.encode(prompts[index], chat),
+                                                     args.max_new_tokens,
+                                                     list(generator.backend.limits.eos_token_ids)))
+            one = {name: _engine_run(results) for name, results in runs.items()}
             if llama:
-                llama_runs.append(llama.generate(generator.encode(prompts[index], chat), args.max_new_tokens,
-                                                 list(generator.backend.limits.eos_token_ids)))
-    for name, results in runs.items():
-        report["runs"][name] = _engine_run(results)
-    if llama:
-        outputs, seconds = [ids for ids, _ in llama_runs], sum(s for _, s in llama_runs)
-        tokens = sum(map(len, outputs))
-        report["runs"]["llama_cpp"] = {"gguf": str(args.llama_cpp), "tokens": tokens, "seconds": seconds,
-                                       "tokens_per_second": tokens / seconds, "token_ids": outputs}
+                outputs, seconds = [ids for ids, _ in llama_runs], sum(s for _, s in llama_runs)
+                tokens = sum(map(len, outputs))
+                one["llama_cpp"] = {"gguf": str(args.llama_cpp), "tokens": tokens, "seconds": seconds,
+                                    "tokens_per_second": tokens / seconds, "token_ids": outputs}
+            passes.append(one)
+    report["runs"] = _over_passes(passes)
     if target:
         ids = [generator.encode(p, chat) for p in prompts]
         report["runs"]["transformers"] = _transformers_run(target, ids, args, lookup=0)
@@ -144,10 +158,41 @@ def run(args) -> dict:
             if name not in ("speculative", "llama_cpp")}
         if llama:   # how closely the engine follows llama.cpp (the same weights with --weights gguf)
             report["llama_cpp_agreement"] = _agreement(outputs["speculative"], outputs["llama_cpp"])
+    # a ratio per pass (both figures from the same spell of the machine), then their median
     base = report["runs"]
-    report["ratios"] = {f"{a}/{b}": base[a]["tokens_per_second"] / base[b]["tokens_per_second"]
-                        for a in base for b in base if a != b and a in ("speculative", "target_only")}
+    report["ratios"], report["ratio_spread"] = {}, {}
+    for a in modes:
+        for b in base:
+            if a == b:
+                continue
+            if b in passes[0]:
+                ratios = sorted(p[a]["tokens_per_second"] / p[b]["tokens_per_second"] for p in passes)
+            else:   # transformers, run once after the passes
+                ratios = sorted(r / base[b]["tokens_per_second"]
+                                for r in base[a]["tokens_per_second_per_pass"])
+            report["ratios"][f"{a}/{b}"] = statistics.median(ratios)
+            report["ratio_spread"][f"{a}/{b}"] = [ratios[0], ratios[-1]]
     return report
+
+
+def _over_passes(passes: list[dict]) -> dict:
+    """Each method's figures over the passes: the median pass's (by tokens/s), with every pass's
+    tokens/s beside them. The token ids are the first pass's (greedy passes give the same)."""
+    runs = {}
+    for name in passes[0]:
+        ordered = sorted(passes, key=lambda p: p[name]["tokens_per_second"])
+        run = dict(ordered[(len(ordered) - 1) // 2][name])
+        run["tokens_per_second"] = statistics.median(p[name]["tokens_per_second"] for p in passes)
+        run["tokens_per_second_per_pass"] = [p[name]["tokens_per_second"] for p in passes]
+        run["token_ids"] = passes[0][name]["token_ids"]
+        runs[name] = run
+    return runs
+
+
+def manifest_weights(engine) -> dict:
+    from export import manifest as manifest_file
+
+    return manifest_file.weight_formats(manifest_file.read(Path(engine)))
 
 
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
@@ -232,9 +277,12 @@ def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: 
 def summary(report: dict) -> str:
     lines = [f"{report['prompts']} prompts from {report['prompts_file']}, batch 1, "
              f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}, "
-             f"confidence threshold {report['confidence_threshold']}"]
+             f"confidence threshold {report['confidence_threshold']}; medians of {report['repeat']} "
+             f"passes [slowest, fastest]"]
     for name, r in report["runs"].items():
-        line = f"  {name:28} {r['tokens_per_second']:9.1f} tokens/s"
+        per_pass = r.get("tokens_per_second_per_pass", [r["tokens_per_second"]])
+        line = (f"  {name:28} {r['tokens_per_second']:9.1f} tokens/s "
+                f"[{min(per_pass):.1f}, {max(per_pass):.1f}]")
         if "tau" in r:
             line += f"   tau {r['tau']:.2f}   host {100 * r['host_fraction']:.0f}% of the time"
         lines.append(line)
@@ -242,9 +290,16 @@ def summary(report: dict) -> str:
     if spec["acceptance_per_position"]:
         lines.append("  acceptance per position: "
                      + " ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]))
-    lines += [f"  {name}: {value:.2f}x" for name, value in report["ratios"].items()]
+    for name, value in report["ratios"].items():
+        low, high = report["ratio_spread"][name]
+        lines.append(f"  {name}: {value:.2f}x [{low:.2f}, {high:.2f}]")
+    quantized = {part: f for part, f in report["weights"].items() if f != "float"}
     for check, same in report.get("greedy_outputs_identical", {}).items():
-        lines.append(f"  greedy outputs {check}: {same}")
+        note = ""
+        if check != "speculative == target_only" and quantized and not same:
+            note = (f" (expected: the engine's {quantized.get('target', 'draft')} weights are not the "
+                    f"float ones transformers runs; speculative == target_only is the invariant)")
+        lines.append(f"  greedy outputs {check}: {same}{note}")
     return "\n".join(lines)
 
 

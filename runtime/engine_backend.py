@@ -14,6 +14,7 @@ from .backend import BackendLimits
 class EngineBackend:
     device = torch.device("cpu")       # where the loop's tensors live (a GPU backend sets its own)
     host_threads: int | None = None    # torch threads for the loop's own work (None: as configured)
+    default_batch: int | None = None   # prompts per batch unless told (None: the engine's max_batch)
 
     def __init__(self, engine: str | Path):
         self.directory = Path(engine)

@@ -33,9 +33,9 @@ EXPECTED = {
 
 
 def parser():
-    import argparse
+    from export.cli_parser import Parser
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m runtime.generate",
         description="Generate with DSpark speculative decoding over an engine directory built by "
                     "`python -m export build`. Prompts come from --prompt, --prompts-file or "
@@ -58,7 +58,9 @@ def parser():
     p.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="verify drafts only up to the first whose top draft probability is below P; "
                         "0 verifies all k [the engine's, from build]")
-    p.add_argument("--batch-size", type=int, help="prompts per batch [the engine's --max-batch]")
+    p.add_argument("--batch-size", type=int,
+                   help="prompts per batch [1 on the ort backend, where batching is measured no "
+                        "faster; the engine's --max-batch on the others]")
     p.add_argument("--no-spec", action="store_true",
                    help="target-only decoding on the same engine (the baseline)")
     p.add_argument("--stream", action="store_true",
@@ -141,6 +143,8 @@ def prepare(args):
         prompts = read_prompts(args)
         from .generator import Generator
 
+        # a few seconds of ONNX Runtime preparing the graphs: say what is happening
+        print(f"loading {args.engine} ({args.backend} backend) ...", file=sys.stderr, flush=True)
         generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
@@ -196,11 +200,13 @@ def _report(result, args) -> None:
     if args.stats and result.times.total > 0:   # nothing to report when stopped in the first prefill
         s, t = result.stats, result.times
         tokens = sum(map(len, result.token_ids))
-        lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s",
-                 f"verify steps {s.steps}, tau {s.tau:.3f} tokens per step"]
+        lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s"]
         if s.k:
             per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
-            lines.append(f"acceptance per position: {per_position}")
+            lines += [f"verify steps {s.steps}, tau {s.tau:.3f} tokens per step",
+                      f"acceptance per position: {per_position}"]
+        else:   # target-only decoding: a token per step, nothing drafted
+            lines.append(f"decode steps {s.steps} (target only, no drafts)")
         lines.append("time: " + ", ".join(
             f"{name} {getattr(t, name):.3f}s ({100 * getattr(t, name) / t.total:.0f}%)"
             for name in ("prefill", "draft", "verify", "host")))

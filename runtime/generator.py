@@ -37,8 +37,8 @@ class Generator:
         from export import manifest as manifest_file
 
         engine = Path(engine)
-        tokenizer = _tokenizer(engine / manifest_file.read(engine)["tokenizer"])
-        return cls(open_backend(engine, backend, threads), tokenizer)
+        backend = open_backend(engine, backend, threads)
+        return cls(backend, _tokenizer(engine / manifest_file.read(engine)["tokenizer"]))
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""
@@ -49,13 +49,14 @@ class Generator:
 
     def decodings(self, prompts: list[str], *, chat_template: bool = True,
                   batch_size: int | None = None, **options) -> list[Decoding]:
-        """One ``Decoding`` per batch of at most ``batch_size`` prompts (the engine's maximum by
-        default), none started yet: every batch is checked here, so a prompt that does not fit is
-        refused, by number and text, before the first batch's work. Options: ``max_new_tokens``,
+        """One ``Decoding`` per batch of at most ``batch_size`` prompts (by default the backend's
+        ``default_batch``, else the engine's maximum), none started yet: every batch is checked
+        here, so a prompt that does not fit is refused, by number and text, before the first
+        batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``seed``, ``speculative``, ``confidence_threshold``
         (``Decoding``'s)."""
         max_batch = self.backend.limits.max_batch
-        size = max_batch if batch_size is None else batch_size
+        size = batch_size if batch_size is not None else self.backend.default_batch or max_batch
         if not 1 <= size <= max_batch:
             raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
                              f"--max-batch)")

@@ -1,26 +1,37 @@
 """The ONNX Runtime backend: runs an engine directory's graphs on the CPU.
 
-The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each step binds the same
-value as the cache input and the cache output (IOBinding), so ONNX Runtime updates them in place
-and nothing copies them. The other outputs are written into buffers kept per shape: a returned
-tensor is valid until the next call of the same step with the same shape.
+A sequence's tokens must not depend on which other sequences share its steps, nor on how many
+rows a step gives it: greedy speculative output (``k + 1`` rows per verify step) equals target-only
+output (one row per step) only if every row gets the logits it would get alone, bit for bit, and
+on quantized weights a difference of 1e-6 grows to a changed token (int8 activations round it,
+and 30 layers carry it: 0.8 in a logit of the demo's gguf engine). Measured on ORT 1.32, three
+things in ONNX Runtime's CPU kernels make a row's result depend on its call:
+
+- a call of exactly one row takes another kernel than a call of two or more (``MatMulNBits``
+  at every accuracy level, plain fp32 ``MatMul``, and the attention's products per head): so a
+  one-row step, or a step wanting one logit row, is made a two-row one, the row repeated and the
+  copy's results dropped (the copy writes its K/V one row past the sequence's end, which the next
+  step overwrites before any row reads it);
+- the portable attention attends over the rows the batch's longest sequence sees, so a
+  sequence's sums run over more masked columns when a longer one shares its step;
+- the portable attention and ONNX Runtime's own ``GroupQueryAttention`` (what the target's
+  attention is lowered to, ``plugins/block_attention/ort_contrib.py``) round differently, and
+  ``GroupQueryAttention`` takes several new rows over a past only for one sequence.
+
+So every graph runs one sequence per call, lowered: each sequence has its own caches (its own
+``IOBinding``), and a step of ``B`` sequences is ``B`` calls into shared input and output buffers.
+A sequence then computes exactly what it computes alone, at any batch size and with any
+neighbours (``tests/test_batch_invariance.py``); the cost is that the weights are read once per
+sequence rather than once per step (README, "Batching on the CPU").
+
+The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each call binds the same
+value as the cache input and the cache output, so ONNX Runtime updates them in place and nothing
+copies them. The other outputs are written into buffers kept per shape: a returned tensor is valid
+until the next call of the same step with the same shape.
 
 Quantized engines (``build --weights``) run with ONNX Runtime's fastest CPU path for them: each
 ``DequantizeLinear -> MatMul`` fused into ``MatMulNBits`` with ``accuracy_level`` 4 (activations
-quantized to int8 per block and row). A row's result must not depend on how many rows share the
-call, or greedy speculative output (k + 1 rows per verify step) would differ from target-only
-output (1 row per step). Measured on ORT 1.32 (``tests/test_quantize.py``, and
-single MatMuls up to 576 x 49152): every accuracy level (0, 1, 2, 4), the fusion disabled, and even
-plain fp32 MatMul give a row bit-identical results in any call of 2 or more rows, and a slightly
-different one (~1e-6, which int8 activations can grow to 0.85 in a logit of the demo's gguf
-engine) in a call of exactly one row, which takes its own kernel. So on every
-engine, float ones included, a one-row call (batch 1, one input row or one logit row) is made a
-two-row call: the row repeated, the copy's results dropped. The copy writes its K/V one row past
-the sequence's end, which the next step overwrites before any row reads it.
-
-At batch 1 the graphs run rewritten in memory: the target's attention and rotary embedding in ONNX
-Runtime's own ``GroupQueryAttention`` kernel, the draft's block attention over the rows it sees with
-its caches written in place (``_session``).
+quantized to int8 per block and row, so a row's result is its own).
 """
 from __future__ import annotations
 
@@ -37,14 +48,19 @@ from .engine_backend import EngineBackend, damaged
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+
+
 class OrtBackend(EngineBackend):
     # the loop's torch work between calls is small (argmax / sampling over a few rows); on more
     # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
     host_threads = 1
+    # sequences run one per call, so a batch is no faster than its prompts one after another
+    # (README, "Batching on the CPU"), and a batch of one ends with its own prompt
+    default_batch = 1
 
     def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True):
         """``threads``: ONNX Runtime's intra-op threads (None: all cores); ``lower`` False runs the
-        graphs as the engine holds them at batch 1 too (to compare the two forms)."""
+        graphs as the engine holds them (to compare the two forms)."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
@@ -58,14 +74,11 @@ class OrtBackend(EngineBackend):
         decoder = m["target"]["decoder"]
         self._rotary = rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"],
                                      m["limits"]["max_seq_len"])
-        # (graph, lowered) -> session; the batch-1 sessions load, or fail, now
-        self._sessions = {}
-        self.lowered: dict[str, bool] = {}   # graph -> whether it runs lowered at batch 1
+        self.sessions, self.lowered = {}, {}   # graph -> its session, and whether it runs lowered
         for name in m["graphs"]:
             session = self._load(name, lowered=True) if lower else None
             self.lowered[name] = session is not None
-            self._sessions[name, session is not None] = session or self._load(name, lowered=False)
-        self.sessions = {name: self._session(name, 1) for name in m["graphs"]}
+            self.sessions[name] = session or self._load(name, lowered=False)
 
     def _options(self):
         import onnxruntime as ort
@@ -82,22 +95,11 @@ class OrtBackend(EngineBackend):
             options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
         return options
 
-    def _session(self, graph: str, batch: int):
-        """``graph``'s session for ``batch`` sequences. At batch 1 it runs the graph lowered
-        (``plugins/block_attention/ort_contrib.py``): the target's causal attention, with the
-        rotations before it, is one GroupQueryAttention where the portable body is many small ops
-        (the demo target's two-row step: 18.0 -> 14.6 ms), and the draft's block attention no
-        longer copies its caches (demo draft step 3.7 -> 3.0 ms). GroupQueryAttention takes several
-        new rows over a past only at batch 1, and the draft's form slices the caches at one
-        ``start`` for all sequences, so larger batches run the portable graph, in a second session
-        (its own copy of the pre-packed weights) made when the first such batch starts."""
-        key = (graph, batch == 1 and self.lowered[graph])
-        if key not in self._sessions:
-            self._sessions[key] = self._load(graph, lowered=False)
-        return self._sessions[key]
-
     def _load(self, graph: str, lowered: bool):
-        """A session of ``graph`` as the engine holds it, or lowered (None: nothing to lower)."""
+        """A session of ``graph`` as the engine holds it, or lowered (None: nothing to lower).
+        The lowered form (the target's attention as ``GroupQueryAttention``: the demo target's
+        two-row step 18.0 -> 14.6 ms; the draft's block attention without copying its caches:
+        3.7 -> 3.0 ms) holds for one sequence per call, which is how every graph runs here."""
         import onnxruntime as ort
 
         path = self.file(self.manifest["graphs"][graph]["file"])
@@ -109,42 +111,50 @@ class OrtBackend(EngineBackend):
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
-        """Fresh zeroed caches for ``batch`` sequences, bound in place to both graphs."""
+        """Fresh zeroed caches for each of ``batch`` sequences, bound in place to both graphs:
+        ``bindings[b][graph]`` is sequence ``b``'s."""
         import onnxruntime as ort
 
         self.limits.check_batch(batch)
-        self.bindings = {}
-        self.sessions = {name: self._session(name, batch) for name in self.manifest["graphs"]}
-        for name, session in self.sessions.items():
-            caches = [t for t in self.manifest["graphs"][name]["inputs"] if is_cache(t["name"])]
-            binding = session.io_binding()
-            for cache in caches:
-                shape = [batch if s == "batch" else s for s in cache["shape"]]
-                value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
-                binding.bind_ortvalue_input(cache["name"], value)
-                binding.bind_ortvalue_output(cache_output(cache["name"]), value)
-            self.bindings[name] = binding
+        self.bindings = []
+        for _ in range(batch):
+            bindings = {}
+            for name, session in self.sessions.items():
+                binding = session.io_binding()
+                for cache in self.manifest["graphs"][name]["inputs"]:
+                    if is_cache(cache["name"]):
+                        shape = [1 if s == "batch" else s for s in cache["shape"]]
+                        value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
+                        binding.bind_ortvalue_input(cache["name"], value)
+                        binding.bind_ortvalue_output(cache_output(cache["name"]), value)
+                bindings[name] = binding
+            self.bindings.append(bindings)
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
 
     def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...],
              sizes: dict[str, int]):
-        """Copy ``feeds`` into this shape's bound input buffers, run, and return the output
-        buffers as tensors. Buffers are made and bound once per shape; a step that repeats the
-        previous shape (every decode step) only copies its small inputs."""
+        """Copy ``feeds [B, ...]`` into this shape's input buffers, run each sequence on its rows
+        of them, and return the output buffers as tensors. Buffers are made and bound once per
+        shape; a step that repeats the previous shape (every decode step) only copies its small
+        inputs."""
         key = (graph, *sizes.values())
         if key not in self._buffers:
             self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
         inputs, results = self._buffers[key]
-        binding = self.bindings[graph]
         if self._bound.get(graph) != key:
-            for name, buffer in (*inputs.items(), *zip(outputs, results)):
-                bind = binding.bind_input if name in inputs else binding.bind_output
-                bind(name, "cpu", 0, buffer.dtype, buffer.shape, buffer.ctypes.data)
+            for sequence, bindings in enumerate(self.bindings):
+                binding = bindings[graph]
+                for name, buffer in (*inputs.items(), *zip(outputs, results)):
+                    bind = binding.bind_input if name in inputs else binding.bind_output
+                    bind(name, "cpu", 0, buffer.dtype, [1, *buffer.shape[1:]],
+                         buffer.ctypes.data + sequence * buffer.strides[0])
             self._bound[graph] = key
         for name, tensor in feeds.items():
             np.copyto(inputs[name], tensor.numpy(), casting="same_kind")
-        self.sessions[graph].run_with_iobinding(binding)
+        session = self.sessions[graph]
+        for bindings in self.bindings:
+            session.run_with_iobinding(bindings[graph])
         return [torch.from_numpy(buffer) for buffer in results]
 
     def _make_buffers(self, graph, feeds, outputs, sizes):
@@ -160,7 +170,7 @@ class OrtBackend(EngineBackend):
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
-        if batch == 1 and int(start[0]) + 1 < self.limits.capacity:
+        if int(start.max()) + 1 < self.limits.capacity:
             # one-row calls take another kernel path (module docstring): made two-row calls
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
             logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows

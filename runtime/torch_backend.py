@@ -30,7 +30,7 @@ class TorchBackend:
         self.target, self.draft = target, draft
         self.limits = BackendLimits.from_modules(target, draft, capacity, max_batch, max_prompt_chunk,
                                           confidence_threshold)
-        self.host_threads = None
+        self.host_threads = self.default_batch = None
         self.graphs = self.caches = None
         if cuda_graphs:
             from .cuda_graphs import Caches, GraphCache

@@ -11,9 +11,17 @@ def test_bench_reports_and_plots(engine_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in ("the cat", "two plus two", "hi")))
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     bench.main(["--engine", str(engine), "--prompts-file", str(prompts), "--limit", "2",
-                "--max-new-tokens", "16", "--prompt-lookup", "3", "--out", str(out), "--plot", str(plot)])
+                "--max-new-tokens", "16", "--prompt-lookup", "3", "--repeat", "2", "--out", str(out),
+                "--plot", str(plot)])
     report = json.loads(out.read_text())
-    assert report["prompts"] == 2
+    assert report["prompts"] == 2 and report["repeat"] == 2
+    # the engine's modes: a figure per pass, their median reported, ratios with their spread
+    for name in ("speculative", "target_only"):
+        per_pass = report["runs"][name]["tokens_per_second_per_pass"]
+        assert len(per_pass) == 2 and report["runs"][name]["tokens_per_second"] == sum(per_pass) / 2
+    for name, ratio in report["ratios"].items():
+        low, high = report["ratio_spread"][name]
+        assert low <= ratio <= high
     runs = report["runs"]
     assert set(runs) == {"speculative", "target_only", "transformers", "transformers_prompt_lookup"}
     assert all(r["tokens"] > 0 and r["tokens_per_second"] > 0 for r in runs.values())

@@ -38,6 +38,10 @@ def test_build_writes_the_engine_directory(built, capsys):
     assert "k = 3 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
     assert "draft parts: fc float32, hidden_norm float32, rest float32" in text
     assert "D2T" not in text
+    # the caches of every layer in one line per graph and direction, not one line each
+    layers = manifest["target"]["decoder"]["num_layers"]
+    assert f"k_cache_0 .. v_cache_{layers - 1}: {2 * layers} caches" in text
+    assert sum("cache" in line for line in text.splitlines()) == 4
 
 
 def test_build_summary_lists_files(tiny, tmp_path, capsys):
@@ -98,9 +102,15 @@ def test_verification_failure_names_the_graph(tiny, tmp_path, monkeypatch):
         _build(target, draft, tmp_path / "e")
 
 
-def test_inspect_refuses_a_directory_without_manifest(tmp_path):
+def test_inspect_refuses_a_directory_without_manifest(tiny, tmp_path):
     with pytest.raises(SystemExit, match="manifest.json: missing"):
         cli.main(["inspect", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"error: {tmp_path / 'nowhere'}: no such engine directory$"):
+        cli.main(["inspect", str(tmp_path / "nowhere")])
+    target, _ = tiny()
+    with pytest.raises(SystemExit, match="a model checkpoint .config.json., not an engine directory; "
+                                         "build an engine from checkpoints with .* --out engines/NAME"):
+        cli.main(["inspect", str(target)])
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
     with pytest.raises(SystemExit, match="schema_version 99 is newer"):
         cli.main(["inspect", str(tmp_path)])

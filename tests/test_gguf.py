@@ -63,7 +63,7 @@ def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2):
     assert result.stats.tau > 1.5, result.stats   # measured 1.95 at k = 4; a random draft: 1.0
 
 
-def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
+def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path, capsys):
     """The demo engine keeps the GGUF file's own blocks (``demo_pair.WEIGHTS``), its draft rounded
     to int4 (a draft has no GGUF file), and runs them as
     llama.cpp does, activations rounded to int8 per block: its target agrees with transformers' fp32
@@ -71,8 +71,9 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
     in llama.cpp), speculative output equals its own target-only output, and drafts are accepted."""
     gguf, _, _, ids, expected = smollm2
     out = tmp_path / "engine"
-    cli.main(["build", "--out", str(out), "--max-batch", "1", "--max-seq-len", "192",
+    cli.main(["build", "--out", str(out), "--max-batch", "4", "--max-seq-len", "192",
               "--max-prompt-chunk", "64", "--quiet"])
+    assert f"k = {demo_pair.K} drafts per step (from the demo pair's default)" in capsys.readouterr().out
     built = json.loads((out / "manifest.json").read_text())
     draft = built["draft"]
     assert draft["k"] == demo_pair.K and draft["confidence_threshold"] == demo_pair.CONFIDENCE_THRESHOLD
@@ -80,10 +81,14 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path):
     assert built["weights"]["draft"] == quantize.GGUF_DRAFT == "int4" and demo_pair.QUANTIZE_DRAFT
     generator = Generator.from_engine(out)
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
-    result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1)
     target_only = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1, speculative=False)
-    assert result.token_ids == target_only.token_ids
-    assert result.stats.tau > 1.3        # measured 1.41 (confidence 0.6 cuts drafts); random: 1.0
+    for batch_size in (1, 2, 4):   # ragged batches: each answer as it is alone, speculative or not
+        result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=batch_size)
+        assert result.token_ids == target_only.token_ids, batch_size
+        assert result.stats.tau > 1.3        # measured 1.41 (confidence 0.6 cuts drafts); random: 1.0
+        if batch_size > 1:
+            assert generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=batch_size,
+                                      speculative=False).token_ids == target_only.token_ids
 
     backend, agree, total = generator.backend, 0, 0
     for prompt, answer in zip(ids, expected):

@@ -56,18 +56,19 @@ def test_the_limits_read_from_the_manifest_are_the_modules_own(case):
 
 
 def test_caches_are_bound_in_place(case):
-    """Each cache is one buffer bound as input and output: after a step the outputs are the very
-    buffers bound in start(), holding the new rows."""
+    """Each sequence's caches are buffers of its own, each bound as input and output: after a step
+    the outputs are the very buffers bound in start(), each sequence's holding its new rows."""
     backend, _ = case
     backend.start(2)
-    binding = backend.bindings["target"]
     count = sum(is_cache(t["name"]) for t in backend.manifest["graphs"]["target"]["inputs"])
-    before = [v.data_ptr() for v in binding.get_outputs()[:count]]
+    before = [[v.data_ptr() for v in bindings["target"].get_outputs()[:count]]
+              for bindings in backend.bindings]
     backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]), torch.tensor([[2], [0]]))
-    after = binding.get_outputs()[:count]
-    assert [v.data_ptr() for v in after] == before
-    k0 = after[0].numpy()
-    assert abs(k0[1, :, 4:7]).sum() > 0 and abs(k0[1, :, :4]).sum() == 0  # row 1 wrote at its start
+    after = [bindings["target"].get_outputs()[:count] for bindings in backend.bindings]
+    assert [[v.data_ptr() for v in values] for values in after] == before
+    assert len({pointer for pointers in before for pointer in pointers}) == 2 * count
+    k0 = after[1][0].numpy()
+    assert abs(k0[0, :, 4:7]).sum() > 0 and abs(k0[0, :, :4]).sum() == 0  # sequence 1 wrote at its start
 
 
 def test_engine_limits_are_enforced(case):

@@ -59,8 +59,8 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
         torch.testing.assert_close(logits, logits_p, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(aux, aux_p, rtol=1e-4, atol=1e-4)
         position += rows
-    caches = [v.numpy()[:, :, :position] for v in lowered.bindings["target"].get_outputs()[:4]]
-    caches_p = [v.numpy()[:, :, :position] for v in portable.bindings["target"].get_outputs()[:4]]
+    caches = [v.numpy()[:, :, :position] for v in lowered.bindings[0]["target"].get_outputs()[:4]]
+    caches_p = [v.numpy()[:, :, :position] for v in portable.bindings[0]["target"].get_outputs()[:4]]
     assert all(np.abs(c).sum() > 0 for c in caches)
     for cache, cache_p in zip(caches, caches_p):
         np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
@@ -85,7 +85,8 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
             context = (aux[:, seen:seen + rows], torch.tensor([seen]), torch.tensor([rows]))
             steps.append(backend.draft_step(*context, ids[:, seen + rows], torch.ones(1), noise[index]))
             seen += rows
-        bound = backend.bindings["draft"].get_outputs()[:2 * draft["decoder"]["num_layers"]]   # bound first
+        # the caches are bound first
+        bound = backend.bindings[0]["draft"].get_outputs()[:2 * draft["decoder"]["num_layers"]]
         caches = [v.numpy()[:, :, :seen].copy() for v in bound]
         results.append((steps, caches))
     (steps, caches), (steps_p, caches_p) = results

@@ -234,32 +234,41 @@ def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypa
               progress=False)
 
 
-def _logits(backend, prompt, tokens, split):
+def _logits(backend, prompt, tokens, split, neighbours=()):
     """The target's logits at the positions of ``tokens`` after ``prompt``, fed ``split`` rows
-    per call."""
-    backend.start(1)
-    backend.target_step(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([[len(prompt) - 1]]))
-    position, rows = len(prompt), []
+    per call, as sequence 0 of a batch whose other sequences are ``neighbours`` (prompts fed the
+    same number of rows of their own)."""
+    prompts = [prompt, *neighbours]
+    backend.start(len(prompts))
+    padded = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for b, ids in enumerate(prompts):
+        padded[b, :len(ids)] = torch.tensor(ids)
+    ends = torch.tensor([len(ids) for ids in prompts])
+    backend.target_step(padded, torch.zeros(len(prompts), dtype=torch.long), (ends - 1)[:, None])
+    position, rows = ends, []
     for count in split:
-        chunk = tokens[:count]
+        chunk = torch.tensor(tokens[:count]).expand(len(prompts), count)
         tokens = tokens[count:]
-        logits, _ = backend.target_step(torch.tensor([chunk]), torch.tensor([position]),
-                                        torch.arange(count)[None])
+        logits, _ = backend.target_step(chunk, position, torch.arange(count).expand(len(prompts), count))
         rows.append(logits[0].clone())
-        position += count
+        position = position + count
     return torch.cat(rows)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8", "float"])
-def test_a_rows_logits_do_not_depend_on_how_many_rows_share_the_call(engines, weights):
+def test_a_rows_logits_do_not_depend_on_its_call(engines, weights):
     """What the greedy invariant needs: a verify step's k + 1 rows give each row the logits that
-    target-only decoding's one-row steps give it, bit for bit (on float weights too: ONNX
-    Runtime's one-row MatMul is another kernel there as well)."""
+    target-only decoding's one-row steps give it, and a sequence in a ragged batch the logits it
+    has alone, bit for bit (on float weights too: ONNX Runtime's one-row MatMul is another kernel
+    there as well, and its portable attention sums over the batch's longest sequence)."""
     backend = OrtBackend(engines(weights)[0])
     tokens = [20, 31, 42, 17, 60]
-    verify = _logits(backend, PROMPTS[0], tokens, [5])
+    alone = _logits(backend, PROMPTS[0], tokens, [5])
     for split in ([1] * 5, [2, 3], [4, 1]):
-        assert torch.equal(_logits(backend, PROMPTS[0], tokens, split), verify), split
+        assert torch.equal(_logits(backend, PROMPTS[0], tokens, split), alone), split
+        for neighbours in (PROMPTS[1:], PROMPTS[2:], PROMPTS[:1]):   # longer, shorter, the same
+            batched = _logits(backend, PROMPTS[0], tokens, split, neighbours)
+            assert torch.equal(batched, alone), (split, neighbours)
 
 
 class OracleDrafts(OrtBackend):
@@ -281,17 +290,22 @@ class OracleDrafts(OrtBackend):
         return tokens, q
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_greedy_speculative_equals_target_only_on_a_quantized_engine(engines, weights):
+@pytest.mark.parametrize("weights", ["int4", "int8", "float"])
+def test_greedy_speculative_equals_target_only_at_every_batch_size(engines, weights):
+    """On every weight format, at batch 1 .. max_batch with ragged prompts: speculative output
+    (drafts accepted, so that verify steps carry several rows) equals target-only output, and a
+    prompt's output in a batch equals its output alone."""
     out = engines(weights)[0]
-    target_only = generate(OrtBackend(out), PROMPTS, max_new_tokens=40, speculative=False).token_ids
-    assert generate(OrtBackend(out), PROMPTS[:1], max_new_tokens=40).token_ids == target_only[:1]
-    for prompts in (PROMPTS[:1], PROMPTS):
-        expected = target_only[:len(prompts)]
+    alone = [generate(OrtBackend(out), [p], max_new_tokens=40, speculative=False).token_ids[0]
+             for p in PROMPTS]
+    for batch in range(1, LIMITS.max_batch + 1):
+        prompts = PROMPTS[-batch:]     # the longest prompt with the shorter ones
+        expected = alone[-batch:]
+        assert generate(OrtBackend(out), prompts, max_new_tokens=40, speculative=False).token_ids == expected
         result = generate(OracleDrafts(out, prompts, expected), prompts, max_new_tokens=40)
-        assert result.token_ids == expected
+        assert result.token_ids == expected, batch
         accepted = [r["accepted"] for r in result.trace if r["step"] > 0]
-        assert max(accepted) == manifest.read(out)["draft"]["k"] and sum(accepted) > 20
+        assert max(accepted) == manifest.read(out)["draft"]["k"] and sum(accepted) > 10 * batch
 
 
 @pytest.mark.parametrize("flags, words", [
