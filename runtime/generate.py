@@ -143,8 +143,8 @@ def prepare(args):
         prompts = read_prompts(args)
         from .generator import Generator
 
-        # a few seconds of ONNX Runtime preparing the graphs: say what is happening
-        print(f"loading {args.engine} ({args.backend} backend) ...", file=sys.stderr, flush=True)
+        if sys.stderr.isatty():   # a few seconds of ONNX Runtime preparing the graphs: say so
+            print(f"loading {args.engine} ({args.backend} backend) ...", file=sys.stderr, flush=True)
         generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
