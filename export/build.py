@@ -134,6 +134,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             described[name] = _describe(module, confidence_threshold)
             trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
                                             draft_config.block_size, generator)
+            if name == "target":
+                verify = _with_context(module, verify, quantize.held_out_texts(tokenizer, 256))
             phase(f"{name}: export")
             path = export_graph(module, spec, trace, limits, out, opset)
             del trace
@@ -289,12 +291,13 @@ def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
     others and from 1, which torch.export would otherwise take for a constant or for a link between
     axes.
 
-    The caches are zeros, so the verified rows start near the front of them: behind a long run of
-    zero K/V rows, which every query attends to with score 0 and which no real run has, the
-    attention output shrinks towards zero and rounding dominates. There an fp32 run with its
-    weights merely rounded to fp16 moves the demo target's logits by 6% (relative), and the fp16
-    PyTorch reference is 10% off fp32, where with caches from a real prefill at the same positions
-    both are within 0.2%; rows from position 0 .. ``rows`` are 0.7% off."""
+    The caches are zeros. The target's verified rows start near the front of them, where
+    ``_with_context`` writes real rows before them: behind a long run of zero K/V rows, which
+    every query attends to with score 0 and which no real run has, the attention output shrinks
+    towards zero and rounding dominates (an fp32 run with its weights merely rounded to fp16 moved
+    the demo target's logits by 6%, relative, and the fp16 PyTorch reference was 10% off fp32).
+    Far positions are the trace's, and the draft's (its block attends to its rows, not only to
+    zeros)."""
     capacity, sets = limits.max_seq_len, []
     for purpose, batch, rows, logit_rows in (("trace", 2, 3, 4), ("verify", min(3, limits.max_batch), 5, 2)):
         rows = min(rows, limits.max_prompt_chunk) if purpose == "verify" else rows
@@ -302,16 +305,42 @@ def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
             raise ValueError(f"--max-seq-len {capacity}: too small to hold a prompt chunk and a "
                              f"draft block of {block}")
         sizes = {"batch": batch, "rows": rows, "ctx_rows": rows, "logit_rows": logit_rows}
-        starts = capacity - rows - block + 1   # draws below this fit a block after the rows
-        starts = starts if purpose == "trace" else min(rows + 1, starts)
-        high = {"input_ids": vocab, "start": starts + block, "logit_rows": rows,
-                "ctx_start": starts, "ctx_count": rows + 1, "anchor": vocab}
+        far = capacity - rows + 1
+        high = {"input_ids": vocab, "start": far if purpose == "trace" else min(far, 2 * rows),
+                "logit_rows": rows, "ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1,
+                "anchor": vocab}
         inputs = sample_inputs(spec, sizes, generator, high)
         if "noise" in inputs:
             inputs["temperature"] = torch.ones(batch)
             inputs["noise"] = torch.zeros_like(inputs["noise"])  # greedy: tokens compare exactly
         sets.append(inputs)
     return sets[0], sets[1]
+
+
+def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | None) -> dict:
+    """The target's verify ``inputs`` as a run has them: each sequence's rows are real text
+    (``texts``, token ids; kept random where there is none), and the cache rows before its
+    ``start`` hold that text's beginning, written by the target itself in one prefill call from
+    position 0 (the rows it writes past a sequence's start are scratch, which the verified rows
+    overwrite or no query sees). On random ids a real model's activations are unlike any run's:
+    the demo target's fp16 module was 2.5% off fp32 there, 0.5% on text."""
+    caches = [name for name in inputs if manifest_file.is_cache(name)]
+    start, ids = inputs["start"], inputs["input_ids"].clone()
+    batch, rows = ids.shape
+    longest = int(start.max())
+    prefix = torch.zeros(batch, longest, dtype=torch.long)
+    usable = [text for text in texts or () if len(text) >= longest + rows]
+    for b in range(batch if usable else 0):
+        text = torch.tensor(usable[b % len(usable)])
+        prefix[b] = text[:longest]
+        ids[b] = text[int(start[b]):int(start[b]) + rows]
+    inputs = {**inputs, "input_ids": ids}
+    if longest == 0:
+        return inputs
+    first = torch.zeros(batch, 1, dtype=torch.long)
+    with torch.no_grad():
+        written = target(prefix, first[:, 0], first, *(inputs[name] for name in caches))[2:]
+    return {**inputs, **dict(zip(caches, written))}
 
 
 def _tool_versions() -> dict[str, str]:
