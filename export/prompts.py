@@ -43,10 +43,17 @@ def utf8_text(data: bytes, source: str) -> str:
                          f"UTF-8") from None
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
-    """Token ids of a user message, through the chat template when the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, chat_template: bool = True,
+                  system: str | None = None) -> list[int]:
+    """Token ids of a user message (after a ``system`` message, which needs the chat template),
+    through the chat template when the tokenizer has one."""
+    messages = [{"role": "user", "content": text}]
+    if system is not None:
+        if not (chat_template and tokenizer.chat_template):
+            raise ValueError("--system: needs the tokenizer's chat template (the engine's tokenizer has "
+                             "none, or --no-chat-template was given)")
+        messages.insert(0, {"role": "system", "content": system})
     if chat_template and tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  add_generation_prompt=True, tokenize=True,
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     return tokenizer.encode(text, add_special_tokens=False)

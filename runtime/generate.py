@@ -27,6 +27,7 @@ EXPECTED = {
     "max_new_tokens": (lambda v: v >= 1, "at least 1"),
     "temperature": (lambda v: 0 <= v < math.inf, "a finite number, at least 0 (0 is greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "more than 0 and at most 1"),
+    "top_k": (lambda v: v >= 0, "at least 0 (0: every token)"),
     "confidence_threshold": (lambda v: 0 <= v <= 1, "0 (verify every draft) .. 1"),
     "prompt_lookup": (lambda v: v >= 0, "at least 0 (0: off)"),
 }
@@ -51,9 +52,14 @@ def parser():
     p.add_argument("--limit", type=int, help="use only the first N prompts (after --skip)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize prompts as they are instead of through the chat template")
+    p.add_argument("--system", metavar="TEXT", help="a system message before each prompt (chat template)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a sequence at this text, which is not printed (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="[128]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K most likely tokens only, before --top-p; 0: all [0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
     p.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="verify drafts only up to the first whose top draft probability is below P; "
@@ -151,8 +157,9 @@ def prepare(args):
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
         decodings = generator.decodings(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, seed=args.seed, speculative=not args.no_spec,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
             confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
+            system=args.system, stop=args.stop,
             batch_size=1 if args.stream else args.batch_size)
     except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None

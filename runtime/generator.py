@@ -11,6 +11,7 @@ from .backends import open_backend
 from .engine_backend import damaged
 from .speculative import Decoding, PhaseTimes
 from .stats import SpecStats
+from .stop_strings import StopStrings
 
 
 @dataclass
@@ -40,31 +41,37 @@ class Generator:
         backend = open_backend(engine, backend, threads)
         return cls(backend, _tokenizer(engine / manifest_file.read(engine)["tokenizer"]))
 
-    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
-        """Token ids of a user prompt, through the chat template when the tokenizer has one."""
-        return encode_prompt(self.tokenizer, prompt, chat_template)
+    def encode(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
+        """Token ids of a user prompt (after a ``system`` message), through the chat template when
+        the tokenizer has one."""
+        return encode_prompt(self.tokenizer, prompt, chat_template, system)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decodings(self, prompts: list[str], *, chat_template: bool = True,
-                  batch_size: int | None = None, **options) -> list[Decoding]:
+                  batch_size: int | None = None, system: str | None = None,
+                  stop: list[str] | tuple[str, ...] = (), **options) -> list[Decoding]:
         """One ``Decoding`` per batch of at most ``batch_size`` prompts (by default the backend's
         ``default_batch``, else the engine's maximum), none started yet: every batch is checked
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``seed``, ``speculative``, ``confidence_threshold``
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``speculative``, ``confidence_threshold``;
+        ``system`` is a system message before each prompt, and a sequence ends at the first of the
+        ``stop`` strings, its text before it
         (``Decoding``'s)."""
         max_batch = self.backend.limits.max_batch
         size = batch_size if batch_size is not None else self.backend.default_batch or max_batch
         if not 1 <= size <= max_batch:
             raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
                              f"--max-batch)")
-        ids = [self.encode(p, chat_template) for p in prompts]
+        ids = [self.encode(p, chat_template, system) for p in prompts]
+        stops = StopStrings(list(stop), self.decode) if stop else None
         names = [f"prompt {i + 1} ({p if len(p) <= 40 else p[:37] + '...'!r})"
                  for i, p in enumerate(prompts)]
         options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
-        return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size], **options)
+        return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size],
+                         stop=stops, **options)
                 for begin in range(0, len(ids), size)]
 
     def generate(self, prompts: str | list[str], **options) -> Generation:
@@ -77,16 +84,21 @@ class Generator:
 
     def collect(self, decodings: list[Decoding]) -> Generation:
         """One ``Generation`` from batches run so far (finished or not)."""
-        token_ids, trace, times = [], [], PhaseTimes()
+        token_ids, texts, trace, times = [], [], [], PhaseTimes()
         stats = SpecStats(k=decodings[0].result.stats.k if decodings else 0)
         for decoding in decodings:
             result = decoding.result
             trace += [{**r, "sequence": r["sequence"] + len(token_ids)} for r in result.trace]
             token_ids += result.token_ids
+            texts += [self._text(decoding, ids) for ids in result.token_ids]
             stats.merge(result.stats)
             for f in fields(PhaseTimes):
                 setattr(times, f.name, getattr(times, f.name) + getattr(result.times, f.name))
-        return Generation([self.decode(ids) for ids in token_ids], token_ids, stats, times, trace)
+        return Generation(texts, token_ids, stats, times, trace)
+
+    def _text(self, decoding: Decoding, ids: list[int]) -> str:
+        text = self.decode(ids)
+        return decoding.stop.cut(text) if decoding.stop else text
 
     def stream(self, prompt: str, **options) -> Iterator[str]:
         """The text of one prompt's continuation, piece by piece as drafts are accepted (options as
@@ -100,9 +112,14 @@ class Generator:
         shown = ""
         for _ in decoding:
             text = self.decode(decoding.result.token_ids[0])
+            if decoding.stop:   # what a stop string forming at the end may still take back waits
+                text = decoding.stop.settled(text)
             if text.startswith(shown) and not text.endswith("\ufffd"):  # wait for whole characters
                 yield text[len(shown):]
                 shown = text
+        rest = self._text(decoding, decoding.result.token_ids[0])   # what was held back
+        if rest.startswith(shown) and len(rest) > len(shown):
+            yield rest[len(shown):]
 
 
 def _tokenizer(directory: Path):

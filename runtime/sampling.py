@@ -4,9 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """``softmax(logits / temperature)`` in fp32, restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                  top_k: int = 0) -> torch.Tensor:
+    """``softmax(logits / temperature)`` in fp32, restricted to the ``top_k`` most likely ids
+    (0: all; ties at the k-th value all stay), then to the top-p nucleus: ``transformers``'
+    order."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    probs = torch.softmax(scaled, dim=-1)
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -28,11 +35,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
-               generator: torch.Generator) -> torch.Tensor:
+               generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
     """Greedy (``temperature == 0``) or sampled next token of each row of ``logits [..., V]``."""
     if temperature == 0:
         return logits.argmax(-1)
-    return draw(probabilities(logits, temperature, top_p), generator)
+    return draw(probabilities(logits, temperature, top_p, top_k), generator)
 
 
 def gumbel_noise(shape, generator: torch.Generator) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from .backend import Backend, capacity_needed
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import SpecStats
+from .stop_strings import StopStrings
 from .verify import greedy_verify, rejection_verify
 
 
@@ -116,18 +117,21 @@ class Decoding:
     """One batch being generated. Iterate it to receive each step's ``Emission``s as they are
     accepted; ``result`` holds everything generated so far, also after an interruption.
 
-    A sequence stops at its first EOS (kept in the output) or after ``max_new_tokens``.
+    A sequence stops at its first EOS (kept in the output), at the token that completes one of
+    the ``stop`` strings, or after ``max_new_tokens``.
     ``temperature == 0`` is greedy: the output is exactly the target's own greedy output.
-    Otherwise it is distributed as the target's sampling distribution (with ``top_p``).
+    Otherwise it is distributed as the target's sampling distribution (with ``top_k`` and
+    ``top_p``, as ``transformers`` applies them).
     ``confidence_threshold`` (default: the backend's, which an engine records at build; 0 verifies
     all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
     the target spends no verify rows on drafts that are unlikely to be accepted. ``names`` label the
     prompts in errors (``prompt 1``, ... by default)."""
 
     def __init__(self, backend: Backend, prompts: list[list[int]], *, max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_ids=(),
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 eos_token_ids=(),
                  speculative: bool = True, confidence_threshold: float | None = None,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, stop: StopStrings | None = None):
         if not prompts:
             raise ValueError("no prompts: expected at least one")
         if max_new_tokens < 1:
@@ -137,6 +141,8 @@ class Decoding:
                              f"(0 is greedy)")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p {top_p}: expected more than 0 and at most 1")
+        if not (isinstance(top_k, int) and top_k >= 0):
+            raise ValueError(f"top_k {top_k}: expected a whole number, at least 0 (0: every token)")
         if confidence_threshold is None:
             confidence_threshold = backend.limits.confidence_threshold
         if not 0 <= confidence_threshold <= 1:
@@ -147,24 +153,26 @@ class Decoding:
         _check_capacity(backend, prompts, max_new_tokens, self.speculative,
                         names or [f"prompt {i + 1}" for i in range(len(prompts))])
         self.backend, self.prompts = backend, prompts
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (max_new_tokens, temperature,
+                                                                         top_p, top_k)
         self.greedy = temperature == 0
         # tensors live where the backend computes; one host copy per step brings the tokens back
         self.device = backend.device
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.eos = set(eos_token_ids)
+        self.eos, self.stop = set(eos_token_ids), stop
         self.result = GenerationResult([[] for _ in prompts],
                                        SpecStats(k=backend.limits.k if self.speculative else 0))
 
     def _emit(self, b: int, tokens: list[int], record: dict) -> Emission:
-        """Append ``tokens`` to sequence ``b`` up to its first EOS or its budget."""
+        """Append ``tokens`` to sequence ``b`` up to its first EOS, stop string or its budget."""
         out = self.result.token_ids[b]
-        before = len(out)
+        before, stopped = len(out), False
         for token in tokens[: self.max_new_tokens - before]:
             out.append(token)
-            if token in self.eos:
+            stopped = self.stop is not None and self.stop.reached(out)
+            if token in self.eos or stopped:
                 break
-        finished = len(out) >= self.max_new_tokens or out[-1] in self.eos
+        finished = len(out) >= self.max_new_tokens or out[-1] in self.eos or stopped
         self.result.trace.append({"sequence": b, **record, "emitted": out[before:]})
         return Emission(b, out[before:], finished)
 
@@ -212,7 +220,7 @@ class Decoding:
         self.backend.start(len(self.prompts))
         with self.result.times.measure("prefill"):
             last_logits, context = _prefill(self.backend, self.prompts, lengths, self.speculative)
-        anchor = next_token(last_logits, self.temperature, self.top_p, self.generator)
+        anchor = next_token(last_logits, self.temperature, self.top_p, self.generator, self.top_k)
         emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
                      for b, token in enumerate(anchor.tolist())]
         return Cursor(*context, anchor, lengths.clone(), lengths.tolist()), inputs, emissions
@@ -238,12 +246,12 @@ class Decoding:
         with self.result.times.measure("verify"):
             logits, aux = self.backend.target_step(block, cursor.anchor_pos, rows)
         if not self.speculative:
-            emitted = next_token(logits, self.temperature, self.top_p, self.generator)
+            emitted = next_token(logits, self.temperature, self.top_p, self.generator, self.top_k)
             return Verdict(proposal.limit, emitted, aux)
         if self.greedy:
             accepted, emitted = greedy_verify(proposal.drafts, logits, proposal.limit)
         else:
-            p = probabilities(logits, self.temperature, self.top_p)
+            p = probabilities(logits, self.temperature, self.top_p, self.top_k)
             accepted, emitted = rejection_verify(proposal.drafts, proposal.q, p, self.generator,
                                                  proposal.limit)
         return Verdict(accepted, emitted, aux)

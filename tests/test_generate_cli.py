@@ -210,3 +210,38 @@ def test_console_scripts_are_installed(script):
     path = Path(sys.executable).parent / script
     done = subprocess.run([str(path), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "usage:" in done.stdout
+
+
+def test_a_stop_string_ends_the_sequence_and_its_text_before_it(generator):
+    """A stop string that spans tokens, and steps that emit several tokens at once: the sequence
+    ends at the token that completes it (speculative or not), its text and its stream end before
+    it, and nothing after it is generated."""
+    prompt = PROMPTS[1]
+    full = generator.generate(prompt, max_new_tokens=24)
+    text, ids = full.texts[0], full.token_ids[0]
+    middle = len(generator.decode(ids[:12]))
+    stop = text[middle - 1:middle + 2]          # three characters around a token boundary
+    assert len(stop) == 3 and text.index(stop) == middle - 1
+    for speculative in (True, False):
+        cut = generator.generate(prompt, max_new_tokens=24, stop=[stop, "never in it"],
+                                 speculative=speculative)
+        assert cut.texts == [text[:middle - 1]]
+        assert cut.token_ids[0] == ids[:len(cut.token_ids[0])] and len(cut.token_ids[0]) < len(ids)
+        assert stop in generator.decode(cut.token_ids[0]) and stop not in generator.decode(cut.token_ids[0][:-1])
+    (decoding,) = generator.decodings([prompt], max_new_tokens=24, stop=[stop])
+    pieces = list(generator.pieces(decoding))
+    assert "".join(pieces) == text[:middle - 1] and all(stop not in piece for piece in pieces)
+
+
+def test_cli_system_message_stop_and_top_k(engine, generator, capsys):
+    with pytest.raises(SystemExit, match="--system: needs the tokenizer's chat template"):
+        cli.main(_run(engine, "--prompt", "hi", "--system", "Be brief.", "--no-chat-template"))
+    with pytest.raises(SystemExit, match="--top-k -1: expected at least 0"):
+        cli.main(_run(engine, "--prompt", "hi", "--top-k", "-1"))
+    system = generator.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert generator.encode("hi", system="Be brief.") == list(system) != generator.encode("hi")
+    expected = generator.generate("hi", max_new_tokens=24, system="Be brief.").texts[0]
+    cli.main(_run(engine, "--prompt", "hi", "--system", "Be brief.", "--top-k", "5"))
+    assert capsys.readouterr().out == f"### hi\n{expected}\n\n"   # greedy: top-k changes nothing

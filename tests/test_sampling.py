@@ -22,6 +22,9 @@ def _chi_square_p(samples: torch.Tensor, expected: torch.Tensor) -> float:
     """p-value of ``samples`` (ids) against the distribution ``expected``, pooling rare ids."""
     observed = torch.bincount(samples, minlength=len(expected)).double()
     counts = expected.double() * len(samples)
+    if (observed[counts == 0] > 0).any():   # an impossible id was drawn
+        return 0.0
+    observed, counts = observed[counts > 0], counts[counts > 0]
     common = counts >= 5
     obs, exp = observed[common], counts[common]
     if not common.all():
@@ -30,14 +33,14 @@ def _chi_square_p(samples: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
-def _exact_marginals(target, temperature):
+def _exact_marginals(target, temperature, top_k=0):
     """Exact distributions of generated tokens 2 and 3 under the target alone."""
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
         last = torch.full((len(ids), 1), ids.shape[1] - 1)
         logits, *_ = target(ids, torch.zeros(len(ids), dtype=torch.long), last,
                             *target.empty_cache(len(ids), ids.shape[1]))
-        return probabilities(logits[:, 0], temperature)
+        return probabilities(logits[:, 0], temperature, top_k=top_k)
 
     vocab = target.config.vocab_size
     p1 = next_probs([PROMPT])[0]
@@ -60,9 +63,10 @@ def ort_backend(engine_dir):
     return OrtBackend(engine_dir(Limits(max_batch=SAMPLES, max_seq_len=16, max_prompt_chunk=8), **SPEC))
 
 
-def _sample(pair, temperature, backend=None):
+def _sample(pair, temperature, backend=None, top_k=0):
     backend = backend or TorchBackend(*pair, capacity=16)
-    result = generate(backend, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=temperature, seed=1)
+    result = generate(backend, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=temperature, seed=1,
+                      top_k=top_k)
     tokens = torch.tensor(result.token_ids)
     return tokens, result.stats
 
@@ -83,6 +87,18 @@ def test_speculative_sampling_matches_target_distribution(pair, temperature):
     assert 0.1 < stats.acceptance_per_position[0] < 0.9
     assert _chi_square_p(tokens[:, 1], p2) > 1e-3
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
+
+
+def test_top_k_sampling_matches_the_targets_top_k_distribution(pair):
+    """With ``top_k`` the drafts still come from the draft's own distribution, and rejection
+    sampling against the target's top-k distribution gives exactly that distribution: no token
+    outside each step's k most likely."""
+    tokens, stats = _sample(pair, 1.0, top_k=3)
+    p2, p3 = _exact_marginals(pair[0], 1.0, top_k=3)
+    assert stats.accepted_tokens > 50 and stats.acceptance_per_position[0] < 0.9   # both branches
+    assert _chi_square_p(tokens[:, 1], p2) > 1e-3 and _chi_square_p(tokens[:, 2], p3) > 1e-3
+    untruncated, _ = _exact_marginals(pair[0], 1.0)
+    assert _chi_square_p(tokens[:, 1], untruncated) < 1e-6   # the test tells top-k from none
 
 
 def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
