@@ -227,7 +227,8 @@ def test_a_stop_string_ends_the_sequence_and_its_text_before_it(generator):
                                  speculative=speculative)
         assert cut.texts == [text[:middle - 1]]
         assert cut.token_ids[0] == ids[:len(cut.token_ids[0])] and len(cut.token_ids[0]) < len(ids)
-        assert stop in generator.decode(cut.token_ids[0]) and stop not in generator.decode(cut.token_ids[0][:-1])
+        last = cut.token_ids[0]
+        assert stop in generator.decode(last) and stop not in generator.decode(last[:-1])
     (decoding,) = generator.decodings([prompt], max_new_tokens=24, stop=[stop])
     pieces = list(generator.pieces(decoding))
     assert "".join(pieces) == text[:middle - 1] and all(stop not in piece for piece in pieces)
