@@ -57,3 +57,13 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True,
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation (``{"role", "content"}`` messages) up to the assistant's next
+    turn, through the chat template, which a conversation needs."""
+    if not tokenizer.chat_template:
+        raise ValueError("a conversation needs the tokenizer's chat template, and the engine's "
+                         "tokenizer has none")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
 
-from export.prompts import encode_prompt
+from export.prompts import encode_conversation, encode_prompt
 
 from .backends import open_backend
 from .engine_backend import damaged
@@ -73,6 +73,15 @@ class Generator:
         return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size],
                          stop=stops, **options)
                 for begin in range(0, len(ids), size)]
+
+    def conversation(self, messages: list[dict[str, str]], stop: list[str] | tuple[str, ...] = (),
+                     **options) -> Decoding:
+        """A ``Decoding`` of the assistant's next turn in ``messages`` (``{"role", "content"}``,
+        through the chat template), not started; options as ``decodings``."""
+        options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
+        ids = encode_conversation(self.tokenizer, messages)
+        return Decoding(self.backend, [ids], names=["the conversation"],
+                        stop=StopStrings(list(stop), self.decode) if stop else None, **options)
 
     def generate(self, prompts: str | list[str], **options) -> Generation:
         """Generate for every prompt; options as ``decodings``."""

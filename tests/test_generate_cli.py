@@ -204,7 +204,8 @@ def test_flags_are_taken_whole_and_a_typo_gets_the_nearest_flag(module, args, me
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(message), done.stderr
 
 
-@pytest.mark.parametrize("script", ["dspark-generate", "dspark-bench", "dspark-export", "dspark-distill"])
+@pytest.mark.parametrize("script", ["dspark-generate", "dspark-bench", "dspark-chat", "dspark-export",
+                                    "dspark-distill"])
 def test_console_scripts_are_installed(script):
     """``pip install -e .`` puts each command on the environment's PATH."""
     path = Path(sys.executable).parent / script
@@ -246,3 +247,25 @@ def test_cli_system_message_stop_and_top_k(engine, generator, capsys):
     expected = generator.generate("hi", max_new_tokens=24, system="Be brief.").texts[0]
     cli.main(_run(engine, "--prompt", "hi", "--system", "Be brief.", "--top-k", "5"))
     assert capsys.readouterr().out == f"### hi\n{expected}\n\n"   # greedy: top-k changes nothing
+
+
+def test_chat_streams_each_answer_and_keeps_the_conversation(engine, generator):
+    """``python -m runtime.chat`` with its turns on standard input: each answer is the engine's
+    greedy answer to the conversation so far, which includes the earlier answers; ``/reset``
+    forgets them."""
+    turns = ["hi", "the cat sat", "/reset", "the cat sat"]
+    done = subprocess.run([sys.executable, "-m", "runtime.chat", "--engine", str(engine),
+                           "--max-new-tokens", "12"], input="\n".join(turns) + "\n", cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    messages, answers = [], []
+    for turn in ("hi", "the cat sat"):
+        messages.append({"role": "user", "content": turn})
+        decoding = generator.conversation(messages, max_new_tokens=12)
+        for _ in decoding:
+            pass
+        answers.append(generator.collect([decoding]).texts[0])
+        messages.append({"role": "assistant", "content": answers[-1]})
+    alone = generator.generate("the cat sat", max_new_tokens=12).texts[0]
+    assert done.stdout == "".join(f"{answer}\n\n" for answer in [*answers, alone])
+    assert answers[1] != alone   # the earlier turn is part of the second one's prompt
