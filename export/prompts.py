@@ -10,26 +10,31 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gs
 
 
 def read_jsonl_prompts(path: Path, flag: str) -> list[str]:
-    """The first turn of every record; errors name ``flag``, the file and the line. A file with no
+    """The first turn of every record (``read_jsonl_conversations``)."""
+    return [turns[0] for turns in read_jsonl_conversations(path, flag)]
+
+
+def read_jsonl_conversations(path: Path, flag: str) -> list[list[str]]:
+    """The user turns of every record; errors name ``flag``, the file and the line. A file with no
     record is refused, so that a wrong file never reads as an empty set of prompts."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
     text = utf8_text(path.read_bytes(), f"{flag} {path}")
-    prompts = []
+    conversations = []
     for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
-                prompt = json.loads(line)["turns"][0]
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                prompt = None
-            if not isinstance(prompt, str):
+                turns = json.loads(line)["turns"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                turns = None
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 raise ValueError(f"{flag} {path}:{number}: expected a JSON object with a non-empty "
                                  f"list 'turns' of strings")
-            prompts.append(prompt)
-    if not prompts:
+            conversations.append(turns)
+    if not conversations:
         raise ValueError(f"{flag} {path}: no prompts; expected JSON Lines of {{\"turns\": [...]}}")
-    return prompts
+    return conversations
 
 
 def utf8_text(data: bytes, source: str) -> str:

@@ -48,6 +48,9 @@ def parser():
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path,
                    help="JSON Lines of {\"turns\": [...]}; the first turn of each is the prompt")
+    p.add_argument("--all-turns", action="store_true",
+                   help="with --prompts-file: each record's turns as one conversation, every answer "
+                        "part of the next turn's prompt, a record at a time [its first turn]")
     p.add_argument("--skip", type=int, default=0, help="leave out the first N prompts [0]")
     p.add_argument("--limit", type=int, help="use only the first N prompts (after --skip)")
     p.add_argument("--no-chat-template", action="store_true",
@@ -86,11 +89,19 @@ def check_flags(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value}: expected {expected}")
 
 
-def read_prompts(args) -> list[str]:
+def read_prompts(args) -> list:
     """The --prompt values and --prompts-file records, or, when neither was given, the lines of
-    standard input; then --skip and --limit."""
-    from export.prompts import read_jsonl_prompts, utf8_text
+    standard input; then --skip and --limit. With --all-turns, each record's list of turns."""
+    from export.prompts import read_jsonl_conversations, read_jsonl_prompts, utf8_text
 
+    if getattr(args, "all_turns", False):
+        if not args.prompts_file or args.prompt:
+            raise ValueError("--all-turns: needs --prompts-file (and no --prompt): its records' turns")
+        prompts = read_jsonl_conversations(args.prompts_file, "--prompts-file")
+        if args.skip >= len(prompts):
+            raise ValueError(f"--skip {args.skip}: expected at least 0 and fewer than the "
+                             f"{len(prompts)} prompts given")
+        return prompts[args.skip:][:args.limit]
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_jsonl_prompts(args.prompts_file, "--prompts-file")
@@ -155,6 +166,10 @@ def prepare(args):
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
+        if args.all_turns:   # each conversation's first turn is checked now, the later ones as they come
+            for turns in prompts:
+                generator.conversation(_opening(args, turns[0]), **_options(args))
+            return generator, prompts, None
         decodings = generator.decodings(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
@@ -166,10 +181,53 @@ def prepare(args):
     return generator, prompts, decodings
 
 
+def _options(args) -> dict:
+    """A conversation turn's generation options, from the flags."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
+                confidence_threshold=args.confidence_threshold, stop=args.stop)
+
+
+def _opening(args, turn: str) -> list[dict]:
+    return ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": turn}]
+
+
+def run_conversations(generator, conversations: list[list[str]], args) -> list:
+    """Each conversation turn by turn, every answer in the next turn's prompt, printed as it
+    ends (with --stream, as it is accepted); returns the turns' decodings."""
+    decodings = []
+    for turns in conversations:
+        messages = _opening(args, turns[0])[:-1]
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            try:
+                decoding = generator.conversation(messages, **_options(args))
+            except ValueError as err:   # a later turn over the KV capacity: named, the rest run
+                print(f"error: {err} (at turn {len(messages) // 2 + 1} of {turns[0][:40]!r})",
+                      file=sys.stderr)
+                break
+            decodings.append(decoding)
+            print(f"### {turn}", flush=True)
+            if args.stream:
+                for piece in generator.pieces(decoding):
+                    print(piece, end="", flush=True)
+            else:
+                for _ in decoding:
+                    pass
+            answer = generator.collect([decoding]).texts[0]
+            print(f"{'' if args.stream else answer}\n", flush=True)
+            messages.append({"role": "assistant", "content": answer})
+    return decodings
+
+
 def run(generator, prompts: list[str], decodings: list, args) -> None:
     """Generate batch by batch (with --stream, prompt by prompt, printing text as it is
     accepted), then print the texts, statistics and trace; Ctrl-C stops cleanly and still reports
     what was generated."""
+    if args.all_turns:
+        _report(generator.collect(run_conversations(generator, prompts, args)), args)
+        return
     started, interrupted = [], False
     try:
         for decoding in decodings:

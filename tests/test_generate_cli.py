@@ -269,3 +269,23 @@ def test_chat_streams_each_answer_and_keeps_the_conversation(engine, generator):
     alone = generator.generate("the cat sat", max_new_tokens=12).texts[0]
     assert done.stdout == "".join(f"{answer}\n\n" for answer in [*answers, alone])
     assert answers[1] != alone   # the earlier turn is part of the second one's prompt
+
+
+def test_all_turns_runs_each_record_as_a_conversation(engine, generator, tmp_path, capsys):
+    prompts = tmp_path / "two-turns.jsonl"
+    records = [{"turns": ["hi", "the cat sat"]}, {"turns": ["why?"]}]
+    prompts.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(SystemExit, match="--all-turns: needs --prompts-file"):
+        cli.main(_run(engine, "--prompt", "hi", "--all-turns"))
+    cli.main(_run(engine, "--prompts-file", str(prompts), "--all-turns"))
+    expected = []
+    for turns in (["hi", "the cat sat"], ["why?"]):
+        messages = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            decoding = generator.conversation(messages, max_new_tokens=24)
+            for _ in decoding:
+                pass
+            messages.append({"role": "assistant", "content": generator.collect([decoding]).texts[0]})
+            expected.append(f"### {turn}\n{messages[-1]['content']}\n\n")
+    assert capsys.readouterr().out == "".join(expected)
