@@ -25,6 +25,7 @@ def parser():
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [0]")
     p.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
     p.add_argument("--top-k", type=int, default=0, help="0: every token [0]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P", help="1: off [1.0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer at this text (repeatable)")
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
             raise SystemExit(f"error: {err}") from None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, seed=args.seed, speculative=not args.no_spec, stop=args.stop)
+                   top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   speculative=not args.no_spec, stop=args.stop)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     interactive = sys.stdin.isatty()

@@ -28,6 +28,7 @@ EXPECTED = {
     "temperature": (lambda v: 0 <= v < math.inf, "a finite number, at least 0 (0 is greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "more than 0 and at most 1"),
     "top_k": (lambda v: v >= 0, "at least 0 (0: every token)"),
+    "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number above 0 (1: off)"),
     "confidence_threshold": (lambda v: 0 <= v <= 1, "0 (verify every draft) .. 1"),
     "prompt_lookup": (lambda v: v >= 0, "at least 0 (0: off)"),
 }
@@ -63,6 +64,9 @@ def parser():
     p.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample from the K most likely tokens only, before --top-p; 0: all [0]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                   help="divide the logits of tokens already in the sequence (prompt included) by P, "
+                        "as transformers' repetition_penalty; 1: off [1.0]")
     p.add_argument("--seed", type=int, default=0, help="[0]")
     p.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="verify drafts only up to the first whose top draft probability is below P; "
@@ -172,7 +176,8 @@ def prepare(args):
             return generator, prompts, None
         decodings = generator.decodings(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
+            top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+            seed=args.seed, speculative=not args.no_spec,
             confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
             system=args.system, stop=args.stop,
             batch_size=1 if args.stream else args.batch_size)
@@ -184,8 +189,9 @@ def prepare(args):
 def _options(args) -> dict:
     """A conversation turn's generation options, from the flags."""
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
-                confidence_threshold=args.confidence_threshold, stop=args.stop)
+                top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                speculative=not args.no_spec, confidence_threshold=args.confidence_threshold,
+                stop=args.stop)
 
 
 def _opening(args, turn: str) -> list[dict]:

@@ -56,7 +56,8 @@ class Generator:
         ``default_batch``, else the engine's maximum), none started yet: every batch is checked
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``speculative``, ``confidence_threshold``;
+        ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``speculative``,
+        ``confidence_threshold``;
         ``system`` is a system message before each prompt, and a sequence ends at the first of the
         ``stop`` strings, its text before it
         (``Decoding``'s)."""

@@ -18,6 +18,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .backend import Backend, capacity_needed
+from .repetition import RepetitionPenalty
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import SpecStats
 from .stop_strings import StopStrings
@@ -131,7 +132,8 @@ class Decoding:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  eos_token_ids=(),
                  speculative: bool = True, confidence_threshold: float | None = None,
-                 names: list[str] | None = None, stop: StopStrings | None = None):
+                 names: list[str] | None = None, stop: StopStrings | None = None,
+                 repetition_penalty: float = 1.0):
         if not prompts:
             raise ValueError("no prompts: expected at least one")
         if max_new_tokens < 1:
@@ -143,6 +145,9 @@ class Decoding:
             raise ValueError(f"top_p {top_p}: expected more than 0 and at most 1")
         if not (isinstance(top_k, int) and top_k >= 0):
             raise ValueError(f"top_k {top_k}: expected a whole number, at least 0 (0: every token)")
+        if not 0 < repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty {repetition_penalty}: expected a finite number above 0 "
+                             f"(1: off)")
         if confidence_threshold is None:
             confidence_threshold = backend.limits.confidence_threshold
         if not 0 <= confidence_threshold <= 1:
@@ -160,6 +165,8 @@ class Decoding:
         self.device = backend.device
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.eos, self.stop = set(eos_token_ids), stop
+        self.penalty = (RepetitionPenalty(repetition_penalty, prompts, backend.limits.vocab_size, self.device)
+                        if repetition_penalty != 1 else None)
         self.result = GenerationResult([[] for _ in prompts],
                                        SpecStats(k=backend.limits.k if self.speculative else 0))
 
@@ -169,6 +176,8 @@ class Decoding:
         before, stopped = len(out), False
         for token in tokens[: self.max_new_tokens - before]:
             out.append(token)
+            if self.penalty is not None:
+                self.penalty.record(b, [token])
             stopped = self.stop is not None and self.stop.reached(out)
             if token in self.eos or stopped:
                 break
@@ -220,6 +229,8 @@ class Decoding:
         self.backend.start(len(self.prompts))
         with self.result.times.measure("prefill"):
             last_logits, context = _prefill(self.backend, self.prompts, lengths, self.speculative)
+        if self.penalty is not None:
+            last_logits = self.penalty(last_logits[:, None])[:, 0]
         anchor = next_token(last_logits, self.temperature, self.top_p, self.generator, self.top_k)
         emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
                      for b, token in enumerate(anchor.tolist())]
@@ -245,6 +256,8 @@ class Decoding:
         rows = torch.arange(block.shape[1], device=self.device).expand(block.shape)
         with self.result.times.measure("verify"):
             logits, aux = self.backend.target_step(block, cursor.anchor_pos, rows)
+        if self.penalty is not None:
+            logits = self.penalty(logits, proposal.drafts)
         if not self.speculative:
             emitted = next_token(logits, self.temperature, self.top_p, self.generator, self.top_k)
             return Verdict(proposal.limit, emitted, aux)

@@ -142,3 +142,24 @@ def test_capacity_is_enough_when_sequences_finish_apart(tiny):
     assert [r["accepted"] for r in result.trace if r["sequence"] == 0][-1] == draft.k
     last_step = [max(r["step"] for r in result.trace if r["sequence"] == b) for b in range(2)]
     assert last_step[0] < last_step[1]
+
+
+def test_repetition_penalty_greedy_equals_transformers(tiny):
+    """Each verify row penalized for the drafts before it: speculative output (drafts accepted
+    by an oracle, so rows carry drafts) equals transformers' greedy output with the same
+    ``repetition_penalty``, which differs from the unpenalized output."""
+    target_dir, draft_dir = tiny(arch="qwen3", draft_vocab=40)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, repetition_penalty=1.5)[0, len(p):].tolist() for p in PROMPTS]
+    target, draft = load_pair(target_dir, draft_dir)
+    assert expected != hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
+    result = generate(OracleDrafts(target, draft, PROMPTS, expected), PROMPTS, max_new_tokens=MAX_NEW,
+                      repetition_penalty=1.5)
+    assert result.token_ids == expected
+    assert sum(r["accepted"] for r in result.trace) > 20
+    target_only = generate(TorchBackend(target, None, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
+                           repetition_penalty=1.5)
+    assert target_only.token_ids == expected
