@@ -21,8 +21,8 @@ things in ONNX Runtime's CPU kernels make a row's result depend on its call:
 So every graph runs one sequence per call, lowered: each sequence has its own caches (its own
 ``IOBinding``), and a step of ``B`` sequences is ``B`` calls into shared input and output buffers.
 A sequence then computes exactly what it computes alone, at any batch size and with any
-neighbours (``tests/test_batch_invariance.py``); the cost is that the weights are read once per
-sequence rather than once per step (README, "Batching on the CPU").
+neighbours (``tests/test_quantize.py``, ``tests/test_gguf.py``); the cost is that the weights are
+read once per sequence rather than once per step (README, "Batching on the CPU").
 
 The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each call binds the same
 value as the cache input and the cache output, so ONNX Runtime updates them in place and nothing
