@@ -4,21 +4,21 @@ from __future__ import annotations
 from pathlib import Path
 
 BACKENDS = ("ort", "torch", "torch-cuda", "trt", "trt-rtx")
-GPU_BACKENDS = ("torch-cuda", "trt", "trt-rtx")
 
 
 def open_backend(engine: str | Path, name: str = "ort", threads: int | None = None):
     """``ort``: ONNX Runtime on the CPU over the engine's graphs (the default); ``torch``: the
     PyTorch reference modules (reads the source checkpoints; for tests and comparisons);
     ``torch-cuda``: the same on a CUDA GPU with CUDA graphs; ``trt`` / ``trt-rtx``: the engine's
-    TensorRT or TensorRT-RTX engines on a CUDA GPU, with CUDA graphs. A GPU backend where torch
-    sees no GPU is refused before anything loads."""
-    if name in GPU_BACKENDS:
+    TensorRT or TensorRT-RTX engines on a CUDA GPU, with CUDA graphs. Where torch sees no GPU,
+    ``torch-cuda`` is refused before the modules load (``TrtBackend`` refuses once it has checked
+    that the engine has its engines)."""
+    if name == "torch-cuda":
         import torch
 
         if not torch.cuda.is_available():
             why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
-            raise ValueError(f"--backend {name}: needs a CUDA GPU ({why}); use --backend ort (the CPU)")
+            raise ValueError(f"--backend {name} needs a CUDA GPU ({why}); use --backend ort on the CPU")
     if name == "ort":
         from .ort_backend import OrtBackend
 

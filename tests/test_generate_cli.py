@@ -144,17 +144,17 @@ def test_cli_bad_input(engine, args, message):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="refused only without a GPU")
-@pytest.mark.parametrize("backend", ["torch-cuda", "trt"])
-def test_a_gpu_backend_without_a_gpu_is_refused_in_one_line(engine, backend, monkeypatch):
+def test_torch_cuda_without_a_gpu_is_refused_before_loading(engine, monkeypatch):
+    """(The TensorRT backends' refusal: ``tests/test_tensorrt_build.py``.)"""
     import runtime.torch_backend
 
     def never(*args, **kwargs):
         raise AssertionError("loaded")
 
     monkeypatch.setattr(runtime.torch_backend.TorchBackend, "from_engine", never)
-    refused = f"^error: --backend {backend}: needs a CUDA GPU .*; use --backend ort"
+    refused = "^error: --backend torch-cuda needs a CUDA GPU .*; use --backend ort"
     with pytest.raises(SystemExit, match=refused):
-        cli.main(["--engine", str(engine), "--prompt", "hi", "--backend", backend])
+        cli.main(["--engine", str(engine), "--prompt", "hi", "--backend", "torch-cuda"])
 
 
 def test_cli_bad_prompts_file_line(engine, tmp_path):
