@@ -82,7 +82,7 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path, 
     generator = Generator.from_engine(out)
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
     target_only = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1, speculative=False)
-    for batch_size in (1, 2, 4):   # ragged batches: each answer as it is alone, speculative or not
+    for batch_size in (1, 2, 3, 4):   # ragged batches: each answer as it is alone, speculative or not
         result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=batch_size)
         assert result.token_ids == target_only.token_ids, batch_size
         assert result.stats.tau > 1.3        # measured 1.41 (confidence 0.6 cuts drafts); random: 1.0
