@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from .generate import check_flags, stopping_on_ctrl_c
+from .generate import check_flags, stopping_on_ctrl_c, system_messages
 
 
 def parser():
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
                    speculative=not args.no_spec, stop=args.stop)
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    system = system_messages(args)
     messages = list(system)
     interactive = sys.stdin.isatty()
     while True:

@@ -98,16 +98,12 @@ def read_prompts(args) -> list:
     standard input; then --skip and --limit. With --all-turns, each record's list of turns."""
     from export.prompts import read_jsonl_conversations, read_jsonl_prompts, utf8_text
 
+    prompts = list(args.prompt)
     if getattr(args, "all_turns", False):
         if not args.prompts_file or args.prompt:
             raise ValueError("--all-turns: needs --prompts-file (and no --prompt): its records' turns")
         prompts = read_jsonl_conversations(args.prompts_file, "--prompts-file")
-        if args.skip >= len(prompts):
-            raise ValueError(f"--skip {args.skip}: expected at least 0 and fewer than the "
-                             f"{len(prompts)} prompts given")
-        return prompts[args.skip:][:args.limit]
-    prompts = list(args.prompt)
-    if args.prompts_file:
+    elif args.prompts_file:
         prompts += read_jsonl_prompts(args.prompts_file, "--prompts-file")
     if not args.prompt and not args.prompts_file and not sys.stdin.isatty():
         lines = utf8_text(sys.stdin.buffer.read(), "standard input").splitlines()
@@ -172,7 +168,8 @@ def prepare(args):
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
         if args.all_turns:   # each conversation's first turn is checked now, the later ones as they come
             for turns in prompts:
-                generator.conversation(_opening(args, turns[0]), **_options(args))
+                generator.conversation(system_messages(args) + [{"role": "user", "content": turns[0]}],
+                                       **_options(args))
             return generator, prompts, None
         decodings = generator.decodings(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -194,9 +191,9 @@ def _options(args) -> dict:
                 stop=args.stop)
 
 
-def _opening(args, turn: str) -> list[dict]:
-    return ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": turn}]
+def system_messages(args) -> list[dict]:
+    """The conversation's opening: the --system message, if given."""
+    return [{"role": "system", "content": args.system}] if args.system else []
 
 
 def run_conversations(generator, conversations: list[list[str]], args) -> list:
@@ -204,7 +201,7 @@ def run_conversations(generator, conversations: list[list[str]], args) -> list:
     ends (with --stream, as it is accepted); returns the turns' decodings."""
     decodings = []
     for turns in conversations:
-        messages = _opening(args, turns[0])[:-1]
+        messages = system_messages(args)
         for turn in turns:
             messages.append({"role": "user", "content": turn})
             try:

@@ -67,12 +67,11 @@ class Generator:
             raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
                              f"--max-batch)")
         ids = [self.encode(p, chat_template, system) for p in prompts]
-        stops = StopStrings(list(stop), self.decode) if stop else None
         names = [f"prompt {i + 1} ({p if len(p) <= 40 else p[:37] + '...'!r})"
                  for i, p in enumerate(prompts)]
         options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
         return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size],
-                         stop=stops, **options)
+                         stop=self._stop_strings(stop), **options)
                 for begin in range(0, len(ids), size)]
 
     def conversation(self, messages: list[dict[str, str]], stop: list[str] | tuple[str, ...] = (),
@@ -82,7 +81,10 @@ class Generator:
         options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
         ids = encode_conversation(self.tokenizer, messages)
         return Decoding(self.backend, [ids], names=["the conversation"],
-                        stop=StopStrings(list(stop), self.decode) if stop else None, **options)
+                        stop=self._stop_strings(stop), **options)
+
+    def _stop_strings(self, stop) -> StopStrings | None:
+        return StopStrings(list(stop), self.decode) if stop else None
 
     def generate(self, prompts: str | list[str], **options) -> Generation:
         """Generate for every prompt; options as ``decodings``."""

@@ -176,12 +176,12 @@ class Decoding:
         before, stopped = len(out), False
         for token in tokens[: self.max_new_tokens - before]:
             out.append(token)
-            if self.penalty is not None:
-                self.penalty.record(b, [token])
             stopped = self.stop is not None and self.stop.reached(out)
             if token in self.eos or stopped:
                 break
         finished = len(out) >= self.max_new_tokens or out[-1] in self.eos or stopped
+        if self.penalty is not None:
+            self.penalty.record(b, out[before:])
         self.result.trace.append({"sequence": b, **record, "emitted": out[before:]})
         return Emission(b, out[before:], finished)
 
