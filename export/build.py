@@ -161,7 +161,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 quantized[name] = in_graph
             phase(f"{name}: verify")
             check_model(path)
-            # the target is also checked as the ORT backend runs it at batch 1, with these rotary tables
+            # the target is also checked as the ORT backend runs it (a sequence per call, lowered),
+            # with these rotary tables
             rotary = None if name == "draft" else rotary_tables(
                 decoder.rope_inv_freq, decoder.rope_attention_scaling, limits.max_seq_len)
             differences[name] = None if expected is None else compare_with_reference(

@@ -36,9 +36,9 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     ``expected`` (by output name). Integer outputs must be identical; float outputs within
     ``TOLERANCE``. Returns the largest relative float difference. ``drafts`` names the draft
     graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says. The graph
-    is also run as the ORT backend runs it at batch 1, its attention lowered to ONNX Runtime's own
-    kernels (``plugins/block_attention/ort_contrib.py``; ``rotary``: the decoder's cos / sin
-    tables that form takes), on the first sequence of ``inputs``.
+    is also run as the ORT backend runs it, one sequence per call with its attention lowered to
+    ONNX Runtime's own kernels (``plugins/block_attention/ort_contrib.py``; ``rotary``: the
+    decoder's cos / sin tables that form takes), on the first sequence of ``inputs``.
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
