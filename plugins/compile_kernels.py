@@ -31,6 +31,12 @@ KERNELS = {
         "plugins.d2t_gather.triton_kernel", "_finish",
         {"ids_ptr": "*i64", "d2t_ptr": "*i64", "w1_ptr": "*fp16", "rows_ptr": "*fp16", "rank": "i32"},
         {"BLOCK_R": 256}),
+    "gated_delta._recur": (
+        "plugins.gated_delta.triton_kernel", "_recur",
+        {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+         "state_ptr": "*fp32", "slot_ptr": "*i64", "rows_ptr": "*i64", "out_ptr": "*fp32",
+         "rows": "i32", "heads": "i32", "key_heads": "i32", "slots": "i32", "captured": "i32"},
+        {"KEY_DIM": 128, "VALUE_DIM": 128, "BLOCK_K": 128, "BLOCK_V": 32}),
 }
 
 

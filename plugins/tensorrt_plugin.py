@@ -40,8 +40,9 @@ def specs() -> list[PluginSpec]:
     from .block_attention.trt_plugin import SPEC as block_attention
     from .cache_write.trt_plugin import SPEC as cache_write
     from .d2t_gather.trt_plugin import SPEC as d2t_gather
+    from .gated_delta.trt_plugin import SPEC as gated_delta
 
-    return [block_attention, cache_write, d2t_gather]
+    return [block_attention, cache_write, d2t_gather, gated_delta]
 
 
 def register_plugins(trt) -> list:
