@@ -9,8 +9,8 @@ import torch
 from onnx import TensorProto, helper
 
 from plugins.gated_delta import onnx_function
-from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 from plugins.gated_delta.reference import gated_delta_rule
+from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 
 KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM, SLOTS = 2, 4, 16, 12, 5
 
@@ -34,8 +34,10 @@ def test_matches_transformers(rows):
     """The output rows and the state after the last row equal ``transformers``' recurrent form
     (what its decode steps run), and its chunked form (what its prefill runs, chunks of 64) to
     rounding; the other slots are kept."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                              torch_recurrent_gated_delta_rule)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
 
     q, k, v, decay, beta, state = inputs(2, rows)
     slot = torch.tensor([3, 0])
