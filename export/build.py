@@ -206,7 +206,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
 
 def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> dict:
     """The manifest's entry for a loaded model: its config and, for the draft, the loop's facts."""
-    if isinstance(module, TargetStep):
+    if not isinstance(module, DraftStep):
         return asdict(module.config)
     return {**asdict(module.config), "k": module.k, "confidence_threshold": confidence_threshold,
             "has_d2t": bool(module.d2t.any()), "target_vocab_size": module.target_vocab_size,

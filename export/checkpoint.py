@@ -113,10 +113,11 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_tensors(directory: Path, strip_prefix: str = "",
-                 only: frozenset[str] | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(directory: Path, strip_prefix: str = "", only: frozenset[str] | None = None,
+                 skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint in one dict, with ``strip_prefix`` removed from their names;
-    with ``only``, just those (named without the prefix).
+    with ``only``, just those (named without the prefix); names starting with a ``skip`` prefix
+    are never read.
 
     ``safe_open`` maps the file, and the mapped pages it reads count as this process's memory until
     it is closed: it is reopened for each tensor, so a checkpoint is held once (as tensors), not
@@ -127,6 +128,8 @@ def load_tensors(directory: Path, strip_prefix: str = "",
             with safe_open(file, framework="pt") as f:
                 names = list(f.keys())
             for name in names:
+                if name.startswith(skip):
+                    continue
                 key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
                 if only is not None and key not in only:
                     continue

@@ -44,15 +44,15 @@ def is_positive_number(value) -> bool:
     return number and math.isfinite(value) and value > 0
 
 
-def check_fields(raw: dict, model_type: str) -> None:
+def check_fields(raw: dict, model_type: str, extra: tuple[str, ...] = ()) -> None:
     """``ValueError`` naming the first field of ``raw`` (a Llama / Qwen3 config) that transformers
-    would take but the engine cannot: a shape field left out where transformers would assume a
-    number, or anything but an integer in 1..``LARGEST_DIMENSION``; a max_position_embeddings
-    below 1."""
+    would take but the engine cannot: a shape field (``SHAPE_FIELDS`` and the family's ``extra``)
+    left out where transformers would assume a number, or anything but an integer in
+    1..``LARGEST_DIMENSION``; a max_position_embeddings below 1."""
     from transformers import CONFIG_MAPPING
 
     defaults = inspect.signature(CONFIG_MAPPING[model_type]).parameters
-    for field in SHAPE_FIELDS:
+    for field in (*SHAPE_FIELDS, *extra):
         derived = defaults[field].default is None
         if field not in raw and not derived:
             raise ValueError(f"missing field '{field}' (it fixes tensor shapes; expected an integer)")
@@ -80,14 +80,16 @@ class DecoderConfig:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3 normalises q and k per head; Llama does not
-    rope_inv_freq: tuple[float, ...]
+    rope_inv_freq: tuple[float, ...]   # rotary width / 2 (head_dim / 2 unless partial)
     rope_attention_scaling: float
 
     @classmethod
     def from_hf(cls, config, *, qk_norm: bool, num_layers: int | None = None) -> "DecoderConfig":
         """Read a ``transformers`` Llama/Qwen3 config (``PretrainedConfig``)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq, scaling = rope_parameters(config, head_dim)
+        # Qwen3.5 rotates only the first quarter of each head
+        partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        inv_freq, scaling = rope_parameters(config, int(head_dim * partial))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
         if not is_positive_number(config.rms_norm_eps):
@@ -108,9 +110,10 @@ class DecoderConfig:
         )
 
 
-def rope_parameters(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scaling for the config's RoPE type, computed by
-    ``transformers`` itself for every scaled type (linear, yarn, llama3, longrope, ...)."""
+def rope_parameters(config, width: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies over the rotated ``width`` of a head and the cos/sin scaling for the
+    config's RoPE type, computed by ``transformers`` itself for every scaled type (linear, yarn,
+    llama3, longrope, ...; they read a partial rotary factor from the config themselves)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -120,7 +123,7 @@ def rope_parameters(config, head_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"field 'rope_parameters.rope_theta' = {base!r}: expected a number > 0")
     if rope_type == "default":
         # float32 exactly as transformers computes it, so positions far out rotate identically
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+        return 1.0 / (base ** (torch.arange(0, width, 2, dtype=torch.int64).float() / width)), 1.0
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' changes the frequencies with the sequence length, "
                          "which a fixed engine cannot follow; not supported")

@@ -181,7 +181,7 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
     ``target`` is a loaded ``TargetStep``, or the target's checkpoint: then only its config is read,
     and its embeddings only if the draft shares them (``build`` exports one model at a time)."""
     directory = resolve(path, "draft")
-    if isinstance(target, TargetStep):
+    if isinstance(target, torch.nn.Module):
         tc: TargetConfig = target.config
 
         def shared() -> dict[str, torch.Tensor]:

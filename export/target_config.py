@@ -6,10 +6,19 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
 from .decoder import CONFIG_ERRORS, DecoderConfig, check_fields, is_int
+from .qwen3_5_model import FULL, LINEAR, LinearAttentionConfig
 
 # architecture -> whether its attention normalises q and k per head
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # by model_type
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False,
+                           "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",   # by model_type
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
+# a multimodal checkpoint keeps its text model's config under this key, its weights under the prefix
+MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "text_config"}
+# the hybrid's shape fields beyond the dense decoder's
+LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,7 @@ class TargetConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
+    linear: LinearAttentionConfig | None = None   # a hybrid's linear-attention layers
 
 
 def load_target_config(directory: Path) -> TargetConfig:
@@ -46,14 +56,23 @@ def load_target_config(directory: Path) -> TargetConfig:
     if gguf:
         architectures = hf.architectures or [ARCHITECTURES.get(hf.model_type, hf.model_type)]
     arch = _supported(architectures, path)
-    if any(t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
-        raise CheckpointError(f"{path}: layer_types {hf.layer_types}: only full attention is "
-                              f"supported (no sliding-window layers)")
+    hf = hf.get_text_config() if arch in MULTIMODAL else hf
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    allowed = (FULL, LINEAR) if arch in HYBRID else (FULL,)
+    if any(t not in allowed for t in layer_types):
+        kinds = "full or linear attention" if arch in HYBRID else "only full attention"
+        raise CheckpointError(f"{path}: layer_types {layer_types}: {kinds} is supported "
+                              f"(no sliding-window layers)")
     try:
         decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch])
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
+    linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None
+    if linear is not None and len(linear.layer_types) != decoder.num_layers:
+        raise CheckpointError(f"{path}: field 'layer_types' has {len(linear.layer_types)} entries: "
+                              f"expected one per layer ({decoder.num_layers}, num_hidden_layers)")
     return TargetConfig(
+        linear=linear,
         architecture=arch,
         decoder=decoder,
         vocab_size=hf.vocab_size,
@@ -80,10 +99,19 @@ def _check_raw(raw: dict, arch: str, path: Path) -> None:
     if raw.get("model_type") != model_type:
         raise CheckpointError(f"{path}: field 'model_type' = {raw.get('model_type')!r}: expected "
                               f"{model_type!r} for {arch}")
+    where = ""
+    if arch in MULTIMODAL:
+        key = MULTIMODAL[arch]
+        if not isinstance(raw.get(key), dict):
+            raise CheckpointError(f"{path}: field '{key}' = {raw.get(key)!r}: expected the text "
+                                  f"model's config (an object)")
+        raw, where = raw[key], f"{key}."
+        model_type = raw.get("model_type", f"{model_type}_text")
+    extra = LINEAR_FIELDS if arch in HYBRID else ()
     try:
-        check_fields(raw, model_type)
+        check_fields(raw, model_type, extra)
     except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from None
+        raise CheckpointError(f"{path}: {where}{err}") from None
 
 
 def _eos_token_ids(directory: Path | None, hf, path: Path) -> tuple[int, ...]:

@@ -14,7 +14,12 @@ from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
-from .target_config import TargetConfig, load_target_config
+from .qwen3_5_model import HybridTargetStep
+from .target_config import MULTIMODAL, TargetConfig, load_target_config
+
+# a multimodal checkpoint's text weights, and the towers and MTP layer the text model ignores
+TEXT_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+IGNORED = ("model.visual.", "mtp.")
 
 
 class TargetStep(nn.Module):
@@ -70,13 +75,18 @@ class TargetStep(nn.Module):
 
 
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
-                role: str = "target") -> TargetStep:
+                role: str = "target") -> TargetStep | HybridTargetStep:
     directory = resolve(path, role)
     config = load_target_config(directory)
     tensors = _tensors(directory, config)
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
-    check_layer_count(tensors, config.decoder.num_layers, f"{config_file}: field 'num_hidden_layers'")
-    target = build_module(lambda: TargetStep(config, taps), tensors, directory, dtype)
+    fields = f"{config_file}: field '{MULTIMODAL[config.architecture]}.'" if config.architecture in MULTIMODAL \
+        else f"{config_file}: field '"
+    check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
+    if config.linear is not None:
+        _check_layer_types(tensors, config, f"{fields}layer_types'")
+    model = HybridTargetStep if config.linear is not None else TargetStep
+    target = build_module(lambda: model(config, taps), tensors, directory, dtype)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
         # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
@@ -107,7 +117,12 @@ def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None 
     else:
         # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
         wanted = None if only is None else only | {"embed_tokens.weight"}
-        tensors = load_tensors(directory, strip_prefix="model.", only=wanted)
+        prefix = TEXT_PREFIX.get(config.architecture, "model.")
+        tensors = load_tensors(directory, strip_prefix=prefix, only=wanted, skip=IGNORED)
+        if prefix != "model." and not any(name.startswith("layers.") or name == "embed_tokens.weight"
+                                          for name in tensors):
+            raise CheckpointError(f"{directory}: no text weights ({prefix}*) although config.json's "
+                                  f"architectures names {config.architecture}")
     if "lm_head.weight" not in tensors:
         if not config.tie_word_embeddings:
             raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
@@ -115,6 +130,17 @@ def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None 
         tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
     return {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")
             and (only is None or k in only)}
+
+
+def _check_layer_types(tensors: dict[str, torch.Tensor], config: TargetConfig, where: str) -> None:
+    """Each layer's weights are of the kind ``layer_types`` names (linear or full attention)."""
+    for index, kind in enumerate(config.linear.layer_types):
+        held = "linear_attn" if any(n.startswith(f"layers.{index}.linear_attn.") for n in tensors) \
+            else "self_attn" if any(n.startswith(f"layers.{index}.self_attn.") for n in tensors) else None
+        expected = "linear_attn" if kind == "linear_attention" else "self_attn"
+        if held != expected:
+            raise CheckpointError(f"{where}[{index}] = {kind!r}, but the weights hold "
+                                  f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")
 
 
 def every_row(input_ids: torch.Tensor) -> torch.Tensor:
