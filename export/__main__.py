@@ -11,6 +11,7 @@ from .errors import run_command
 from .layouts import LAYOUTS
 from .outputs import check_replaceable, staged_directory
 from .presets import PRESETS
+from .tiny import ARCHS
 
 TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
 DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
@@ -121,8 +122,9 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--preset", choices=list(PRESETS),
                       help="a Qwen3 target of this release's shape (bf16, sharded) and a draft of "
                            "DeepSeek's released DSpark drafts' shape [the tiny pair]")
-    tiny.add_argument("--arch", choices=["qwen3", "llama"],
-                      help="target architecture (llama ties its embeddings) [qwen3]")
+    tiny.add_argument("--arch", choices=list(ARCHS),
+                      help="target architecture (llama ties its embeddings; qwen3_5 is the Qwen3.5 / "
+                           "3.6 hybrid, -multimodal in its ForConditionalGeneration layout) [qwen3]")
     tiny.add_argument("--draft-format", choices=["native", "speculators"],
                       help="DeepSpec native config or Speculators config [native]")
     tiny.add_argument("--draft-vocab", type=int, metavar="N",

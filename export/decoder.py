@@ -84,12 +84,16 @@ class DecoderConfig:
     rope_attention_scaling: float
 
     @classmethod
-    def from_hf(cls, config, *, qk_norm: bool, num_layers: int | None = None) -> "DecoderConfig":
-        """Read a ``transformers`` Llama/Qwen3 config (``PretrainedConfig``)."""
+    def from_hf(cls, config, *, qk_norm: bool, num_layers: int | None = None,
+                partial_rotary: bool = False) -> "DecoderConfig":
+        """Read a ``transformers`` Llama/Qwen3 config (``PretrainedConfig``); ``partial_rotary``:
+        the family rotates only ``rope_parameters.partial_rotary_factor`` of each head (Qwen3.5)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # Qwen3.5 rotates only the first quarter of each head
-        partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-        inv_freq, scaling = rope_parameters(config, int(head_dim * partial))
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        if partial_rotary and not (is_positive_number(factor) and factor <= 1):
+            raise ValueError(f"field 'rope_parameters.partial_rotary_factor' = {factor!r}: expected a "
+                             f"number in (0, 1]")
+        inv_freq, scaling = rope_parameters(config, int(head_dim * factor) if partial_rotary else head_dim)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
         if not is_positive_number(config.rms_norm_eps):

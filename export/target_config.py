@@ -64,7 +64,8 @@ def load_target_config(directory: Path) -> TargetConfig:
         raise CheckpointError(f"{path}: layer_types {layer_types}: {kinds} is supported "
                               f"(no sliding-window layers)")
     try:
-        decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch])
+        decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch],
+                                        partial_rotary=arch in HYBRID)
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
     linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None

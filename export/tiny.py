@@ -22,13 +22,16 @@ SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 MAX_POSITIONS = 1024
+ARCHS = ("qwen3", "llama", "qwen3_5", "qwen3_5-multimodal")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "qwen3"                 # qwen3 (untied embeddings) or llama (tied)
+    arch: str = "qwen3"                 # qwen3 (untied embeddings), llama (tied) or a hybrid: qwen3_5
+                                        # (Qwen3_5ForCausalLM), qwen3_5-multimodal (its
+                                        # ForConditionalGeneration layout, a vision tower beside it)
     draft_format: str = "native"        # native or speculators
     draft_vocab: int | None = None      # < target vocab gives a reduced vocabulary with d2t
     layout: str = ANCHOR_FIRST
@@ -39,8 +42,8 @@ class TinySpec:
     def __post_init__(self):
         """Refuse, by the make-tiny flag, a pair that could not be written or loaded, before any
         file is."""
-        if self.arch not in ("qwen3", "llama"):
-            raise ValueError(f"--arch {self.arch!r}: expected qwen3 or llama")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch {self.arch!r}: expected one of {', '.join(ARCHS)}")
         if self.draft_format not in ("native", "speculators"):
             raise ValueError(f"--draft-format {self.draft_format!r}: expected native or speculators")
         if self.layout not in LAYOUTS:
@@ -90,16 +93,31 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
         config = AutoConfig.for_model("qwen3", tie_word_embeddings=False,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                       **common)
-    else:
+    elif spec.arch == "llama":
         config = AutoConfig.for_model("llama", tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                                       **common)
-    model = AutoModelForCausalLM.from_config(config).float()
+    else:   # three linear-attention layers, then a full one; grouped value heads
+        config = AutoConfig.for_model(
+            "qwen3_5_text", tie_word_embeddings=False, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            **common)
+    if spec.arch == "qwen3_5-multimodal":
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=4, num_position_embeddings=16)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=config.to_dict(),
+                                                               vision_config=vision)).float()
+    else:
+        model = AutoModelForCausalLM.from_config(config).float()
     _randomise_norms(model)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     match_config_mode(directory)
-    return json.loads((directory / "config.json").read_text())
+    saved = json.loads((directory / "config.json").read_text())
+    return saved.get("text_config", saved)
 
 
 def _randomise_norms(module: torch.nn.Module) -> None:
@@ -118,6 +136,8 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     reduced = draft_vocab if draft_vocab < vocab else None
 
     if spec.draft_format == "native":
+        # a Qwen3 backbone rotates whole heads: not the hybrid target's partial rotary
+        target = {**target, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
         config = native_config(target, layers=1, block_size=spec.block_size, taps=spec.taps,
                                mask_token_id=mask_token_id, markov_rank=markov_rank, num_anchors=64,
                                draft_vocab_size=reduced, confidence_head=True,

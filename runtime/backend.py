@@ -24,6 +24,7 @@ class BackendLimits:
     max_prompt_chunk: int        # most prompt rows per prefill call
     eos_token_ids: tuple[int, ...]
     confidence_threshold: float  # the default draft cut (0: verify all k)
+    state_slots: int = 0         # a hybrid target's recurrent-state slots per layer (k + 1), else 0
 
     @classmethod
     def from_manifest(cls, m: dict) -> "BackendLimits":
@@ -34,7 +35,8 @@ class BackendLimits:
                    draft_vocab_size=draft["draft_vocab_size"], capacity=limits["max_seq_len"],
                    max_batch=limits["max_batch"], max_prompt_chunk=limits["max_prompt_chunk"],
                    eos_token_ids=tuple(m["target"]["eos_token_ids"]),
-                   confidence_threshold=confidence_threshold(m))
+                   confidence_threshold=confidence_threshold(m),
+                   state_slots=draft["k"] + 1 if m["target"].get("linear") else 0)
 
     @classmethod
     def from_modules(cls, target, draft, capacity: int, max_batch: int = 1 << 16,
@@ -46,7 +48,8 @@ class BackendLimits:
                    draft_vocab_size=draft.config.draft_vocab_size if draft is not None else 0,
                    capacity=capacity, max_batch=max_batch, max_prompt_chunk=max_prompt_chunk or capacity,
                    eos_token_ids=tuple(target.config.eos_token_ids),
-                   confidence_threshold=confidence_threshold)
+                   confidence_threshold=confidence_threshold,
+                   state_slots=(draft.k if draft is not None else 0) + 1 if target.config.linear else 0)
 
     @property
     def lookahead(self) -> int:
@@ -81,10 +84,13 @@ class Backend(Protocol):
     def start(self, batch: int) -> None:
         """Empty caches for ``batch`` sequences."""
 
-    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor,
-                    logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
+                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [B, L]`` at positions ``start [B] ..`` -> ``(logits [B, R, V]`` at the
-        ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows)."""
+        ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows). A hybrid target
+        (``limits.state_slots > 0``) starts each sequence's recurrent state from slot
+        ``state_slot [B]`` and keeps in slot ``j`` the state after row ``state_rows [B, J]``
+        (``-1``: before the call), and needs both; other targets ignore them."""
 
     def draft_step(self, ctx_aux: torch.Tensor, ctx_start: torch.Tensor, ctx_count: torch.Tensor,
                    anchor: torch.Tensor, temperature: torch.Tensor,

@@ -104,14 +104,17 @@ class StepInputs(NamedTuple):
 class Cursor:
     """Where each sequence stands between steps: on the backend's device, the draft context
     (``ctx_aux`` rows, from position ``ctx_start``, the first ``ctx_count`` of them verified), the
-    ``anchor`` token and its position ``anchor_pos`` (= each target cache's valid length); on the
-    host, the same positions (``positions``), which the next step's copy back starts from."""
+    ``anchor`` token and its position ``anchor_pos`` (= each target cache's valid length) and the
+    slot of a hybrid target's recurrent state (the state after the accepted rows; its verify
+    step keeps the state after each row in the slot of that row's number); on the host, the same
+    positions (``positions``), which the next step's copy back starts from."""
     ctx_aux: torch.Tensor
     ctx_start: torch.Tensor
     ctx_count: torch.Tensor
     anchor: torch.Tensor
     anchor_pos: torch.Tensor
     positions: list[int]
+    state_slot: torch.Tensor      # a hybrid target's slot holding each sequence's recurrent state
 
 
 class Decoding:
@@ -234,7 +237,8 @@ class Decoding:
         anchor = next_token(last_logits, self.temperature, self.top_p, self.generator, self.top_k)
         emissions = [self._emit(b, [token], {"step": 0, "anchor": None, "drafts": [], "accepted": 0})
                      for b, token in enumerate(anchor.tolist())]
-        return Cursor(*context, anchor, lengths.clone(), lengths.tolist()), inputs, emissions
+        return (Cursor(*context, anchor, lengths.clone(), lengths.tolist(), torch.zeros_like(lengths)),
+                inputs, emissions)
 
     def _propose(self, cursor: Cursor, inputs: StepInputs, live: list[int]) -> Proposal:
         """The draft's ``k`` tokens after each anchor (zero noise when greedy: its argmax), cut
@@ -255,7 +259,7 @@ class Decoding:
         block = torch.cat([cursor.anchor[:, None], proposal.drafts], 1)
         rows = torch.arange(block.shape[1], device=self.device).expand(block.shape)
         with self.result.times.measure("verify"):
-            logits, aux = self.backend.target_step(block, cursor.anchor_pos, rows)
+            logits, aux = self.backend.target_step(block, cursor.anchor_pos, rows, cursor.state_slot, rows)
         if self.penalty is not None:
             logits = self.penalty(logits, proposal.drafts)
         if not self.speculative:
@@ -294,7 +298,7 @@ class Decoding:
                 counts[b] = row.accepted + 1
                 anchors[b] = row.emitted[row.accepted]
                 cursor.positions[b] += row.accepted + 1
-        cursor.ctx_aux, cursor.ctx_start = verdict.aux, cursor.anchor_pos
+        cursor.ctx_aux, cursor.ctx_start, cursor.state_slot = verdict.aux, cursor.anchor_pos, verdict.accepted
         cursor.ctx_count, cursor.anchor, cursor.anchor_pos = torch.tensor(
             [counts, anchors, cursor.positions], device=self.device).unbind()
         return emissions
@@ -355,20 +359,23 @@ def _prefill(backend: Backend, prompts, lengths, speculative: bool):
     first draft step's context. Returns each prompt's last-position logits and that context.
 
     Each chunk asks the target for one row of logits per prompt: its last row where the prompt
-    ends in the chunk, a row that is not read otherwise (clamped into the chunk)."""
+    ends in the chunk, a row that is not read otherwise (clamped into the chunk). A hybrid
+    target keeps the recurrent state after the same row in slot 0, or the state before the chunk
+    (row -1) for a prompt that ended in an earlier one: padding never advances it."""
     batch, longest, device = len(prompts), max(map(len, prompts)), lengths.device
     padded = torch.zeros(batch, longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         padded[b, : len(prompt)] = torch.tensor(prompt)
     padded = padded.to(device)
     chunk = backend.limits.max_prompt_chunk
-    last_logits = None
+    last_logits, slot = None, torch.zeros_like(lengths)
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
         last_row = lengths - 1 - begin
         here = (last_row >= 0) & (last_row < ids.shape[1])
         logits, aux = backend.target_step(ids, torch.full((batch,), begin, device=device),
-                                          last_row.clamp(0, ids.shape[1] - 1)[:, None])
+                                          last_row.clamp(0, ids.shape[1] - 1)[:, None], slot,
+                                          last_row.clamp(-1, ids.shape[1] - 1)[:, None])
         # a copy: an engine backend reuses its output buffer for the next chunk of this shape
         picked = logits[:, 0].clone()
         last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)

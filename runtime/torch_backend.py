@@ -72,18 +72,21 @@ class TorchBackend:
             self.graphs.clear()
 
     def _empty_caches(self, batch: int) -> dict[str, list[torch.Tensor]]:
-        caches = {"target": self.target.empty_cache(batch, self.limits.capacity)}
+        slots = (self.limits.state_slots,) if self.limits.state_slots else ()
+        caches = {"target": self.target.empty_cache(batch, self.limits.capacity, *slots)}
         if self.draft is not None:
             caches["draft"] = self.draft.empty_cache(batch, self.limits.capacity)
         return caches
 
     @torch.no_grad()
-    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
+                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
+        inputs = [input_ids, start, logit_rows, *((state_slot, state_rows) if self.limits.state_slots else ())]
         if self.graphs is not None:
             batch, rows = input_ids.shape
             return self.graphs("target", {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
-                               [input_ids, start, logit_rows])
-        logits, aux, *self.target_cache = self.target(input_ids, start, logit_rows, *self.target_cache)
+                               inputs)
+        logits, aux, *self.target_cache = self.target(*inputs, *self.target_cache)
         return logits, aux
 
     @torch.no_grad()
