@@ -80,8 +80,8 @@ class OracleDrafts(TorchBackend):
     prefix of its proposals with the target's true continuation, so that 0..k drafts are accepted
     and every acceptance length, rollback and bonus path of the loop is taken."""
 
-    def __init__(self, target, draft, prompts, continuations, seed=0, capacity=96):
-        super().__init__(target, draft, capacity=capacity)
+    def __init__(self, target, draft, prompts, continuations, seed=0, capacity=96, **options):
+        super().__init__(target, draft, capacity=capacity, **options)
         self.prompt_lengths = [len(p) for p in prompts]
         self.continuations = continuations
         self.rng = random.Random(seed)
