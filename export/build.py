@@ -129,8 +129,9 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 gguf = GgufBlocks(target_dir)
                 blocks_of = gguf.lookup
             keep_float = quantize.float_weights(module)
-            spec_of = draft_spec if name == "draft" else target_spec
-            spec = specs[name] = spec_of(module, limits)
+            # a hybrid target keeps a recurrent-state slot per verify row: k + 1
+            spec = specs[name] = (draft_spec(module, limits) if name == "draft" else
+                                  target_spec(module, limits, slots=described["draft"]["k"] + 1))
             described[name] = _describe(module, confidence_threshold)
             trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
                                             draft_config.block_size, generator)
@@ -305,17 +306,26 @@ def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
         if capacity < rows + block:
             raise ValueError(f"--max-seq-len {capacity}: too small to hold a prompt chunk and a "
                              f"draft block of {block}")
-        sizes = {"batch": batch, "rows": rows, "ctx_rows": rows, "logit_rows": logit_rows}
+        slots = _slots(spec)
+        sizes = {"batch": batch, "rows": rows, "ctx_rows": rows, "logit_rows": logit_rows,
+                 "state_rows": min(slots, logit_rows + 1)}
         far = capacity - rows + 1
         high = {"input_ids": vocab, "start": far if purpose == "trace" else min(far, 2 * rows),
                 "logit_rows": rows, "ctx_start": capacity - rows - block + 1, "ctx_count": rows + 1,
-                "anchor": vocab}
+                "anchor": vocab, "state_slot": slots, "state_rows": rows + 1}
         inputs = sample_inputs(spec, sizes, generator, high)
+        if "state_rows" in inputs:
+            inputs["state_rows"] -= 1    # -1: the state before the call
         if "noise" in inputs:
             inputs["temperature"] = torch.ones(batch)
             inputs["noise"] = torch.zeros_like(inputs["noise"])  # greedy: tokens compare exactly
         sets.append(inputs)
     return sets[0], sets[1]
+
+
+def _slots(spec: GraphSpec) -> int:
+    """A hybrid target's state slots (the static slot axis of its state caches), else 1."""
+    return next((t.shape[1] for t in spec.inputs if t.name.startswith("state_cache_")), 1)
 
 
 def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | None) -> dict:
@@ -339,9 +349,11 @@ def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | Non
     if longest == 0:
         return inputs
     first = torch.zeros(batch, 1, dtype=torch.long)
+    # a hybrid target keeps the state after each sequence's prefix in slot 0, where it then starts
+    states = {"state_slot": first[:, 0], "state_rows": start[:, None] - 1} if "state_slot" in inputs else {}
     with torch.no_grad():
-        written = target(prefix, first[:, 0], first, *(inputs[name] for name in caches))[2:]
-    return {**inputs, **dict(zip(caches, written))}
+        written = target(prefix, first[:, 0], first, *states.values(), *(inputs[name] for name in caches))[2:]
+    return {**inputs, **dict(zip(caches, written)), **({"state_slot": first[:, 0]} if states else {})}
 
 
 def _tool_versions() -> dict[str, str]:

@@ -23,6 +23,7 @@ from plugins.gated_delta import onnx_function as gated_delta_onnx
 
 from .draft_model import DraftStep
 from .manifest import is_cache
+from .qwen3_5_model import LINEAR, HybridTargetStep, cache_shapes
 from .target_model import TargetStep
 
 OPSETS = (23, 24)
@@ -61,19 +62,40 @@ def _caches(decoder, capacity: int, dtype: str, suffix: str = "") -> tuple[Tenso
                  for layer in range(decoder.num_layers) for kind in ("k", "v"))
 
 
-def target_spec(target: TargetStep, limits: Limits) -> GraphSpec:
+def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: int = 0) -> GraphSpec:
+    """A hybrid target also takes ``state_slot`` and ``state_rows``, and its linear layers' caches
+    are ``conv_cache_l`` / ``state_cache_l`` banks of ``slots`` slots (``qwen3_5_model``)."""
     c, d = target.config, target.config.decoder
     dtype = DTYPE_NAMES[target.lm_head.weight.dtype]
+    if c.linear is None:
+        states = ()
+        caches, outputs = (_caches(d, limits.max_seq_len, dtype, suffix) for suffix in ("", "_out"))
+    else:
+        states = (TensorSpec("state_slot", "int64", ("batch",)),
+                  TensorSpec("state_rows", "int64", ("batch", "state_rows")))
+        caches, outputs = (_hybrid_caches(c, limits.max_seq_len, slots, target.lm_head.weight.dtype, suffix)
+                           for suffix in ("", "_out"))
     return GraphSpec("target.onnx", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "rows")),
         TensorSpec("start", "int64", ("batch",)),
         TensorSpec("logit_rows", "int64", ("batch", "logit_rows")),
-        *_caches(d, limits.max_seq_len, dtype),
+        *states,
+        *caches,
     ), outputs=(
         TensorSpec("logits", dtype, ("batch", "logit_rows", c.vocab_size)),
         TensorSpec("aux", dtype, ("batch", "rows", len(target.taps) * d.hidden_size)),
-        *_caches(d, limits.max_seq_len, dtype, "_out"),
+        *outputs,
     ))
+
+
+def _hybrid_caches(config, capacity: int, slots: int, dtype: torch.dtype, suffix: str) -> tuple[TensorSpec, ...]:
+    """Per layer, in order: ``k_cache{suffix}_l, v_cache{suffix}_l`` (full attention) or
+    ``conv_cache{suffix}_l, state_cache{suffix}_l`` (linear attention)."""
+    shapes = cache_shapes(config, "batch", capacity, slots, dtype)
+    names = [kind for t in config.linear.layer_types
+             for kind in (("conv", "state") if t == LINEAR else ("k", "v"))]
+    return tuple(TensorSpec(f"{kind}_cache{suffix}_{index // 2}", DTYPE_NAMES[kind_dtype], shape)
+                 for index, (kind, (shape, kind_dtype)) in enumerate(zip(names, shapes)))
 
 
 def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
@@ -127,7 +149,8 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     if opset not in OPSETS:
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
-              "ctx_rows": limits.max_prompt_chunk, "logit_rows": limits.max_prompt_chunk}
+              "ctx_rows": limits.max_prompt_chunk, "logit_rows": limits.max_prompt_chunk,
+              "state_rows": limits.max_prompt_chunk}
     # torch.export needs max > min and the tracing sizes inside; the runtime enforces the limits
     dims = {name: torch.export.Dim(name, min=1, max=max(top, 8)) for name, top in bounds.items()}
     dynamic = [{axis: dims[s] for axis, s in enumerate(t.shape) if isinstance(s, str)}

@@ -124,7 +124,7 @@ class OrtBackend(EngineBackend):
                 for cache in self.manifest["graphs"][name]["inputs"]:
                     if is_cache(cache["name"]):
                         shape = [1 if s == "batch" else s for s in cache["shape"]]
-                        value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._dtype))
+                        value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._numpy(cache)))
                         binding.bind_ortvalue_input(cache["name"], value)
                         binding.bind_ortvalue_output(cache_output(cache["name"]), value)
                 bindings[name] = binding
@@ -162,21 +162,29 @@ class OrtBackend(EngineBackend):
                                         *self.manifest["graphs"][graph]["outputs"])}
 
         def buffer(name):
-            dtype = {"float32": np.float32, "int64": np.int64}.get(specs[name]["dtype"], self._dtype)
-            return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=dtype)
+            return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=self._numpy(specs[name]))
 
         return {name: buffer(name) for name in feeds}, [buffer(name) for name in outputs]
 
-    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor):
+    def _numpy(self, tensor: dict):
+        """The numpy dtype of a graph tensor: its own, the build dtype for float16 / float32 ones."""
+        return {"float32": np.float32, "int64": np.int64}.get(tensor["dtype"], self._dtype)
+
+    def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
+                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
         if int(start.max()) + 1 < self.limits.capacity:
-            # one-row calls take another kernel path (module docstring): made two-row calls
+            # one-row calls take another kernel path (module docstring): made two-row calls; the
+            # copy's recurrent state is never kept (state_rows names the real rows)
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
             logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows
-        logits, aux = self._run("target", {"input_ids": input_ids, "start": start, "logit_rows": logit_rows},
-                                ("logits", "aux"), {"batch": batch, "rows": input_ids.shape[1],
-                                                    "logit_rows": logit_rows.shape[1]})
+        feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows}
+        sizes = {"batch": batch, "rows": input_ids.shape[1], "logit_rows": logit_rows.shape[1]}
+        if self.limits.state_slots:
+            feeds |= {"state_slot": state_slot, "state_rows": state_rows}
+            sizes["state_rows"] = state_rows.shape[1]
+        logits, aux = self._run("target", feeds, ("logits", "aux"), sizes)
         return logits[:, :wanted], aux[:, :rows]
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
