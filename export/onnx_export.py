@@ -172,6 +172,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
             dynamic_shapes=dynamic,
             custom_translation_table=translations, verbose=False, optimize=True)
     _attach_functions(program, opset)
+    _cast_normalized_inputs(program)
     path = directory / spec.file
     program.save(path, external_data=True)
     # onnxscript's rewrite rules keep the last graph they matched (module-level pattern matchers),
@@ -180,6 +181,27 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     for initializer in program.model.graph.initializers.values():
         initializer.const_value = None
     return path
+
+
+def _cast_normalized_inputs(program) -> None:
+    """Give back the input cast that onnxscript's RMSNorm fusion drops when a norm computes in
+    fp32 on a narrower input (Qwen3.5's ``x.float() ... * (1 + w.float())``): it writes
+    ``RMSNormalization(x_fp16, scale_fp32)`` with an fp16 output, which the ONNX checker refuses,
+    where the op computes in the scale's type. The cast restores what the module computes."""
+    import onnx_ir as ir
+
+    graph = program.model.graph
+    for node in list(graph):
+        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        x, scale = node.inputs[0], node.inputs[1]
+        if x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
+            continue
+        cast = ir.node("Cast", [x], attributes={"to": scale.dtype}, name=f"{node.name}_input_cast")
+        cast.outputs[0].dtype, cast.outputs[0].shape = scale.dtype, x.shape
+        graph.insert_before(node, cast)
+        node.replace_input_with(0, cast.outputs[0])
+        node.outputs[0].dtype = scale.dtype
 
 
 def _attach_functions(program, opset: int) -> None:

@@ -89,7 +89,7 @@ def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]
 def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
     """Per profile, each dynamic input's (min, opt, max) shapes from the build limits. The target
     returns logits for 1 row per prompt in prefill and ``k + 1`` when verifying: up to ``k + 1``
-    logit rows in either profile."""
+    logit rows (and a hybrid's kept states) in either profile."""
     limits, k = manifest["limits"], manifest["draft"]["k"]
     batch = (1, limits["max_batch"], limits["max_batch"])
     rows = {"prefill": (1, limits["max_prompt_chunk"], max(limits["max_prompt_chunk"], k + 1)),
@@ -97,7 +97,9 @@ def _profiles(spec: dict, manifest: dict) -> dict[str, dict[str, tuple]]:
     logit_rows = {"prefill": (1, 1, k + 1), "decode": (1, k + 1, k + 1)}
     profiles = {}
     for name in PROFILES:
-        axes = {"batch": batch, "rows": rows[name], "ctx_rows": rows[name], "logit_rows": logit_rows[name]}
+        # a hybrid target keeps as many states as it returns logit rows: 1 in prefill, k + 1 to verify
+        axes = {"batch": batch, "rows": rows[name], "ctx_rows": rows[name], "logit_rows": logit_rows[name],
+                "state_rows": logit_rows[name]}
         profiles[name] = {
             t["name"]: tuple(tuple(axes[d][i] if isinstance(d, str) else d for d in t["shape"])
                              for i in range(3))
