@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-Sizes = dict[str, int]   # a step's dynamic axes: batch, rows (or ctx_rows), logit_rows
+Sizes = dict[str, int]   # a step's dynamic axes: batch, rows (or ctx_rows), logit_rows, state_rows
 
 
 def capture_key(step: str, sizes: Sizes, k: int) -> tuple[str, int, int] | None:

@@ -103,10 +103,14 @@ class TrtBackend(EngineBackend):
         if self.caches.start(batch):   # graphs captured the old caches' addresses
             self.graphs.clear()
 
-    def target_step(self, input_ids, start, logit_rows):
+    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None):
         batch, rows = input_ids.shape
-        return self._run("target", [input_ids, start, logit_rows],
-                         {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]})
+        sizes = {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]}
+        inputs = [input_ids, start, logit_rows]
+        if self.limits.state_slots:   # a hybrid target's recurrent-state slots
+            inputs += [state_slot, state_rows]
+            sizes["state_rows"] = state_rows.shape[1]
+        return self._run("target", inputs, sizes)
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
         batch, rows = ctx_aux.shape[:2]

@@ -3,13 +3,16 @@ greedy speculative == target-only == ``transformers`` ``generate``, token for to
 and ragged batch 3, prompts longer than a prefill chunk, with oracle drafts so that every
 acceptance count 0..k restores the recurrent state from its slot; and its bad checkpoints."""
 import json
+import random
 import shutil
 
 import pytest
 import torch
 
 from export.checkpoint import CheckpointError
+from export.onnx_export import Limits
 from export.pair import load_pair
+from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
@@ -112,3 +115,65 @@ def test_the_vision_tower_and_mtp_layer_are_never_read(tiny, tmp_path, monkeypat
     monkeypatch.setattr(export.checkpoint, "safe_open", Recording)
     load_pair(target, draft_dir)
     assert read and not [n for n in read if n.startswith(("model.visual.", "mtp."))]
+
+
+class OrtOracle(OrtBackend):
+    """``OracleDrafts`` on the engine: the real draft graph runs, then a random-length prefix of its
+    proposals is overwritten with the target's true continuation."""
+
+    def __init__(self, engine, prompts, continuations, seed=0):
+        super().__init__(engine)
+        self.prompt_lengths, self.continuations = [len(p) for p in prompts], continuations
+        self.rng = random.Random(seed)
+
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        tokens = tokens.clone()
+        for b, pos in enumerate((ctx_start + ctx_count).tolist()):
+            truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]
+            right = min(self.rng.randint(0, self.limits.k), len(truth))
+            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
+        return tokens, q
+
+
+def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
+    """The exported graphs (the recurrence as its ONNX function, the banks bound in place, one
+    sequence per call) give transformers' output, speculative with every acceptance count and
+    target-only, at batch 1 and 3, over prefill chunks shorter than the prompts."""
+    arch = "qwen3_5-multimodal"
+    target_dir, _ = tiny(arch=arch)
+    engine = engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch)
+    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
+    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        oracle = OrtOracle(engine, prompts, continuations)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=oracle.limits.eos_token_ids)
+        assert result.token_ids == expected[:batch]
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
+        target_only = generate(oracle, prompts, max_new_tokens=MAX_NEW, speculative=False,
+                               eos_token_ids=oracle.limits.eos_token_ids)
+        assert target_only.token_ids == expected[:batch]
+
+
+def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
+    """fp16 (the RMSNorm input cast restored), every linear layer's recurrence a GatedDeltaRule
+    plugin and its conv window a CacheWrite, the kept states' profiles as the logit rows'."""
+    pytest.importorskip("tensorrt_rtx")
+    from export.build import build
+
+    build(*map(str, tiny(arch="qwen3_5")), tmp_path, limits=Limits(max_batch=2, max_seq_len=64,
+                                                                   max_prompt_chunk=8),
+          dtype="fp16", backend="trt-rtx", gpus=("sm89",), progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    linear = manifest["target"]["linear"]["layer_types"].count("linear_attention")
+    full = len(manifest["target"]["linear"]["layer_types"]) - linear
+    assert manifest["trt-rtx"]["plugin_layers"]["target"] == {
+        "GatedDeltaRule": linear, "CacheWrite": linear, "BlockAttention": full}
+    k = manifest["draft"]["k"]
+    profiles = manifest["trt-rtx"]["profiles"]["target"]
+    assert profiles["prefill"]["state_rows"] == [[1, 1], [2, 1], [2, k + 1]]
+    assert profiles["decode"]["state_rows"] == [[1, 1], [2, k + 1], [2, k + 1]]
+    state = next(t for t in manifest["graphs"]["target"]["inputs"] if t["name"] == "state_cache_0")
+    assert state["dtype"] == "float32" and state["shape"][1] == k + 1

@@ -137,11 +137,12 @@ def test_cache_outputs_alias_their_inputs():
     from plugins.tensorrt_plugin import register_plugins, specs
 
     assert {spec.name: spec.aliases for spec in specs()} == {
-        "BlockAttention": {1: 3, 2: 4}, "CacheWrite": {0: 0}, "D2TGather": {}}
+        "BlockAttention": {1: 3, 2: 4}, "CacheWrite": {0: 0}, "D2TGather": {}, "GatedDeltaRule": {1: 5}}
     attributes = trt.PluginFieldCollection([
         trt.PluginField("causal", np.array([0], np.int32), trt.PluginFieldType.INT32),
         trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32)])
-    expected = {"BlockAttention": [-1, 3, 4], "CacheWrite": [0], "D2TGather": [-1, -1]}
+    expected = {"BlockAttention": [-1, 3, 4], "CacheWrite": [0], "D2TGather": [-1, -1],
+                "GatedDeltaRule": [-1, 5]}
     for creator in register_plugins(trt):
         plugin = creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
         build = plugin.get_capability_interface(trt.PluginCapabilityType.BUILD)
@@ -166,7 +167,8 @@ def test_attention_reserves_the_workspace_its_split_kernel_needs():
     q = SimpleNamespace(max=(4, 32, 2048, 128))
     sizes = {creator.name: creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
              .get_workspace_size([q], []) for creator in register_plugins(trt)}
-    assert sizes == {"BlockAttention": workspace_bound(128), "CacheWrite": 0, "D2TGather": 0}
+    assert sizes == {"BlockAttention": workspace_bound(128), "CacheWrite": 0, "D2TGather": 0,
+                     "GatedDeltaRule": 0}
     assert workspace_bound(128) > 0
 
 
