@@ -30,10 +30,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
             given = ", ".join("--" + name.replace("_", "-") for name in shape_flags)
             raise ValueError(f"--preset {args.preset}: a preset fixes every shape; leave out {given}")
         def write(directory):
-            return make_preset(directory, args.preset, seed=args.seed)
-        described = (f"{args.preset}-shaped Qwen3 target (random bf16 weights, sharded)",
+            return make_preset(directory, args.preset, seed=args.seed, layers=args.layers)
+        sliced = f", its first {args.layers} layers" if args.layers else ""
+        described = (f"{args.preset}-shaped target (random bf16 weights, sharded{sliced})",
                      "release-shaped native DSpark draft (5 layers, block 7)")
     else:
+        if args.layers is not None:
+            raise ValueError("--layers: slices a --preset's target; the tiny pair has 4 layers")
         spec = TinySpec(**shape_flags, seed=args.seed)
 
         def write(directory):
@@ -120,8 +123,12 @@ def parser() -> argparse.ArgumentParser:
                                            "benchmarks.")
     tiny.add_argument("out", metavar="OUT", help="output directory")
     tiny.add_argument("--preset", choices=list(PRESETS),
-                      help="a Qwen3 target of this release's shape (bf16, sharded) and a draft of "
-                           "DeepSeek's released DSpark drafts' shape [the tiny pair]")
+                      help="a target of this release's shape (bf16, sharded; the Qwen3.6 ones in the "
+                           "ForConditionalGeneration layout) and a draft of DeepSeek's released DSpark "
+                           "drafts' shape [the tiny pair]")
+    tiny.add_argument("--layers", type=int, metavar="N",
+                      help="with --preset: only the target's first N layers, a slice of the release's "
+                           "shape that can be built and timed on a small machine [all]")
     tiny.add_argument("--arch", choices=list(ARCHS),
                       help="target architecture (llama ties its embeddings; qwen3_5 is the Qwen3.5 / "
                            "3.6 hybrid, -multimodal in its ForConditionalGeneration layout) [qwen3]")

@@ -88,7 +88,8 @@ def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: in
     ))
 
 
-def _hybrid_caches(config, capacity: int, slots: int, dtype: torch.dtype, suffix: str) -> tuple[TensorSpec, ...]:
+def _hybrid_caches(config, capacity: int, slots: int, dtype: torch.dtype,
+                   suffix: str) -> tuple[TensorSpec, ...]:
     """Per layer, in order: ``k_cache{suffix}_l, v_cache{suffix}_l`` (full attention) or
     ``conv_cache{suffix}_l, state_cache{suffix}_l`` (linear attention)."""
     shapes = cache_shapes(config, "batch", capacity, slots, dtype)

@@ -3,6 +3,10 @@
 
 The target is a Qwen3 checkpoint as the hub ships it: ``config.json``, bf16 weights in sharded
 safetensors with ``model.safetensors.index.json``, tied embeddings where the release ties them.
+A Qwen3.6 (hybrid) preset is a ``Qwen3_5ForConditionalGeneration`` checkpoint: its text model
+under ``model.language_model.``, beside a few tensors of a vision tower and an MTP layer in their
+real shapes (the loader must skip them; their full size would only cost disk). ``--layers N``
+keeps the first ``N`` layers of the release's pattern, a slice to build and time here.
 The draft has the shape of DeepSeek's released DSpark drafts (``deepseek-ai/dspark_qwen3_4b_block7``):
 a native DeepSpec config that is the target's with the DSpark fields overwritten
 (``docs/dspark.md#checkpoint-and-config-conventions``), 5 decoder layers, block 7, Markov rank
@@ -13,7 +17,7 @@ weights are random, so these pairs measure time and memory, never acceptance.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +37,12 @@ class Preset:
     num_key_value_heads: int = 8
     head_dim: int = 128
     vocab_size: int = 151936
+    linear: dict | None = None   # a Qwen3.5 / 3.6 hybrid's gated-DeltaNet fields
+
+
+# Qwen3.6-27B's config.json (text_config): 64 layers, every fourth full attention
+QWEN3_6_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=16, linear_num_value_heads=48)
 
 
 # the Qwen3 releases' config.json shapes
@@ -41,20 +51,30 @@ PRESETS = {
     "qwen3-1.7b": Preset(2048, 28, 16, 6144, tie_word_embeddings=True),
     "qwen3-4b": Preset(2560, 36, 32, 9728, tie_word_embeddings=True),
     "qwen3-8b": Preset(4096, 36, 32, 12288, tie_word_embeddings=False),
+    "qwen3.6-27b": Preset(5120, 64, 24, 17408, tie_word_embeddings=False, num_key_value_heads=4,
+                          head_dim=256, vocab_size=248320, linear=QWEN3_6_LINEAR),
 }
 DRAFT_LAYERS, BLOCK_SIZE, MARKOV_RANK, MASK_TOKEN_ID = 5, 7, 256, 151669
 SHARD_SIZE = "4GB"   # the Qwen3 releases' shards are about this size
 SCALE = 0.02         # the releases' initializer_range: activations stay finite through every layer
 
 
-def make_preset(out: Path, name: str, seed: int = 0) -> tuple[Path, Path]:
-    """Write ``out/target`` and ``out/draft`` in the shapes of preset ``name``; returns their paths."""
+def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None) -> tuple[Path, Path]:
+    """Write ``out/target`` and ``out/draft`` in the shapes of preset ``name``, the target cut to
+    its first ``layers`` layers if given; returns their paths."""
     if name not in PRESETS:
         raise ValueError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    if layers is not None:
+        if not 1 <= layers <= preset.num_hidden_layers:
+            raise ValueError(f"--layers {layers}: expected 1 .. {preset.num_hidden_layers} (the layers "
+                             f"of {name})")
+        preset = replace(preset, num_hidden_layers=layers)
     import torch
 
     torch.manual_seed(seed)
-    target = _write_target(out / "target", PRESETS[name])
+    write = _write_hybrid_target if preset.linear else _write_target
+    target = write(out / "target", preset)
     _write_draft(out / "draft", target)
     return out / "target", out / "draft"
 
@@ -100,12 +120,52 @@ def _write_target(directory: Path, preset: Preset) -> dict:
     return json.loads((directory / "config.json").read_text())
 
 
+def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
+    """The ``Qwen3_5ForConditionalGeneration`` layout; returns the text config."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5TextConfig
+
+    from .checkpoint import match_config_mode
+    from .tiny import _tokenizer
+
+    shape = {k: v for k, v in asdict(preset).items() if k != "linear"}
+    text = Qwen3_5TextConfig(
+        **shape, **preset.linear, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="bfloat16")
+    config = Qwen3_5Config(text_config=text.to_dict(), tie_word_embeddings=preset.tie_word_embeddings,
+                           dtype="bfloat16", architectures=["Qwen3_5ForConditionalGeneration"])
+    with torch.device("meta"):
+        text_shapes = AutoModelForCausalLM.from_config(text).state_dict()
+    shapes = {name.replace("model.", "model.language_model.", 1): p.shape for name, p in text_shapes.items()}
+    # what the loader skips: a vision patch embedding and an MTP layer's norms and projection
+    shapes |= {"model.visual.patch_embed.proj.weight": (1152, 3, 2, 16, 16),
+               "mtp.pre_fc_norm_embedding.weight": (preset.hidden_size,),
+               "mtp.fc.weight": (preset.hidden_size, 2 * preset.hidden_size)}
+    directory.mkdir(parents=True)
+    save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
+                          max_shard_size=SHARD_SIZE)
+    config.save_pretrained(directory)
+    match_config_mode(directory)
+    _tokenizer().save_pretrained(directory)
+    return json.loads((directory / "config.json").read_text())["text_config"]
+
+
 def _write_draft(directory: Path, target: dict) -> None:
-    from .checkpoint import write_tensors
+    from huggingface_hub import save_torch_state_dict
+
+    from .checkpoint import match_config_mode
     from .draft_config import native_config
 
     hidden, vocab = target["hidden_size"], target["vocab_size"]
-    taps = release_taps(target["num_hidden_layers"])
+    layers = target["num_hidden_layers"]
+    # a slice too short to spread 5 taps over takes its last layers (not the final one) and the embeddings
+    taps = release_taps(layers) if layers >= 8 else list(range(-1, layers - 1))[-5:]
+    # a Qwen3 backbone rotates whole heads: not a hybrid target's partial rotary
+    target = {**target, "rope_parameters": {"rope_type": "default",
+                                            "rope_theta": target["rope_parameters"]["rope_theta"]}}
     config = native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
                            mask_token_id=MASK_TOKEN_ID, markov_rank=MARKOV_RANK, num_anchors=512,
                            confidence_head=True)
@@ -127,6 +187,8 @@ def _write_draft(directory: Path, target: dict) -> None:
             ("mlp.gate_proj.weight", (intermediate, hidden)), ("mlp.up_proj.weight", (intermediate, hidden)),
             ("mlp.down_proj.weight", (hidden, intermediate)))}
     directory.mkdir(parents=True)
-    write_tensors({name: _random(shape, name) for name, shape in shapes.items()},
-                  directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # in shards, as the target: one file would be serialized whole in memory beside the tensors
+    save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
+                          max_shard_size=SHARD_SIZE)
+    match_config_mode(directory)

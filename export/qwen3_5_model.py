@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, conv_bank, state_bank, slot, state_rows):
         """``x [B, S, hidden]``; the banks as the module docstring says -> output, both banks."""
-        c, (batch, rows, _) = self.c, x.shape
+        c = self.c
         mixed = self.in_proj_qkv(x)                                            # [B, S, conv_dim]
         # the conv sees the window before the call, then the new rows
         window = conv_bank.gather(2, slot[:, None, None, None].expand(-1, c.conv_kernel - 1, 1,

@@ -80,8 +80,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     config = load_target_config(directory)
     tensors = _tensors(directory, config)
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
-    fields = f"{config_file}: field '{MULTIMODAL[config.architecture]}.'" if config.architecture in MULTIMODAL \
-        else f"{config_file}: field '"
+    nested = f"{MULTIMODAL[config.architecture]}." if config.architecture in MULTIMODAL else ""
+    fields = f"{config_file}: field '{nested}"
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
     if config.linear is not None:
         _check_layer_types(tensors, config, f"{fields}layer_types'")

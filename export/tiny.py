@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .checkpoint import match_config_mode, write_tensors
-from .draft_config import native_config
 from .layouts import ANCHOR_FIRST, BONUS_ANCHOR, LAYOUTS
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a pair is written, not where the command line lists the architectures
 
 SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
@@ -59,6 +61,8 @@ class TinySpec:
 
 def make_tiny(out: Path, spec: TinySpec = TinySpec()) -> tuple[Path, Path]:
     """Write ``out/target`` and ``out/draft``; returns their paths."""
+    import torch
+
     torch.manual_seed(spec.seed)
     target_dir, draft_dir = out / "target", out / "draft"
     target_config = _write_target(target_dir, spec)
@@ -83,6 +87,8 @@ def _tokenizer():
 
 def _write_target(directory: Path, spec: TinySpec) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .checkpoint import match_config_mode
 
     tokenizer = _tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -121,6 +127,8 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
 
 
 def _randomise_norms(module: torch.nn.Module) -> None:
+    import torch
+
     with torch.no_grad():
         for name, parameter in module.named_parameters():
             if "norm" in name:
@@ -130,6 +138,10 @@ def _randomise_norms(module: torch.nn.Module) -> None:
 def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     """A random DSpark draft for the target whose config.json is ``target``, laid out as ``spec``
     says (format, layout, block size, taps, reduced vocabulary)."""
+    import torch
+
+    from .checkpoint import write_tensors
+    from .draft_config import native_config
     vocab, hidden = target["vocab_size"], target["hidden_size"]
     draft_vocab = spec.draft_vocab or vocab
     markov_rank, mask_token_id = 8, SPECIALS.index("<mask>")
@@ -175,6 +187,8 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
 
 
 def _draft_tensors(hidden, taps, intermediate, heads, kv_heads, head_dim, vocab, draft_vocab, rank):
+    import torch
+
     def linear(out_features, in_features):
         return torch.randn(out_features, in_features) * in_features ** -0.5
 

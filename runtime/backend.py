@@ -85,7 +85,8 @@ class Backend(Protocol):
         """Empty caches for ``batch`` sequences."""
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
-                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    state_slot: torch.Tensor | None = None,
+                    state_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [B, L]`` at positions ``start [B] ..`` -> ``(logits [B, R, V]`` at the
         ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows). A hybrid target
         (``limits.state_slots > 0``) starts each sequence's recurrent state from slot

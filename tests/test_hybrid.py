@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from test_greedy_invariant import OracleDrafts
 
 from export.checkpoint import CheckpointError
 from export.onnx_export import Limits
@@ -17,7 +18,6 @@ from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
 from conftest import PROMPTS, hf_greedy
-from test_greedy_invariant import OracleDrafts
 
 MAX_NEW = 40
 CHUNK = 5   # shorter than two of the prompts: the state crosses prefill chunks
@@ -85,6 +85,7 @@ def test_the_vision_tower_and_mtp_layer_are_never_read(tiny, tmp_path, monkeypat
     """Only the text model's tensors are read from the file (a 27B release's vision tower and MTP
     layer are GBs)."""
     from safetensors.torch import load_file, save_file
+
     import export.checkpoint
 
     target_dir, draft_dir = tiny(arch="qwen3_5-multimodal")

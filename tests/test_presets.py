@@ -50,7 +50,7 @@ def test_preset_pair_is_written_in_release_layouts_and_loads(small_preset, tmp_p
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
     umask = os.umask(0)
     os.umask(umask)
-    for file in [*target_dir.glob("*.safetensors"), draft_dir / "model.safetensors"]:
+    for file in [*target_dir.glob("*.safetensors"), *draft_dir.glob("*.safetensors")]:
         assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file
 
     draft_config = json.loads((draft_dir / "config.json").read_text())
@@ -62,6 +62,30 @@ def test_preset_pair_is_written_in_release_layouts_and_loads(small_preset, tmp_p
     # the draft's own embeddings, not the target's shared ones
     assert not torch.equal(draft.embed_tokens.weight, target.embed_tokens.weight)
     assert target.lm_head.weight.data_ptr() == target.embed_tokens.weight.data_ptr()   # tied, held once
+
+
+def test_a_hybrid_preset_slice_is_the_multimodal_layout_and_loads(monkeypatch, tmp_path):
+    """A Qwen3.6-shaped preset (narrowed here), cut to its first 4 layers: three linear, one full,
+    text weights under model.language_model. beside vision and MTP tensors that loading skips."""
+    small = presets.Preset(64, 8, 4, 128, False, num_key_value_heads=2, head_dim=16,
+                           linear=dict(presets.QWEN3_6_LINEAR, linear_key_head_dim=8,
+                                       linear_value_head_dim=8, linear_num_key_heads=2,
+                                       linear_num_value_heads=4))
+    monkeypatch.setitem(presets.PRESETS, "qwen3.6-small", small)
+    monkeypatch.setattr(presets, "SHARD_SIZE", "1MB")
+    cli.main(["make-tiny", str(tmp_path / "pair"), "--preset", "qwen3.6-small", "--layers", "4"])
+    target_dir, draft_dir = tmp_path / "pair" / "target", tmp_path / "pair" / "draft"
+    config = json.loads((target_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert config["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    names = json.loads((target_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("mtp.") for n in names)
+    target, draft = load_pair(target_dir, draft_dir)
+    assert target.config.linear.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert draft.config.target_layer_ids == (-1, 0, 1, 2)
+    with pytest.raises(SystemExit, match="--layers 65: expected 1 .. 64"):
+        cli.main(["make-tiny", str(tmp_path / "p2"), "--preset", "qwen3.6-27b", "--layers", "65"])
 
 
 def test_preset_refuses_tiny_shape_flags(tmp_path):
