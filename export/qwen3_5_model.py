@@ -134,15 +134,16 @@ class GatedAttention(nn.Module):
     """Full attention with q / k norms, a partial rotary and a sigmoid output gate per head; its
     ``q_proj`` holds each head's query and gate side by side."""
 
-    def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, d):
         super().__init__()
+        heads, kv_heads, head_dim, bias = d.num_heads, d.num_kv_heads, d.head_dim, d.attention_bias
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, 2 * heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
-        self.q_norm = ZeroCentredRMSNorm(head_dim, eps)
-        self.k_norm = ZeroCentredRMSNorm(head_dim, eps)
+        self.q_proj = nn.Linear(d.hidden_size, 2 * heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d.hidden_size, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d.hidden_size, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, d.hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(head_dim, d.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(head_dim, d.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start):
         query, gate = self.q_proj(x).unflatten(-1, (self.heads, 2 * self.head_dim)).chunk(2, dim=-1)
@@ -170,7 +171,7 @@ class HybridLayer(nn.Module):
         if layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(d.hidden_size, config.linear, eps)
         else:
-            self.self_attn = GatedAttention(d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, eps)
+            self.self_attn = GatedAttention(d)
         self.post_attention_layernorm = ZeroCentredRMSNorm(d.hidden_size, eps)
         self.mlp = MLP(d)
 

@@ -1,7 +1,7 @@
 """The target LLM's configuration, read through ``transformers.AutoConfig``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
@@ -69,6 +69,8 @@ def load_target_config(directory: Path) -> TargetConfig:
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
     linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None
+    if linear is not None:   # Qwen3.5's MLP has no biases whatever mlp_bias says (transformers ignores it)
+        decoder = replace(decoder, mlp_bias=False)
     if linear is not None and len(linear.layer_types) != decoder.num_layers:
         raise CheckpointError(f"{path}: field 'layer_types' has {len(linear.layer_types)} entries: "
                               f"expected one per layer ({decoder.num_layers}, num_hidden_layers)")
@@ -106,8 +108,10 @@ def _check_raw(raw: dict, arch: str, path: Path) -> None:
         if not isinstance(raw.get(key), dict):
             raise CheckpointError(f"{path}: field '{key}' = {raw.get(key)!r}: expected the text "
                                   f"model's config (an object)")
-        raw, where = raw[key], f"{key}."
-        model_type = raw.get("model_type", f"{model_type}_text")
+        raw, where, model_type = raw[key], f"{key}.", f"{model_type}_text"
+        if raw.get("model_type", model_type) != model_type:
+            raise CheckpointError(f"{path}: field '{where}model_type' = {raw.get('model_type')!r}: "
+                                  f"expected {model_type!r} for {arch}")
     extra = LINEAR_FIELDS if arch in HYBRID else ()
     try:
         check_fields(raw, model_type, extra)

@@ -23,7 +23,7 @@ DELETE = object()
 MUTATIONS = {"delete": DELETE, "string": "1", "list": [1], "null": None, "object": {"a": 1},
              "true": True, "float": 1.5, "zero": 0, "negative": -1, "huge": 10 ** 12}
 # fields the fixture's configs leave out, that a checkpoint may give: set, never deleted
-OPTIONAL = {"target": [],
+OPTIONAL = {"target": [], "hybrid": [],
             "native": ["dspark_bonus_anchor", "sample_from_anchor", "draft_vocab_size", "target_hidden_size"],
             "speculators": ["draft_vocab_size"]}
 
@@ -63,7 +63,16 @@ UNUSED = {
     "markov_head_type": "DSpark's default 'vanilla'",
     "target_hidden_size": "absent or null, the target's own hidden size",
     "draft_vocab_size": "absent or null, the whole target vocabulary",
+    # a multimodal hybrid's config.json: the text model's fields sit in text_config
+    "image_token_id": "the vision tower is not used", "video_token_id": "the vision tower is not used",
+    "vision_start_token_id": "the vision tower is not used",
+    "vision_end_token_id": "the vision tower is not used",
+    "rope_parameters.mrope_section": "multimodal positions: a text-only prompt's are equal in every section",
+    "rope_parameters.mrope_interleaved": "multimodal positions: as mrope_section",
+    "rope_parameters.partial_rotary_factor": "absent, transformers' Qwen3.5 default 0.25",
 }
+# fields of a tower the text model never reads (by prefix)
+UNUSED_SECTIONS = ("vision_config",)
 # (field, mutation) -> why a value that loads and changes the configuration is legitimate
 VALID = {
     ("rope_parameters.rope_theta", "float"): "any positive RoPE base is a valid one",
@@ -130,21 +139,25 @@ def name(path: tuple) -> str:
 def verdict(path: tuple, mutation: str, outcome, baseline) -> str | None:
     """None when the outcome is as it should be, else what is wrong."""
     field = name(path)
-    key = field.removeprefix("transformer_layer_config.")
+    key = field.removeprefix("transformer_layer_config.").removeprefix("text_config.")
     if isinstance(outcome, tuple):  # loaded
         if outcome == baseline:
-            return None if key in UNUSED or (key, mutation) in VALID else "loaded, unlisted in UNUSED"
+            unused = key in UNUSED or key.startswith(UNUSED_SECTIONS) or (key, mutation) in VALID
+            return None if unused else "loaded, unlisted in UNUSED"
         return None if (key, mutation) in VALID else "loaded with a changed configuration, unlisted in VALID"
     return outcome
 
 
-@pytest.mark.parametrize("case", ["target", "native", "speculators"])
+@pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid"])
 def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case):
-    source = tiny(**SPECULATORS) if case == "speculators" else tiny()
+    """``hybrid``: a Qwen3.5 target in its ForConditionalGeneration layout (text_config nested,
+    the linear-attention fields, a vision_config)."""
+    source = {"speculators": lambda: tiny(**SPECULATORS),
+              "hybrid": lambda: tiny(arch="qwen3_5-multimodal")}.get(case, tiny)()
     target, draft = linked_pair(source, tmp_path)
     for directory, original in zip((target, draft), source):
         (directory / "config.json").write_text((original / "config.json").read_text())
-    checkpoint = target if case == "target" else draft
+    checkpoint = target if case in ("target", "hybrid") else draft
     config_file = checkpoint / "config.json"
     original = json.loads(config_file.read_text())
     baseline = loaded(target, draft)

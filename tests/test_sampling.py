@@ -37,9 +37,12 @@ def _exact_marginals(target, temperature, top_k=0):
     """Exact distributions of generated tokens 2 and 3 under the target alone."""
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
-        last = torch.full((len(ids), 1), ids.shape[1] - 1)
-        logits, *_ = target(ids, torch.zeros(len(ids), dtype=torch.long), last,
-                            *target.empty_cache(len(ids), ids.shape[1]))
+        start, last = torch.zeros(len(ids), dtype=torch.long), torch.full((len(ids), 1), ids.shape[1] - 1)
+        if target.config.linear is None:
+            caches = target.empty_cache(len(ids), ids.shape[1])
+            logits, *_ = target(ids, start, last, *caches)
+        else:   # a hybrid keeps its state in slot 0
+            logits, *_ = target(ids, start, last, start, last, *target.empty_cache(len(ids), ids.shape[1], 1))
         return probabilities(logits[:, 0], temperature, top_k=top_k)
 
     vocab = target.config.vocab_size
@@ -85,6 +88,17 @@ def test_speculative_sampling_matches_target_distribution(pair, temperature):
     p2, p3 = _exact_marginals(pair[0], temperature)
     # both acceptance and rejection happen, so both branches are under test
     assert 0.1 < stats.acceptance_per_position[0] < 0.9
+    assert _chi_square_p(tokens[:, 1], p2) > 1e-3
+    assert _chi_square_p(tokens[:, 2], p3) > 1e-3
+
+
+def test_hybrid_speculative_sampling_matches_target_distribution(tiny):
+    """Rejection sampling over a Qwen3.5 hybrid target: its recurrent state restored from the
+    accepted slot after every acceptance and rejection."""
+    pair = load_pair(*tiny(arch="qwen3_5", draft_vocab=60))
+    tokens, stats = _sample(pair, 1.0)
+    p2, p3 = _exact_marginals(pair[0], 1.0)
+    assert stats.accepted_tokens > 50 and stats.acceptance_per_position[0] < 0.9   # both branches
     assert _chi_square_p(tokens[:, 1], p2) > 1e-3
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
 
