@@ -2,8 +2,8 @@
 runs (and TensorRT inlines when no plugin is registered), and the exporter's translation.
 
 The body is a ``Scan`` over the rows, which onnxscript cannot write (it has no scan outputs), so
-it is built with ``onnx.helper``. The carried values are the state and the captured slots
-``[B, R, H, Dk, Dv]``; each row's output is a scan output.
+it is built with ``onnx.helper``: the state is carried, each row's output is a scan output, and the
+slots' states are kept one of two ways (``_branch``), chosen by the row count.
 """
 from __future__ import annotations
 
@@ -34,45 +34,101 @@ def _ints(name: str, values: list[int]):
         name, TensorProto.INT64, [len(values)], values))
 
 
-def _row_body() -> onnx.GraphProto:
-    """One row: ``s [B, H, Dk, Dv]``, ``captured [B, R, H, Dk, Dv]``, ``rows [B, R]`` carried;
-    ``q_i, k_i [B, H, Dk]``, ``v_i [B, H, Dv]``, ``g_i, beta_i [B, H]``, ``i []`` scanned."""
+def _value(name: str, kind: int, rank: int):
+    return helper.make_tensor_value_info(name, kind, [None] * rank)
+
+
+F32, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _row_body(capture: bool) -> onnx.GraphProto:
+    """One row, its products read off the state once: with ``d = exp(g)``,
+    ``[q; k]^T s`` by one ``MatMul``, then ``delta = (v - d k^T s) beta``,
+    ``s' = d s + k delta^T`` and ``out = d q^T s + (q . k) delta`` (= ``s'^T q``).
+
+    Carried: ``s [B, H, Dk, Dv]``, ``rows [B, R]`` and, with ``capture``, the captured slots
+    ``[B, R, H, Dk, Dv]`` (a slot takes ``s'`` at its row); otherwise ``s'`` is also a scan output.
+    Scanned: ``q_i, k_i [B, H, Dk]``, ``v_i [B, H, Dv]``, ``g_i, beta_i [B, H]``, ``i []``."""
     node = helper.make_node
     nodes = [
-        _ints("last", [-1]), _ints("next_to_last", [-2]), _ints("last_two", [-2, -1]),
-        _ints("slot_axis", [1]),
-        node("Exp", ["g_i"], ["decay"]),
-        node("Unsqueeze", ["decay", "last_two"], ["decay_4d"]),
-        node("Mul", ["s", "decay_4d"], ["s_decayed"]),
-        node("Unsqueeze", ["k_i", "last"], ["k_col"]),
-        node("Mul", ["s_decayed", "k_col"], ["s_k"]),
-        node("ReduceSum", ["s_k", "next_to_last"], ["remembered"], keepdims=0),
-        node("Sub", ["v_i", "remembered"], ["error"]),
-        node("Unsqueeze", ["beta_i", "last"], ["beta_col"]),
-        node("Mul", ["error", "beta_col"], ["delta"]),
-        node("Unsqueeze", ["delta", "next_to_last"], ["delta_row"]),
-        node("Mul", ["k_col", "delta_row"], ["write"]),
-        node("Add", ["s_decayed", "write"], ["s_next"]),
-        node("Unsqueeze", ["q_i", "last"], ["q_col"]),
-        node("Mul", ["s_next", "q_col"], ["s_q"]),
-        node("ReduceSum", ["s_q", "next_to_last"], ["out_i"], keepdims=0),
-        node("Equal", ["rows", "i"], ["hit"]),
-        _ints("state_axes", [2, 3, 4]),
-        node("Unsqueeze", ["hit", "state_axes"], ["hit_5d"]),
-        node("Unsqueeze", ["s_next", "slot_axis"], ["s_5d"]),
-        node("Where", ["hit_5d", "s_5d", "captured"], ["captured_next"]),
+        _ints("r_last", [-1]), _ints("r_row", [2]), _ints("r_pair", [2, 3]), _ints("r_zero", [0]),
+        _ints("r_one", [1]), _ints("r_two", [2]),
+        node("Exp", ["g_i"], ["r_decay"]),
+        node("Unsqueeze", ["r_decay", "r_last"], ["r_decay_3d"]),
+        node("Unsqueeze", ["r_decay", "r_pair"], ["r_decay_4d"]),
+        node("Unsqueeze", ["q_i", "r_row"], ["r_q_row"]),
+        node("Unsqueeze", ["k_i", "r_row"], ["r_k_row"]),
+        node("Concat", ["r_q_row", "r_k_row"], ["r_qk"], axis=2),
+        node("MatMul", ["r_qk", "s"], ["r_read"]),                          # [B, H, 2, Dv]
+        node("Slice", ["r_read", "r_zero", "r_one", "r_row"], ["r_q_read_3"]),
+        node("Slice", ["r_read", "r_one", "r_two", "r_row"], ["r_k_read_3"]),
+        node("Squeeze", ["r_q_read_3", "r_row"], ["r_q_read"]),
+        node("Squeeze", ["r_k_read_3", "r_row"], ["r_k_read"]),
+        node("Mul", ["r_k_read", "r_decay_3d"], ["r_remembered"]),
+        node("Sub", ["v_i", "r_remembered"], ["r_error"]),
+        node("Unsqueeze", ["beta_i", "r_last"], ["r_beta"]),
+        node("Mul", ["r_error", "r_beta"], ["r_delta"]),
+        node("Unsqueeze", ["k_i", "r_last"], ["r_k_col"]),
+        node("Unsqueeze", ["r_delta", "r_row"], ["r_delta_row"]),
+        node("MatMul", ["r_k_col", "r_delta_row"], ["r_write"]),            # k delta^T
+        node("Mul", ["s", "r_decay_4d"], ["r_decayed"]),
+        node("Add", ["r_decayed", "r_write"], ["s_next"]),
+        node("Mul", ["q_i", "k_i"], ["r_qk_terms"]),
+        node("ReduceSum", ["r_qk_terms", "r_last"], ["r_q_dot_k"], keepdims=1),
+        node("Mul", ["r_q_read", "r_decay_3d"], ["r_q_decayed"]),
+        node("Mul", ["r_q_dot_k", "r_delta"], ["r_q_written"]),
+        node("Add", ["r_q_decayed", "r_q_written"], ["out_i"]),
         node("Identity", ["rows"], ["rows_next"]),
     ]
-    f, i64 = TensorProto.FLOAT, TensorProto.INT64
-    def value(name, kind, rank):
-        return helper.make_tensor_value_info(name, kind, [None] * rank)
+    inputs = [_value("s", F32, 4), _value("rows", I64, 2)]
+    outputs = [_value("s_next", F32, 4), _value("rows_next", I64, 2)]
+    if capture:
+        nodes += [
+            node("Equal", ["rows", "i"], ["r_hit"]),
+            _ints("r_state_axes", [2, 3, 4]),
+            node("Unsqueeze", ["r_hit", "r_state_axes"], ["r_hit_5d"]),
+            node("Unsqueeze", ["s_next", "r_one"], ["r_s_5d"]),
+            node("Where", ["r_hit_5d", "r_s_5d", "captured"], ["captured_next"]),
+        ]
+        inputs.insert(1, _value("captured", F32, 5))
+        outputs.insert(1, _value("captured_next", F32, 5))
+    else:
+        nodes.append(node("Identity", ["s_next"], ["s_scanned"]))
+    inputs += [_value(n, F32, r) for n, r in (("q_i", 3), ("k_i", 3), ("v_i", 3), ("g_i", 2), ("beta_i", 2))]
+    inputs.append(_value("i", I64, 0))
+    outputs.append(_value("out_i", F32, 3))
+    if not capture:
+        outputs.append(_value("s_scanned", F32, 4))
+    return helper.make_graph(nodes, f"gated_delta_row{'_captured' if capture else ''}", inputs, outputs)
 
-    inputs = [value(n, t, r) for n, t, r in (
-        ("s", f, 4), ("captured", f, 5), ("rows", i64, 2), ("q_i", f, 3), ("k_i", f, 3), ("v_i", f, 3),
-        ("g_i", f, 2), ("beta_i", f, 2), ("i", i64, 0))]
-    outputs = [value(n, t, r) for n, t, r in (
-        ("s_next", f, 4), ("captured_next", f, 5), ("rows_next", i64, 2), ("out_i", f, 3))]
-    return helper.make_graph(nodes, "gated_delta_row", inputs, outputs)
+
+def _branch(capture: bool) -> onnx.GraphProto:
+    """The rows' scan, keeping the slots' states: few rows (at most the bank's slots, a verify
+    step) scan every row's state out and pick the slots' from them, one write each; a long prefill
+    chunk carries the captured slots instead, a slot-sized select per row and no state per row."""
+    node = helper.make_node
+    scanned = ["q_grouped", "k_grouped", "v", "g", "beta", "row_index"]
+    prefix = "c_" if capture else "p_"
+    if capture:
+        nodes = [node("Scan", ["s0", "captured0", "state_rows", *scanned],
+                      [f"{prefix}s_last", f"{prefix}captured", f"{prefix}rows_last", f"{prefix}out"],
+                      num_scan_inputs=6, scan_input_axes=[1, 1, 1, 1, 1, 0], scan_output_axes=[1],
+                      body=_row_body(capture=True))]
+    else:
+        nodes = [
+            node("Scan", ["s0", "state_rows", *scanned],
+                 [f"{prefix}s_last", f"{prefix}rows_last", f"{prefix}out", f"{prefix}states"],
+                 num_scan_inputs=6, scan_input_axes=[1, 1, 1, 1, 1, 0], scan_output_axes=[1, 1],
+                 body=_row_body(capture=False)),
+            node("Concat", ["s0_5d", f"{prefix}states"], [f"{prefix}with_start"], axis=1),
+            _ints(f"{prefix}one", [1]), _ints(f"{prefix}last", [-1]),
+            node("Add", ["state_rows", f"{prefix}one"], [f"{prefix}picks"]),    # -1: the start
+            node("Unsqueeze", [f"{prefix}picks", f"{prefix}last"], [f"{prefix}pick_index"]),
+            node("GatherND", [f"{prefix}with_start", f"{prefix}pick_index"], [f"{prefix}captured"],
+                 batch_dims=1),
+        ]
+    return helper.make_graph(nodes, f"gated_delta_{'capture' if capture else 'pick'}", [],
+                             [_value(f"{prefix}out", F32, 4), _value(f"{prefix}captured", F32, 5)])
 
 
 def _function() -> onnx.FunctionProto:
@@ -106,10 +162,11 @@ def _function() -> onnx.FunctionProto:
         node("Squeeze", ["scan_start"], ["zero_scalar"]),
         node("Squeeze", ["one"], ["one_scalar"]),
         node("Range", ["zero_scalar", "row_scalar", "one_scalar"], ["row_index"]),
-        node("Scan", ["s0", "captured0", "state_rows", "q_grouped", "k_grouped", "v", "g", "beta",
-                      "row_index"], ["s_last", "captured", "rows_last", "out"],
-             num_scan_inputs=6, scan_input_axes=[1, 1, 1, 1, 1, 0], scan_output_axes=[1],
-             body=_row_body()),
+        node("Shape", ["state"], ["slot_count"], start=1, end=2),
+        node("LessOrEqual", ["row_count", "slot_count"], ["few_rows_1"]),
+        node("Squeeze", ["few_rows_1"], ["few_rows"]),
+        node("If", ["few_rows"], ["out", "captured"], then_branch=_branch(capture=False),
+             else_branch=_branch(capture=True)),
         node("Slice", ["state", "captured_count", "far", "one"], ["kept"]),
         node("Concat", ["captured", "kept"], ["state_out"], axis=1),
     ]
