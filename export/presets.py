@@ -51,6 +51,7 @@ PRESETS = {
     "qwen3-1.7b": Preset(2048, 28, 16, 6144, tie_word_embeddings=True),
     "qwen3-4b": Preset(2560, 36, 32, 9728, tie_word_embeddings=True),
     "qwen3-8b": Preset(4096, 36, 32, 12288, tie_word_embeddings=False),
+    "qwen3-32b": Preset(5120, 64, 64, 25600, tie_word_embeddings=False),
     "qwen3.6-27b": Preset(5120, 64, 24, 17408, tie_word_embeddings=False, num_key_value_heads=4,
                           head_dim=256, vocab_size=248320, linear=QWEN3_6_LINEAR),
 }
@@ -59,9 +60,11 @@ SHARD_SIZE = "4GB"   # the Qwen3 releases' shards are about this size
 SCALE = 0.02         # the releases' initializer_range: activations stay finite through every layer
 
 
-def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None) -> tuple[Path, Path]:
+def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None,
+                vocab: int | None = None) -> tuple[Path, Path]:
     """Write ``out/target`` and ``out/draft`` in the shapes of preset ``name``, the target cut to
-    its first ``layers`` layers if given; returns their paths."""
+    its first ``layers`` layers if given, and to a vocabulary of ``vocab`` ids (a benchmark of the
+    layers whose fp32 embeddings would not fit in memory); returns their paths."""
     if name not in PRESETS:
         raise ValueError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
     preset = PRESETS[name]
@@ -70,6 +73,8 @@ def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None) 
             raise ValueError(f"--layers {layers}: expected 1 .. {preset.num_hidden_layers} (the layers "
                              f"of {name})")
         preset = replace(preset, num_hidden_layers=layers)
+    if vocab is not None:
+        preset = replace(preset, vocab_size=vocab)
     import torch
 
     torch.manual_seed(seed)
@@ -167,7 +172,8 @@ def _write_draft(directory: Path, target: dict) -> None:
     target = {**target, "rope_parameters": {"rope_type": "default",
                                             "rope_theta": target["rope_parameters"]["rope_theta"]}}
     config = native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
-                           mask_token_id=MASK_TOKEN_ID, markov_rank=MARKOV_RANK, num_anchors=512,
+                           mask_token_id=min(MASK_TOKEN_ID, vocab - 1), markov_rank=MARKOV_RANK,
+                           num_anchors=512,
                            confidence_head=True)
     heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
     head_dim, intermediate = target["head_dim"], target["intermediate_size"]

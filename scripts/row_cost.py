@@ -73,12 +73,13 @@ def _steps(backend: OrtBackend, rows: list[int], context: int) -> dict:
     vocab = draft["target_vocab_size"]
     backend.start(1)
     prompt = torch.randint(vocab, (1, context), generator=generator)
-    _, aux = backend.target_step(prompt, torch.tensor([0]), torch.tensor([[context - 1]]))
+    slot, last = torch.tensor([0]), torch.tensor([[context - 1]])   # a hybrid's state: slot 0
+    _, aux = backend.target_step(prompt, torch.tensor([0]), last, slot, last)
     start = torch.tensor([context])
 
-    def target(count: int):
-        ids = torch.randint(vocab, (1, count), generator=generator)
-        return lambda: backend.target_step(ids, start, torch.arange(count)[None])
+    def target(count: int):   # a verify step: every row's logits (and a hybrid's state after it)
+        ids, rows = torch.randint(vocab, (1, count), generator=generator), torch.arange(count)[None]
+        return lambda: backend.target_step(ids, start, rows, slot, rows)
 
     draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
                    torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
