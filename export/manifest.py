@@ -156,13 +156,21 @@ def _shape(tensor: dict) -> str:
     return ", ".join(str(s) for s in tensor["shape"])
 
 
+def _hybrid(target: dict) -> str:
+    """`` (3 gated-DeltaNet, 1 full attention)`` for a hybrid target, else nothing."""
+    if not target.get("linear"):
+        return ""
+    types = target["linear"]["layer_types"]
+    return f" ({types.count('linear_attention')} gated-DeltaNet, {types.count('full_attention')} full attention)"
+
+
 def describe(manifest: dict) -> str:
     """The manifest in human terms, for ``python -m export inspect``."""
     t, d, limits = manifest["target"], manifest["draft"], manifest["limits"]
     td = t["decoder"]
     lines = [
         f"target   {manifest['source']['target']['id']}",
-        f"         {t['architecture']}, {td['num_layers']} layers, hidden {td['hidden_size']}, "
+        f"         {t['architecture']}, {td['num_layers']} layers{_hybrid(t)}, hidden {td['hidden_size']}, "
         f"{td['num_heads']} heads / {td['num_kv_heads']} KV heads, vocab {t['vocab_size']}",
         f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
         f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
@@ -184,12 +192,14 @@ def describe(manifest: dict) -> str:
                 lines.append(f"           {kind[:-1]:6} {tensor['name']:12} {tensor['dtype']:8} "
                              f"[{_shape(tensor)}]")
             caches = [t for t in tensors if is_cache(t["name"])]
-            if caches and kind == "inputs":   # one line for all layers' caches, which share a shape
-                size = sum(math.prod(s for s in t["shape"] if isinstance(s, int)) * _ITEMSIZE[t["dtype"]]
-                           for t in caches)
-                lines.append(f"           {kind[:-1]:6} {caches[0]['name']} .. {caches[-1]['name']}: "
-                             f"{len(caches)} caches {caches[0]['dtype']} [{_shape(caches[0])}], "
-                             f"{size / 2**20:.1f} MiB per sequence")
+            if caches and kind == "inputs":   # one line per cache shape (K and V; a hybrid's banks)
+                for shape in {(t["dtype"], str(t["shape"])): None for t in caches}:
+                    same = [t for t in caches if (t["dtype"], str(t["shape"])) == shape]
+                    size = sum(math.prod(s for s in t["shape"] if isinstance(s, int)) * _ITEMSIZE[t["dtype"]]
+                               for t in same)
+                    lines.append(f"           {kind[:-1]:6} {same[0]['name']} .. {same[-1]['name']}: "
+                                 f"{len(same)} caches {same[0]['dtype']} [{_shape(same[0])}], "
+                                 f"{size / 2**20:.1f} MiB per sequence")
             elif caches:
                 lines.append(f"           {kind[:-1]:6} {caches[0]['name']} .. {caches[-1]['name']}: "
                              f"the input caches, updated")
