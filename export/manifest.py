@@ -161,7 +161,8 @@ def _hybrid(target: dict) -> str:
     if not target.get("linear"):
         return ""
     types = target["linear"]["layer_types"]
-    return f" ({types.count('linear_attention')} gated-DeltaNet, {types.count('full_attention')} full attention)"
+    linear, full = types.count("linear_attention"), types.count("full_attention")
+    return f" ({linear} gated-DeltaNet, {full} full attention)"
 
 
 def describe(manifest: dict) -> str:
