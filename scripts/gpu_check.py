@@ -61,7 +61,26 @@ def check_kernels() -> str:
     d2t_gather(scores.cuda(), d2t.cuda(), w1.cuda(), ids, rows)
     expected_ids, expected_rows = d2t_reference(scores, d2t, w1)
     assert torch.equal(ids.cpu(), expected_ids) and torch.equal(rows.cpu(), expected_rows), "d2t_gather"
-    return "block_attention (fp32/fp16/bf16, causal and not) and d2t_gather match the references"
+    # the gated delta rule at Qwen3.6-27B's head shapes: a verify block keeping every row's state
+    # in its slot, a prefill chunk keeping its last row's, each starting from a slot it overwrites
+    from plugins.gated_delta.reference import gated_delta_rule as delta_reference
+    from plugins.gated_delta.triton_kernel import gated_delta_rule
+
+    for rows, picked in ((9, [list(range(9))]), (100, [[99]])):
+        q, k = (torch.nn.functional.normalize(torch.randn(1, rows, 16, 128, generator=g), dim=-1)
+                for _ in range(2))
+        v, decay = torch.randn(1, rows, 48, 128, generator=g), -torch.rand(1, rows, 48, generator=g)
+        beta, state = torch.rand(1, rows, 48, generator=g), torch.randn(1, 9, 48, 128, 128, generator=g)
+        slot, picked = torch.tensor([0]), torch.tensor(picked)
+        expected, expected_state = delta_reference(q, k, v, decay, beta, state, slot, picked)
+        on = [t.cuda().contiguous() for t in (q, k, v, decay, beta, state, slot, picked)]
+        out = torch.empty_like(on[2])
+        gated_delta_rule(*on, out)
+        error = max((out.cpu() - expected).abs().max().item(),
+                    (on[5].cpu() - expected_state).abs().max().item())
+        assert error < 1e-3, f"gated_delta_rule, {rows} rows: error {error}"
+    return ("block_attention (fp32/fp16/bf16, causal and not), d2t_gather and gated_delta_rule match "
+            "the references")
 
 
 def check_plugin_enqueue() -> str:
