@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from export.draft_model import DraftStep
-from export.target_model import TargetStep
+from export.target_model import TargetStep, from_start
 
 from .checkpoint import save
 from .loss import block_loss, teacher_forced_logits
@@ -100,9 +100,7 @@ class _TapCache:
         tokens = self.sequences[index][0]
         # no logit rows: distillation reads the taps only, so the lm_head is not run
         no_rows = torch.zeros(1, 0, dtype=torch.long)
-        _, aux, *_ = self.target(tokens[None], torch.zeros(1, dtype=torch.long), no_rows,
-                                 *self.target.empty_cache(1, tokens.numel()))
-        return aux[0]
+        return from_start(self.target, tokens[None], no_rows)[1][0]
 
 
 def learning_rate(spec: DistillSpec, step: int) -> float:

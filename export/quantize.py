@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .onnx_check import to_numpy
+from .target_model import from_start
 
 BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
@@ -344,8 +345,7 @@ def teacher_forced(target, texts: list[list[int]]) -> tuple[torch.Tensor, torch.
     with torch.no_grad():
         for ids in texts:
             rows = torch.arange(len(ids) - 1)[None]
-            logits = target(torch.tensor([ids]), torch.zeros(1, dtype=torch.long), rows,
-                            *target.empty_cache(1, len(ids)))[0][0]
+            logits = from_start(target, torch.tensor([ids]), rows)[0][0]
             predictions.append(next_token_predictions(logits, ids))
     return tuple(torch.cat(part) for part in zip(*predictions))
 

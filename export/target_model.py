@@ -143,6 +143,21 @@ def _check_layer_types(tensors: dict[str, torch.Tensor], config: TargetConfig, w
                                   f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")
 
 
+def from_start(target: TargetStep | HybridTargetStep, input_ids: torch.Tensor,
+               logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, aux)`` of ``target`` on ``input_ids [B, S]`` from position 0 over fresh caches
+    (a hybrid's state in one slot): a teacher-forced pass, the caches discarded."""
+    batch, rows = input_ids.shape
+    start = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+    if isinstance(target, HybridTargetStep):
+        states = (start, torch.full_like(start, rows - 1)[:, None])
+        caches = target.empty_cache(batch, rows, 1)
+    else:
+        states, caches = (), target.empty_cache(batch, rows)
+    logits, aux, *_ = target(input_ids, start, logit_rows, *states, *caches)
+    return logits, aux
+
+
 def every_row(input_ids: torch.Tensor) -> torch.Tensor:
     """``logit_rows`` that ask for the logits of every row of ``input_ids [B, S]``."""
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)

@@ -178,3 +178,23 @@ def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
     assert profiles["decode"]["state_rows"] == [[1, 1], [2, k + 1], [2, k + 1]]
     state = next(t for t in manifest["graphs"]["target"]["inputs"] if t["name"] == "state_cache_0")
     assert state["dtype"] == "float32" and state["shape"][1] == k + 1
+
+
+def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
+    """Quantized linear layers (the DeltaNet's projections included): speculative output with every
+    acceptance count equals target-only output on the same engine, batch 1 and 3."""
+    from export.build import build
+
+    target_dir, draft_dir = tiny(arch="qwen3_5")
+    result = build(str(target_dir), str(draft_dir), tmp_path, progress=False, weights="int4",
+                   limits=Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK))
+    assert result.quantized_layers["target"] >= 4 * 3 + 3 * 4 + 1   # MLPs, projections, lm_head
+    backend = OrtBackend(tmp_path)
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        target_only = generate(backend, prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
+        oracle = OrtOracle(tmp_path, prompts, target_only)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
+        assert result.token_ids == target_only
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))

@@ -6,6 +6,7 @@ from scipy.stats import chisquare
 import runtime.speculative
 from export.onnx_export import Limits
 from export.pair import load_pair
+from export.target_model import from_start
 from runtime.ort_backend import OrtBackend
 from runtime.sampling import draw, probabilities
 from runtime.speculative import generate
@@ -37,12 +38,7 @@ def _exact_marginals(target, temperature, top_k=0):
     """Exact distributions of generated tokens 2 and 3 under the target alone."""
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
-        start, last = torch.zeros(len(ids), dtype=torch.long), torch.full((len(ids), 1), ids.shape[1] - 1)
-        if target.config.linear is None:
-            caches = target.empty_cache(len(ids), ids.shape[1])
-            logits, *_ = target(ids, start, last, *caches)
-        else:   # a hybrid keeps its state in slot 0
-            logits, *_ = target(ids, start, last, start, last, *target.empty_cache(len(ids), ids.shape[1], 1))
+        logits, _ = from_start(target, ids, torch.full((len(ids), 1), ids.shape[1] - 1))
         return probabilities(logits[:, 0], temperature, top_k=top_k)
 
     vocab = target.config.vocab_size
