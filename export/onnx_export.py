@@ -20,6 +20,7 @@ from plugins.block_attention import onnx_function as block_attention_onnx
 from plugins.cache_write import onnx_function as cache_write_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 from plugins.gated_delta import onnx_function as gated_delta_onnx
+from plugins.moe import onnx_function as moe_onnx
 
 from .draft_model import DraftStep
 from .manifest import is_cache
@@ -162,7 +163,8 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     translations = {torch.ops.dspark.block_attention.default: block_attention_onnx.translate,
                     torch.ops.dspark.cache_write.default: cache_write_onnx.translate,
                     torch.ops.dspark.d2t_gather.default: d2t_gather_onnx.translate,
-                    torch.ops.dspark.gated_delta_rule.default: gated_delta_onnx.translate}
+                    torch.ops.dspark.gated_delta_rule.default: gated_delta_onnx.translate,
+                    torch.ops.dspark.moe_experts.default: moe_onnx.translate}
     # the exporter's chatter: missing torchvision ops, unused axis names, ...
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
@@ -212,7 +214,7 @@ def _attach_functions(program, opset: int) -> None:
 
     used = {node.op_type for node in program.model.graph.all_nodes() if node.domain == "dspark"}
     functions = (block_attention_onnx.BlockAttention, cache_write_onnx.CacheWrite, d2t_gather_onnx.D2TGather,
-                 gated_delta_onnx.GatedDeltaRule)
+                 gated_delta_onnx.GatedDeltaRule, moe_onnx.MoeExperts)
     for function in functions:
         if function.name in used:
             ir_function = ir.serde.deserialize_function(function.to_function_proto())

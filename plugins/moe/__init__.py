@@ -1,0 +1,12 @@
+"""``dspark::MoeExperts``: the routed experts of a mixture-of-experts layer (Qwen3-MoE, Qwen3.5-MoE),
+computing only the experts that some token selected.
+
+``reference.py`` defines the semantics; ``torch_op.py`` wraps it as ``torch.ops.dspark.moe_experts``;
+``onnx_function.py`` is its ONNX form: a ``Loop`` over the selected experts (``Unique`` of the
+routing), each gathering its tokens, its two weight matrices and scattering its weighted output
+back, so a verify step of 9 tokens at top-8 of 128 experts reads at most 72 experts' weights, not
+128, and a decode step 8.
+"""
+from .torch_op import moe_experts
+
+__all__ = ["moe_experts"]

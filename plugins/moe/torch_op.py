@@ -1,0 +1,19 @@
+"""``torch.ops.dspark.moe_experts``: the reference as an opaque custom op, so that ``torch.export``
+keeps it as one node (its loop over the selected experts is data-dependent) for the ONNX exporter
+to translate."""
+from __future__ import annotations
+
+import torch
+
+from .reference import moe_experts as reference
+
+
+@torch.library.custom_op("dspark::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    return reference(x, experts, weights, gate_up, down)
+
+
+@moe_experts.register_fake
+def _(x, experts, weights, gate_up, down):
+    return torch.empty_like(x)
