@@ -51,11 +51,18 @@ def check_fields(raw: dict, model_type: str, extra: tuple[str, ...] = ()) -> Non
     1..``LARGEST_DIMENSION``; a max_position_embeddings below 1."""
     from transformers import CONFIG_MAPPING
 
-    defaults = inspect.signature(CONFIG_MAPPING[model_type]).parameters
-    for field in (*SHAPE_FIELDS, *extra):
-        derived = defaults[field].default is None
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = inspect.signature(config_class).parameters
+    for name in (*SHAPE_FIELDS, *extra):
+        # a field may be stored under the name transformers maps it to (Qwen3-MoE's num_experts is
+        # written as num_local_experts); not a field of this family at all: nothing to check
+        if name not in defaults:   # (Qwen3.5-MoE has no dense MLP)
+            continue
+        stored = config_class.attribute_map.get(name)
+        field = stored if name not in raw and stored in raw else name
+        derived = defaults[name].default is None
         if field not in raw and not derived:
-            raise ValueError(f"missing field '{field}' (it fixes tensor shapes; expected an integer)")
+            raise ValueError(f"missing field '{name}' (it fixes tensor shapes; expected an integer)")
         value = raw.get(field)
         if not (value is None and derived) and not (is_int(value) and 1 <= value <= LARGEST_DIMENSION):
             raise ValueError(f"field '{field}' = {value!r}: expected an integer from 1 to "
@@ -104,7 +111,8 @@ class DecoderConfig:
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
             head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
+            # a model whose every layer is a MoE block (Qwen3.5-MoE) has no dense MLP: its experts' width
+            intermediate_size=getattr(config, "intermediate_size", None) or config.moe_intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             attention_bias=bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
@@ -235,12 +243,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual layer whose attention is ``block_attention`` over a fixed-capacity cache:
     causal for the target, non-causal for the draft block."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, mlp: nn.Module | None = None):
+        """``mlp``: the feed-forward block, when it is not the SwiGLU ``MLP`` (a MoE block)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
 
     def forward(self, h, cos, sin, k_cache=None, v_cache=None, start=None, causal: bool = False, *,
                 context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,

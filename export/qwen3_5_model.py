@@ -27,6 +27,7 @@ from plugins.cache_write import cache_write
 from plugins.gated_delta import gated_delta_rule
 
 from .decoder import MLP, Rotary, apply_rotary
+from .moe import SparseMoe
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -173,7 +174,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(d)
         self.post_attention_layernorm = ZeroCentredRMSNorm(d.hidden_size, eps)
-        self.mlp = MLP(d)
+        self.mlp = SparseMoe(d, config.moe) if config.moe is not None else MLP(d)
 
     def forward(self, h, cos, sin, first, second, start, slot, state_rows):
         """``first, second``: this layer's two caches (K, V or conv window, state)."""

@@ -6,16 +6,25 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
 from .decoder import CONFIG_ERRORS, DecoderConfig, check_fields, is_int
+from .moe import MOE_FIELDS, MoeConfig
 from .qwen3_5_model import FULL, LINEAR, LinearAttentionConfig
 
 # architecture -> whether its attention normalises q and k per head
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False,
-                           "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True}
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False, "Qwen3MoeForCausalLM": True,
+                           "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True,
+                           "Qwen3_5MoeForCausalLM": True, "Qwen3_5MoeForConditionalGeneration": True}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",   # by model_type
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
-HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+          "Qwen3_5MoeForConditionalGeneration"}
+MOE = {"Qwen3MoeForCausalLM": False, "Qwen3_5MoeForCausalLM": True,   # -> whether it has a shared expert
+       "Qwen3_5MoeForConditionalGeneration": True}
 # a multimodal checkpoint keeps its text model's config under this key, its weights under the prefix
-MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "text_config"}
+MULTIMODAL = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+                           "text_config")
 # the hybrid's shape fields beyond the dense decoder's
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")
@@ -30,6 +39,7 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     linear: LinearAttentionConfig | None = None   # a hybrid's linear-attention layers
+    moe: MoeConfig | None = None                    # a MoE target's sparse blocks
 
 
 def load_target_config(directory: Path) -> TargetConfig:
@@ -71,11 +81,15 @@ def load_target_config(directory: Path) -> TargetConfig:
     linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None
     if linear is not None:   # Qwen3.5's MLP has no biases whatever mlp_bias says (transformers ignores it)
         decoder = replace(decoder, mlp_bias=False)
+    try:
+        moe = MoeConfig.from_hf(hf, shared_expert=MOE[arch]) if arch in MOE else None
+    except CONFIG_ERRORS as err:
+        raise CheckpointError(f"{path}: {one_line(err)}") from None
     if linear is not None and len(linear.layer_types) != decoder.num_layers:
         raise CheckpointError(f"{path}: field 'layer_types' has {len(linear.layer_types)} entries: "
                               f"expected one per layer ({decoder.num_layers}, num_hidden_layers)")
     return TargetConfig(
-        linear=linear,
+        linear=linear, moe=moe,
         architecture=arch,
         decoder=decoder,
         vocab_size=hf.vocab_size,
@@ -112,7 +126,8 @@ def _check_raw(raw: dict, arch: str, path: Path) -> None:
         if raw.get("model_type", model_type) != model_type:
             raise CheckpointError(f"{path}: field '{where}model_type' = {raw.get('model_type')!r}: "
                                   f"expected {model_type!r} for {arch}")
-    extra = LINEAR_FIELDS if arch in HYBRID else ()
+    extra = (LINEAR_FIELDS if arch in HYBRID else ()) + (MOE_FIELDS if arch in MOE else ()) + \
+        (("shared_expert_intermediate_size",) if MOE.get(arch) else ())
     try:
         check_fields(raw, model_type, extra)
     except ValueError as err:

@@ -14,11 +14,12 @@ from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
+from .moe import SparseMoe, fuse_experts
 from .qwen3_5_model import HybridTargetStep
 from .target_config import MULTIMODAL, TargetConfig, load_target_config
 
 # a multimodal checkpoint's text weights, and the towers and MTP layer the text model ignores
-TEXT_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+TEXT_PREFIX = dict.fromkeys(MULTIMODAL, "model.language_model.")
 IGNORED = ("model.visual.", "mtp.")
 
 
@@ -45,7 +46,9 @@ class TargetStep(nn.Module):
         self.config = config
         self.taps = tuple(sorted(taps))
         self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
+        sparse = config.moe.sparse_layers if config.moe else (False,) * d.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(d, SparseMoe(d, config.moe) if sparse[i] else None)
+                                    for i in range(d.num_layers))
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(d)
@@ -83,6 +86,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     nested = f"{MULTIMODAL[config.architecture]}." if config.architecture in MULTIMODAL else ""
     fields = f"{config_file}: field '{nested}"
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
+    if config.moe is not None:
+        fuse_experts(tensors, config.moe)
     if config.linear is not None:
         _check_layer_types(tensors, config, f"{fields}layer_types'")
     model = HybridTargetStep if config.linear is not None else TargetStep

@@ -24,16 +24,19 @@ SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 MAX_POSITIONS = 1024
-ARCHS = ("qwen3", "llama", "qwen3_5", "qwen3_5-multimodal")
+MOE_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5-multimodal", "qwen3_5_moe-multimodal")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "qwen3"                 # qwen3 (untied embeddings), llama (tied) or a hybrid: qwen3_5
+    arch: str = "qwen3"                 # qwen3 (untied embeddings), llama (tied), qwen3_moe (one dense
+                                        # layer among MoE ones) or a hybrid: qwen3_5
                                         # (Qwen3_5ForCausalLM), qwen3_5-multimodal (its
-                                        # ForConditionalGeneration layout, a vision tower beside it)
+                                        # ForConditionalGeneration layout, a vision tower beside it),
+                                        # qwen3_5_moe-multimodal (the same with MoE blocks)
     draft_format: str = "native"        # native or speculators
     draft_vocab: int | None = None      # < target vocab gives a reduced vocabulary with d2t
     layout: str = ANCHOR_FIRST
@@ -103,19 +106,28 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
         config = AutoConfig.for_model("llama", tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                                       **common)
+    elif spec.arch == "qwen3_moe":   # 8 experts, top 2, renormalised; layer 1 a dense MLP
+        config = AutoConfig.for_model("qwen3_moe", tie_word_embeddings=False, moe_intermediate_size=32,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                      mlp_only_layers=[1], **MOE_ROPE, **common)
     else:   # three linear-attention layers, then a full one; grouped value heads
+        moe = "moe" in spec.arch
+        extra = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                     num_experts_per_tok=2) if moe else dict(intermediate_size=common["intermediate_size"])
         config = AutoConfig.for_model(
-            "qwen3_5_text", tie_word_embeddings=False, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-            linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+            "qwen3_5_moe_text" if moe else "qwen3_5_text", tie_word_embeddings=False,
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+            linear_num_key_heads=2, linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-            **common)
-    if spec.arch == "qwen3_5-multimodal":
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+            **extra, **{k: v for k, v in common.items() if k != "intermediate_size"})
+    if spec.arch.endswith("-multimodal"):
+        import transformers
 
+        family = "Qwen3_5Moe" if "moe" in spec.arch else "Qwen3_5"
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=4, num_position_embeddings=16)
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=config.to_dict(),
-                                                               vision_config=vision)).float()
+        outer = getattr(transformers, f"{family}Config")(text_config=config.to_dict(), vision_config=vision)
+        model = getattr(transformers, f"{family}ForConditionalGeneration")(outer).float()
     else:
         model = AutoModelForCausalLM.from_config(config).float()
     _randomise_norms(model)
@@ -127,12 +139,15 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
 
 
 def _randomise_norms(module: torch.nn.Module) -> None:
+    """Norm weights, and routers, which transformers initialises to zero (every expert tied)."""
     import torch
 
     with torch.no_grad():
         for name, parameter in module.named_parameters():
             if "norm" in name:
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                parameter.normal_(0, 1.0)
 
 
 def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
@@ -142,6 +157,9 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
 
     from .checkpoint import write_tensors
     from .draft_config import native_config
+
+    # a dense Qwen3 backbone: an all-MoE target (Qwen3.5-MoE) names no dense MLP width to copy
+    target = {**target, "intermediate_size": target.get("intermediate_size", 128)}
     vocab, hidden = target["vocab_size"], target["hidden_size"]
     draft_vocab = spec.draft_vocab or vocab
     markov_rank, mask_token_id = 8, SPECIALS.index("<mask>")

@@ -21,7 +21,7 @@ from conftest import PROMPTS, hf_greedy
 
 MAX_NEW = 40
 CHUNK = 5   # shorter than two of the prompts: the state crosses prefill chunks
-ARCHS = ["qwen3_5", "qwen3_5-multimodal"]
+ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
