@@ -98,6 +98,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                              f"cannot keep ({', '.join(unsupported[:3])}{more}; it keeps "
                              f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
         target_config = load_target_config(target_dir)
+        if target_config.moe is not None:
+            _check_moe(target_config.architecture, weights, backend)
         if limits.max_seq_len > target_config.max_position_embeddings:
             raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "
                              f"{target_config.max_position_embeddings} positions")
@@ -252,6 +254,18 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):   # not glibc: nothing to trim
         pass
+
+
+def _check_moe(architecture: str, weights: str | None, backend: str) -> None:
+    """What a MoE target cannot be built with yet: its experts quantized (they would stay float,
+    most of the weights), a TensorRT engine (its expert op has no plugin; the parser would inline a
+    body of ops TensorRT lacks)."""
+    if weights is not None:
+        raise ValueError(f"--weights {weights}: the experts of a {architecture} target are not quantized "
+                         f"yet (they are most of its weights); build with --weights float")
+    if backend != "onnx":
+        raise ValueError(f"--backend {backend}: a {architecture} target's experts have no TensorRT plugin "
+                         f"yet; build with --backend onnx (ONNX Runtime runs it)")
 
 
 def _check_limits(limits: Limits) -> None:

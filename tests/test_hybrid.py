@@ -1,7 +1,8 @@
-"""Qwen3.5 / Qwen3.6 hybrid targets (gated DeltaNet + gated attention), in both on-disk layouts:
-greedy speculative == target-only == ``transformers`` ``generate``, token for token, at batch 1
-and ragged batch 3, prompts longer than a prefill chunk, with oracle drafts so that every
-acceptance count 0..k restores the recurrent state from its slot; and its bad checkpoints."""
+"""The gate models: Qwen3.5 / Qwen3.6 hybrid targets (gated DeltaNet + gated attention), dense and
+MoE, in both on-disk layouts, and Qwen3-MoE: greedy speculative == target-only == ``transformers``
+``generate``, token for token, at batch 1 and ragged batch 3, prompts longer than a prefill chunk,
+with oracle drafts so that every acceptance count 0..k restores the recurrent state from its slot;
+and their bad checkpoints."""
 import json
 import random
 import shutil
@@ -68,6 +69,20 @@ def test_linear_head_counts_that_disagree_with_the_weights_are_named(tiny, tmp_p
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="linear_attn.* has shape .* expected .* from config.json"):
         load_pair(target, draft_dir)
+
+
+def test_moe_builds_that_cannot_be_made_yet_are_refused(tiny, tmp_path):
+    from export.build import build
+
+    pair = map(str, tiny(arch="qwen3_moe"))
+    target, draft = pair
+    limits = Limits(max_batch=1, max_seq_len=64, max_prompt_chunk=8)
+    with pytest.raises(ValueError, match="--weights int4: the experts of a Qwen3MoeForCausalLM target are "
+                                         "not quantized yet"):
+        build(target, draft, tmp_path / "a", limits=limits, weights="int4", progress=False)
+    with pytest.raises(ValueError, match="--backend trt-rtx: a Qwen3MoeForCausalLM target's experts have "
+                                         "no TensorRT plugin yet"):
+        build(target, draft, tmp_path / "b", limits=limits, dtype="fp16", backend="trt-rtx", progress=False)
 
 
 def test_a_multimodal_checkpoint_without_text_weights_is_named(tiny, tmp_path):
@@ -137,11 +152,12 @@ class OrtOracle(OrtBackend):
         return tokens, q
 
 
-def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
-    """The exported graphs (the recurrence as its ONNX function, the banks bound in place, one
-    sequence per call) give transformers' output, speculative with every acceptance count and
-    target-only, at batch 1 and 3, over prefill chunks shorter than the prompts."""
-    arch = "qwen3_5-multimodal"
+@pytest.mark.parametrize("arch", ["qwen3_5_moe-multimodal", "qwen3_moe"])
+def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir, arch):
+    """The exported graphs (the recurrence and the selected experts as their ONNX functions, the
+    banks bound in place, one sequence per call) give transformers' output, speculative with every
+    acceptance count and target-only, at batch 1 and 3, over prefill chunks shorter than the
+    prompts."""
     target_dir, _ = tiny(arch=arch)
     engine = engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch)
     expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
