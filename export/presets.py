@@ -38,11 +38,22 @@ class Preset:
     head_dim: int = 128
     vocab_size: int = 151936
     linear: dict | None = None   # a Qwen3.5 / 3.6 hybrid's gated-DeltaNet fields
+    moe: dict | None = None      # a MoE target's expert fields
+
+    def shape(self) -> dict:
+        """The config fields that are plain numbers (not the family's groups)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("linear", "moe")}
 
 
 # Qwen3.6-27B's config.json (text_config): 64 layers, every fourth full attention
 QWEN3_6_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_num_key_heads=16, linear_num_value_heads=48)
+# Qwen3.6-35B-A3B's: 40 layers, 256 experts (top 8) of 512 and a shared one of 512
+QWEN3_6_A3B_LINEAR = dict(QWEN3_6_LINEAR, linear_num_value_heads=32)
+QWEN3_6_A3B_MOE = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512)
+# Qwen3-30B-A3B's: 48 layers, 128 experts (top 8, renormalised) of 768
+QWEN3_A3B_MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
 
 
 # the Qwen3 releases' config.json shapes
@@ -54,6 +65,11 @@ PRESETS = {
     "qwen3-32b": Preset(5120, 64, 64, 25600, tie_word_embeddings=False),
     "qwen3.6-27b": Preset(5120, 64, 24, 17408, tie_word_embeddings=False, num_key_value_heads=4,
                           head_dim=256, vocab_size=248320, linear=QWEN3_6_LINEAR),
+    "qwen3.6-35b-a3b": Preset(2048, 40, 16, 512, tie_word_embeddings=False, num_key_value_heads=2,
+                              head_dim=256, vocab_size=248320, linear=QWEN3_6_A3B_LINEAR,
+                              moe=QWEN3_6_A3B_MOE),
+    "qwen3-30b-a3b": Preset(2048, 48, 32, 6144, tie_word_embeddings=False, num_key_value_heads=4,
+                            moe=QWEN3_A3B_MOE),
 }
 DRAFT_LAYERS, BLOCK_SIZE, MARKOV_RANK, MASK_TOKEN_ID = 5, 7, 256, 151669
 SHARD_SIZE = "4GB"   # the Qwen3 releases' shards are about this size
@@ -78,7 +94,7 @@ def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None,
     import torch
 
     torch.manual_seed(seed)
-    write = _write_hybrid_target if preset.linear else _write_target
+    write = _write_hybrid_target if preset.linear else _write_target   # Qwen3.5 / 3.6, or Qwen3 (-MoE)
     target = write(out / "target", preset)
     _write_draft(out / "draft", target)
     return out / "target", out / "draft"
@@ -108,12 +124,14 @@ def _write_target(directory: Path, preset: Preset) -> dict:
     from .tiny import _tokenizer
 
     config = AutoConfig.for_model(
-        "qwen3", **{k: getattr(preset, k) for k in preset.__dataclass_fields__},
+        "qwen3_moe" if preset.moe else "qwen3", **preset.shape(), **(preset.moe or {}),
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default",
                                                                           "rope_theta": 1000000.0},
-        eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="bfloat16")
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="bfloat16",
+        architectures=["Qwen3MoeForCausalLM" if preset.moe else "Qwen3ForCausalLM"])
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        shapes = _per_expert({name: p.shape for name, p in
+                              AutoModelForCausalLM.from_config(config).state_dict().items()})
     if preset.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     directory.mkdir(parents=True)
@@ -128,23 +146,29 @@ def _write_target(directory: Path, preset: Preset) -> dict:
 def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     """The ``Qwen3_5ForConditionalGeneration`` layout; returns the text config."""
     import torch
+    import transformers
     from huggingface_hub import save_torch_state_dict
-    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM
 
     from .checkpoint import match_config_mode
     from .tiny import _tokenizer
 
-    shape = {k: v for k, v in asdict(preset).items() if k != "linear"}
-    text = Qwen3_5TextConfig(
-        **shape, **preset.linear, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    family = "Qwen3_5Moe" if preset.moe else "Qwen3_5"
+    shape = preset.shape()
+    if preset.moe:   # every layer a MoE block: no dense MLP width
+        shape.pop("intermediate_size")
+    text = getattr(transformers, f"{family}TextConfig")(
+        **shape, **preset.linear, **(preset.moe or {}), max_position_embeddings=262144, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="bfloat16")
-    config = Qwen3_5Config(text_config=text.to_dict(), tie_word_embeddings=preset.tie_word_embeddings,
-                           dtype="bfloat16", architectures=["Qwen3_5ForConditionalGeneration"])
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text.to_dict(), tie_word_embeddings=preset.tie_word_embeddings, dtype="bfloat16",
+        architectures=[f"{family}ForConditionalGeneration"])
     with torch.device("meta"):
-        text_shapes = AutoModelForCausalLM.from_config(text).state_dict()
-    shapes = {name.replace("model.", "model.language_model.", 1): p.shape for name, p in text_shapes.items()}
+        text_shapes = _per_expert({name: p.shape for name, p in
+                                   AutoModelForCausalLM.from_config(text).state_dict().items()})
+    shapes = {name.replace("model.", "model.language_model.", 1): size for name, size in text_shapes.items()}
     # what the loader skips: a vision patch embedding and an MTP layer's norms and projection
     shapes |= {"model.visual.patch_embed.proj.weight": (1152, 3, 2, 16, 16),
                "mtp.pre_fc_norm_embedding.weight": (preset.hidden_size,),
@@ -158,6 +182,24 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     return json.loads((directory / "config.json").read_text())["text_config"]
 
 
+def _per_expert(shapes: dict) -> dict:
+    """The experts stored one by one, as the releases store them (``transformers`` holds them fused
+    in memory: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``)."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, (experts, double, hidden) = name.removesuffix("gate_up_proj"), shape
+            for e in range(experts):
+                out |= {f"{prefix}{e}.{kind}.weight": (double // 2, hidden)
+                        for kind in ("gate_proj", "up_proj")}
+        elif name.endswith(".experts.down_proj"):
+            prefix, (experts, hidden, size) = name.removesuffix("down_proj"), shape
+            out |= {f"{prefix}{e}.down_proj.weight": (hidden, size) for e in range(experts)}
+        else:
+            out[name] = shape
+    return out
+
+
 def _write_draft(directory: Path, target: dict) -> None:
     from huggingface_hub import save_torch_state_dict
 
@@ -168,9 +210,11 @@ def _write_draft(directory: Path, target: dict) -> None:
     layers = target["num_hidden_layers"]
     # a slice too short to spread 5 taps over takes its last layers (not the final one) and the embeddings
     taps = release_taps(layers) if layers >= 8 else list(range(-1, layers - 1))[-5:]
-    # a Qwen3 backbone rotates whole heads: not a hybrid target's partial rotary
+    # a dense Qwen3 backbone: it rotates whole heads (not a hybrid's partial rotary), and an all-MoE
+    # target (Qwen3.6-35B-A3B) names no dense MLP width to copy: three times the hidden size
     target = {**target, "rope_parameters": {"rope_type": "default",
-                                            "rope_theta": target["rope_parameters"]["rope_theta"]}}
+                                            "rope_theta": target["rope_parameters"]["rope_theta"]},
+              "intermediate_size": target.get("intermediate_size") or 3 * hidden}
     config = native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
                            mask_token_id=min(MASK_TOKEN_ID, vocab - 1), markov_rank=MARKOV_RANK,
                            num_anchors=512,

@@ -92,3 +92,30 @@ def test_preset_refuses_tiny_shape_flags(tmp_path):
     with pytest.raises(SystemExit, match="--preset qwen3-4b: a preset fixes every shape; leave out --arch"):
         cli.main(["make-tiny", str(tmp_path / "p"), "--preset", "qwen3-4b", "--arch", "llama"])
     assert not Path(tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("name, family", [("qwen3.6-35b-a3b", "Qwen3_5MoeForConditionalGeneration"),
+                                          ("qwen3-30b-a3b", "Qwen3MoeForCausalLM")])
+def test_moe_preset_slices_store_experts_one_by_one_and_load(monkeypatch, tmp_path, name, family):
+    """The MoE presets (narrowed here to a few small experts), cut to 2 layers: the experts stored
+    one by one as the releases store them, fused on loading."""
+    from dataclasses import replace
+
+    preset = presets.PRESETS[name]
+    moe = dict(preset.moe, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    linear = preset.linear and dict(preset.linear, linear_key_head_dim=8, linear_value_head_dim=8,
+                                    linear_num_key_heads=2, linear_num_value_heads=4)
+    small = replace(preset, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=96, vocab_size=151936, linear=linear, moe=moe)
+    monkeypatch.setitem(presets.PRESETS, name, small)
+    cli.main(["make-tiny", str(tmp_path / "pair"), "--preset", name, "--layers", "2"])
+    target_dir, draft_dir = tmp_path / "pair" / "target", tmp_path / "pair" / "draft"
+    assert json.loads((target_dir / "config.json").read_text())["architectures"] == [family]
+    from safetensors import safe_open
+
+    with safe_open(next(target_dir.glob("*.safetensors")), "pt") as f:
+        names = list(f.keys())
+    assert any(n.endswith("mlp.experts.3.down_proj.weight") for n in names)
+    target, _ = load_pair(target_dir, draft_dir)
+    assert target.config.moe.num_experts == 4 and target.config.moe.sparse_layers == (True, True)
+    assert target.layers[0].mlp.experts.gate_up_proj.shape == (4, 16, 64)
