@@ -160,7 +160,9 @@ def json_path(path: tuple) -> str:
 
 # maps whose keys are names (files, tool versions) and the fields old engines lack
 FREE_KEYS = {("source", "target", "files"), ("source", "draft", "files"), ("tools",)}
-OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("weights",)}
+# absent in engines built before them; ``linear`` / ``moe`` are null for a dense target
+OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("weights",),
+            ("target", "linear"), ("target", "moe")}
 
 
 def test_every_field_is_typed_and_required(engine_dir):

@@ -125,10 +125,10 @@ class Recorder(TorchBackend):
         """``k_cache_0, v_cache_0, k_cache_1, ...`` feeds, copied before the step writes."""
         return {f"{'kv'[i % 2]}_cache_{i // 2}": t.clone() for i, t in enumerate(tensors)}
 
-    def target_step(self, input_ids, start, logit_rows):
+    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None):
         feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows,
                  **self._caches(self.target_cache)}
-        out = super().target_step(input_ids, start, logit_rows)
+        out = super().target_step(input_ids, start, logit_rows)   # these dense targets keep no state
         self.calls["target"].append((feeds, [*out, *self.target_cache]))
         return out
 
