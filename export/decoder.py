@@ -273,6 +273,20 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache
 
 
+def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.Tensor, norm: nn.Module,
+                   lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target step's outputs from the last hidden rows ``h [B, S, hidden]`` and the tapped ones:
+    ``logits [B, L, V]`` of the ``logit_rows`` only (picked before the norm and ``lm_head``, so a
+    prefill chunk computes one row of a 152k vocabulary, not 512), and ``aux [B, S, T * hidden]``."""
+    aux = torch.cat(taps, dim=-1) if taps else h.new_zeros(*h.shape[:2], 0)
+    picked = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
+    # 2-D: exports as one Gemm(transB=1) that reads the weight as it is stored; a 3-D linear
+    # exports as MatMul(x, Transpose(W)), which the optimizer folds into a transposed copy of W, a
+    # second copy of a tied embedding
+    logits = F.linear(norm(picked).flatten(0, 1), lm_head)
+    return logits.unflatten(0, logit_rows.shape), aux
+
+
 def empty_caches(config: DecoderConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | None = None) -> list[torch.Tensor]:
     """Zeroed per-layer caches ``[B, Hkv, C, D]``, flat: ``k_0, v_0, k_1, v_1, ...``. One tensor

@@ -117,11 +117,8 @@ def _random(shape, name: str) -> torch.Tensor:
 
 def _write_target(directory: Path, preset: Preset) -> dict:
     import torch
-    from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .checkpoint import match_config_mode
-    from .tiny import _tokenizer
 
     config = AutoConfig.for_model(
         "qwen3_moe" if preset.moe else "qwen3", **preset.shape(), **(preset.moe or {}),
@@ -134,6 +131,17 @@ def _write_target(directory: Path, preset: Preset) -> dict:
                               AutoModelForCausalLM.from_config(config).state_dict().items()})
     if preset.tie_word_embeddings:
         shapes.pop("lm_head.weight")
+    return _save(directory, shapes, config)
+
+
+def _save(directory: Path, shapes: dict, config) -> dict:
+    """Random weights of ``shapes`` in shards, ``config`` and the tokenizer as a release ships
+    them; returns the config as written."""
+    from huggingface_hub import save_torch_state_dict
+
+    from .checkpoint import match_config_mode
+    from .tiny import _tokenizer
+
     directory.mkdir(parents=True)
     save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
                           max_shard_size=SHARD_SIZE)
@@ -147,11 +155,8 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     """The ``Qwen3_5ForConditionalGeneration`` layout; returns the text config."""
     import torch
     import transformers
-    from huggingface_hub import save_torch_state_dict
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import match_config_mode
-    from .tiny import _tokenizer
 
     family = "Qwen3_5Moe" if preset.moe else "Qwen3_5"
     shape = preset.shape()
@@ -173,13 +178,7 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     shapes |= {"model.visual.patch_embed.proj.weight": (1152, 3, 2, 16, 16),
                "mtp.pre_fc_norm_embedding.weight": (preset.hidden_size,),
                "mtp.fc.weight": (preset.hidden_size, 2 * preset.hidden_size)}
-    directory.mkdir(parents=True)
-    save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
-                          max_shard_size=SHARD_SIZE)
-    config.save_pretrained(directory)
-    match_config_mode(directory)
-    _tokenizer().save_pretrained(directory)
-    return json.loads((directory / "config.json").read_text())["text_config"]
+    return _save(directory, shapes, config)["text_config"]
 
 
 def _per_expert(shapes: dict) -> dict:

@@ -26,7 +26,7 @@ from plugins.block_attention import block_attention
 from plugins.cache_write import cache_write
 from plugins.gated_delta import gated_delta_rule
 
-from .decoder import MLP, Rotary, apply_rotary
+from .decoder import MLP, Rotary, apply_rotary, logits_and_aux
 from .moe import SparseMoe
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -215,10 +215,7 @@ class HybridTargetStep(nn.Module):
             new_caches += [first, second]
             if index in self.taps:
                 aux.append(h)
-        aux = torch.cat(aux, dim=-1) if aux else h.new_zeros(*h.shape[:2], 0)
-        picked = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
-        logits = F.linear(self.norm(picked).flatten(0, 1), self.lm_head.weight)
-        return logits.unflatten(0, logit_rows.shape), aux, *new_caches
+        return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
 
     def empty_cache(self, batch: int, capacity: int, slots: int) -> list[torch.Tensor]:
         """Zeroed caches: K / V ``[B, Hkv, C, D]`` for a full layer, the conv window bank

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
-from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
+from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches, logits_and_aux
 from .moe import SparseMoe, fuse_experts
 from .qwen3_5_model import HybridTargetStep
 from .target_config import MULTIMODAL, TargetConfig, load_target_config
@@ -64,13 +63,7 @@ class TargetStep(nn.Module):
             new_caches += [k, v]
             if index in self.taps:
                 aux.append(h)
-        aux = torch.cat(aux, dim=-1) if aux else h.new_zeros(*h.shape[:2], 0)
-        picked = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
-        # 2-D: exports as one Gemm(transB=1) that reads the weight as it is stored; a 3-D linear
-        # exports as MatMul(x, Transpose(W)), which the optimizer folds into a transposed copy
-        # of W, a second copy of a tied embedding
-        logits = F.linear(self.norm(picked).flatten(0, 1), self.lm_head.weight)
-        return logits.unflatten(0, logit_rows.shape), aux, *new_caches
+        return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
 
     def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
         weight = self.lm_head.weight
