@@ -1,0 +1,80 @@
+"""What a MoE layer's experts cost in ONNX Runtime (``dspark::MoeExperts``'s function body) at a
+release's expert shapes, by tokens per step, beside the same op made to run every expert for every
+token (what a dense compute of the experts would read): the selected experts only are read, so a
+decode step reads ``k`` experts and a 9-row verify step at most ``9 k``.
+
+    python scripts/moe_cost.py [--experts 128 --top-k 8 --hidden 2048 --size 768] [--tokens 1 9 64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from plugins.moe import onnx_function
+    from plugins.onnx_domain import PLUGIN_ATTRIBUTES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--size", type=int, default=768, help="each expert's intermediate width")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 9, 64])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(args.experts, 2 * args.size, args.hidden, generator=g) * 0.02
+    down = torch.randn(args.experts, args.hidden, args.size, generator=g) * 0.02
+    value = helper.make_tensor_value_info
+    node = helper.make_node(onnx_function.NAME, onnx_function.INPUTS, ["out"], domain="dspark",
+                            **PLUGIN_ATTRIBUTES)
+    graph = helper.make_graph(
+        [node], "moe", [value("x", TensorProto.FLOAT, [None, args.hidden]),
+                        value("experts", TensorProto.INT64, [None, None]),
+                        value("weights", TensorProto.FLOAT, [None, None])],
+        [value("out", TensorProto.FLOAT, [None, args.hidden])],
+        initializer=[helper.make_tensor(name, TensorProto.FLOAT, t.shape, t.numpy().tobytes(), raw=True)
+                     for name, t in (("gate_up", gate_up), ("down", down))])
+    model = helper.make_model(graph, functions=[onnx_function.MoeExperts.to_function_proto()],
+                              opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("dspark", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for tokens in args.tokens:
+        x = torch.randn(tokens, args.hidden, generator=g)
+        routed = torch.randn(tokens, args.experts, generator=g).softmax(-1).topk(args.top_k)
+        every = torch.arange(args.experts).expand(tokens, -1)
+        dense = (torch.full(every.shape, 1 / args.experts), every)
+        for form, (weights, experts) in (("selected", routed), ("every expert", dense)):
+            feeds[tokens, form] = ({"x": x.numpy(), "experts": experts.numpy(),
+                                    "weights": weights.float().numpy()}, len(torch.unique(experts)))
+    times = {key: [] for key in feeds}
+    for round_ in range(args.rounds + 2):   # interleaved; the first two rounds warm up
+        for key, (feed, _) in feeds.items():
+            began = time.perf_counter()
+            session.run(None, feed)
+            if round_ >= 2:
+                times[key].append(time.perf_counter() - began)
+    print(f"{args.experts} experts of {args.size} (top {args.top_k}), hidden {args.hidden}, fp32, "
+          f"{args.threads} threads, median of {args.rounds} interleaved rounds")
+    for (tokens, form), samples in times.items():
+        touched = feeds[tokens, form][1]
+        print(f"  {tokens:4d} tokens, {form:12s}: {statistics.median(samples) * 1e3:8.1f} ms "
+              f"({touched} experts read)")
+
+
+if __name__ == "__main__":
+    main()
