@@ -56,11 +56,17 @@ def check_fields(raw: dict, model_type: str, extra: tuple[str, ...] = ()) -> Non
     for name in (*SHAPE_FIELDS, *extra):
         # a field may be stored under the name transformers maps it to (Qwen3-MoE's num_experts is
         # written as num_local_experts); not a field of this family at all: nothing to check
-        if name not in defaults:   # (Qwen3.5-MoE has no dense MLP)
-            continue
         stored = config_class.attribute_map.get(name)
         field = stored if name not in raw and stored in raw else name
-        derived = defaults[name].default is None
+        if name not in defaults:
+            # not a field of the family's config class: transformers derives it when absent
+            # (Qwen3-MoE's head_dim) or never reads it (Qwen3.5-MoE has no dense MLP), and takes
+            # it as it is when given
+            if field not in raw:
+                continue
+            derived = False
+        else:
+            derived = defaults[name].default is None
         if field not in raw and not derived:
             raise ValueError(f"missing field '{name}' (it fixes tensor shapes; expected an integer)")
         value = raw.get(field)

@@ -23,7 +23,7 @@ DELETE = object()
 MUTATIONS = {"delete": DELETE, "string": "1", "list": [1], "null": None, "object": {"a": 1},
              "true": True, "float": 1.5, "zero": 0, "negative": -1, "huge": 10 ** 12}
 # fields the fixture's configs leave out, that a checkpoint may give: set, never deleted
-OPTIONAL = {"target": [], "hybrid": [],
+OPTIONAL = {"target": [], "hybrid": [], "moe": [],
             "native": ["dspark_bonus_anchor", "sample_from_anchor", "draft_vocab_size", "target_hidden_size"],
             "speculators": ["draft_vocab_size"]}
 
@@ -70,6 +70,10 @@ UNUSED = {
     "rope_parameters.mrope_section": "multimodal positions: a text-only prompt's are equal in every section",
     "rope_parameters.mrope_interleaved": "multimodal positions: as mrope_section",
     "rope_parameters.partial_rotary_factor": "absent, transformers' Qwen3.5 default 0.25",
+    # a Qwen3-MoE config.json
+    "head_dim": "absent, Qwen3-MoE derives hidden_size / num_attention_heads (the fixture's value)",
+    "decoder_sparse_step": "transformers' default 1 (every layer sparse but mlp_only_layers)",
+    "output_router_logits": "training only", "router_aux_loss_coef": "training only",
 }
 # fields of a tower the text model never reads (by prefix)
 UNUSED_SECTIONS = ("vision_config",)
@@ -87,6 +91,9 @@ VALID = {
     ("dspark_bonus_anchor", "true"): "the bonus-anchor layout, spelled the DeepSpec way",
     ("sample_from_anchor", "true"): "the anchor-first layout",
     ("sample_from_anchor", "delete"): "Speculators' documented default true (anchor-first)",
+    ("mlp_only_layers", "list"): "[1], the fixture's own value",
+    ("norm_topk_prob", "true"): "true, the fixture's own value",
+    ("norm_topk_prob", "delete"): "transformers' default false: the top-k weights not renormalised",
 }
 
 
@@ -148,16 +155,17 @@ def verdict(path: tuple, mutation: str, outcome, baseline) -> str | None:
     return outcome
 
 
-@pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid"])
+@pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid", "moe"])
 def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case):
     """``hybrid``: a Qwen3.5 target in its ForConditionalGeneration layout (text_config nested,
-    the linear-attention fields, a vision_config)."""
+    the linear-attention fields, a vision_config); ``moe``: a Qwen3-MoE target."""
     source = {"speculators": lambda: tiny(**SPECULATORS),
-              "hybrid": lambda: tiny(arch="qwen3_5-multimodal")}.get(case, tiny)()
+              "hybrid": lambda: tiny(arch="qwen3_5-multimodal"),
+              "moe": lambda: tiny(arch="qwen3_moe")}.get(case, tiny)()
     target, draft = linked_pair(source, tmp_path)
     for directory, original in zip((target, draft), source):
         (directory / "config.json").write_text((original / "config.json").read_text())
-    checkpoint = target if case in ("target", "hybrid") else draft
+    checkpoint = target if case in ("target", "hybrid", "moe") else draft
     config_file = checkpoint / "config.json"
     original = json.loads(config_file.read_text())
     baseline = loaded(target, draft)
