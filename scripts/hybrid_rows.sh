@@ -22,6 +22,6 @@ make_preset(Path('$OUT/$preset'), '$preset', layers=4, vocab=32768)"
       --max-prompt-chunk 128 --quiet
   done
 done
-$PY scripts/row_cost.py --rows 1 2 5 9 --rounds 10 --engine \
+$PY scripts/row_cost.py --rows 1 2 5 8 9 --rounds 10 --engine \
   "$OUT/engine-qwen3.6-27b-float" "$OUT/engine-qwen3-32b-float" \
   "$OUT/engine-qwen3.6-27b-int4" "$OUT/engine-qwen3-32b-int4"

@@ -77,9 +77,12 @@ def _steps(backend: OrtBackend, rows: list[int], context: int) -> dict:
     _, aux = backend.target_step(prompt, torch.tensor([0]), last, slot, last)
     start = torch.tensor([context])
 
-    def target(count: int):   # a verify step: every row's logits (and a hybrid's state after it)
+    def target(count: int):
+        """A verify step (every row's logits; a hybrid's state after every row) up to k + 1 rows,
+        a prefill chunk's rows beyond (a hybrid keeps only the last row's state)."""
         ids, rows = torch.randint(vocab, (1, count), generator=generator), torch.arange(count)[None]
-        return lambda: backend.target_step(ids, start, rows, slot, rows)
+        kept = rows if count <= backend.limits.k + 1 else rows[:, -1:]
+        return lambda: backend.target_step(ids, start, rows, slot, kept)
 
     draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
                    torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
