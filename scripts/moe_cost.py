@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
+    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -51,7 +53,10 @@ def main() -> None:
                               opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("dspark", 1)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as folder:   # the experts are over protobuf's 2 GB
+        path = Path(folder) / "moe.onnx"
+        onnx.save_model(model, path, save_as_external_data=True)
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     feeds = {}
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=g)
