@@ -57,6 +57,12 @@ class BackendLimits:
         rows) or the draft's scratch block, whichever is longer (1 without a draft)."""
         return max(self.k + 1, self.block_size)
 
+    def check_states(self, state_rows: torch.Tensor) -> None:
+        """A hybrid target keeps at most its ``state_slots`` states per call."""
+        if state_rows.shape[1] > self.state_slots:
+            raise ValueError(f"state_rows: {state_rows.shape[1]} states to keep, the engine has "
+                             f"{self.state_slots} slots (k + 1)")
+
     def check_batch(self, batch: int) -> None:
         if batch > self.max_batch:
             raise ValueError(f"batch of {batch} sequences: the engine was built for at most "

@@ -182,9 +182,7 @@ class OrtBackend(EngineBackend):
         feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows}
         sizes = {"batch": batch, "rows": input_ids.shape[1], "logit_rows": logit_rows.shape[1]}
         if self.limits.state_slots:
-            if state_rows.shape[1] > self.limits.state_slots:
-                raise ValueError(f"state_rows: {state_rows.shape[1]} states to keep, the engine has "
-                                 f"{self.limits.state_slots} slots (k + 1)")
+            self.limits.check_states(state_rows)
             feeds |= {"state_slot": state_slot, "state_rows": state_rows}
             sizes["state_rows"] = state_rows.shape[1]
         logits, aux = self._run("target", feeds, ("logits", "aux"), sizes)

@@ -81,6 +81,8 @@ class TorchBackend:
     @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
+        if self.limits.state_slots:
+            self.limits.check_states(state_rows)
         states = (state_slot, state_rows) if self.limits.state_slots else ()
         inputs = [input_ids, start, logit_rows, *states]
         if self.graphs is not None:

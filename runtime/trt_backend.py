@@ -108,6 +108,7 @@ class TrtBackend(EngineBackend):
         sizes = {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]}
         inputs = [input_ids, start, logit_rows]
         if self.limits.state_slots:   # a hybrid target's recurrent-state slots
+            self.limits.check_states(state_rows)
             inputs += [state_slot, state_rows]
             sizes["state_rows"] = state_rows.shape[1]
         return self._run("target", inputs, sizes)
