@@ -215,3 +215,15 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
         assert result.token_ids == target_only
         if batch == 3:
             assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
+
+
+def test_more_states_than_the_bank_holds_are_named(tiny):
+    target, draft = load_pair(*tiny(arch="qwen3_5"))
+    backend = TorchBackend(target, draft, capacity=32)
+    backend.start(1)
+    slots = backend.limits.state_slots
+    assert slots == draft.k + 1
+    ids = torch.zeros(1, slots + 1, dtype=torch.long)
+    rows = torch.arange(slots + 1)[None]
+    with pytest.raises(ValueError, match=f"state_rows: {slots + 1} states to keep, the engine has {slots} slots"):
+        backend.target_step(ids, torch.tensor([0]), rows, torch.tensor([0]), rows)
