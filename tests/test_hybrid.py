@@ -225,5 +225,6 @@ def test_more_states_than_the_bank_holds_are_named(tiny):
     assert slots == draft.k + 1
     ids = torch.zeros(1, slots + 1, dtype=torch.long)
     rows = torch.arange(slots + 1)[None]
-    with pytest.raises(ValueError, match=f"state_rows: {slots + 1} states to keep, the engine has {slots} slots"):
+    with pytest.raises(ValueError, match=f"state_rows: {slots + 1} states to keep, the engine has "
+                                         f"{slots} slots"):
         backend.target_step(ids, torch.tensor([0]), rows, torch.tensor([0]), rows)
