@@ -55,7 +55,7 @@ def check_fields(raw: dict, model_type: str, extra: tuple[str, ...] = ()) -> Non
     defaults = inspect.signature(config_class).parameters
     for name in (*SHAPE_FIELDS, *extra):
         # a field may be stored under the name transformers maps it to (Qwen3-MoE's num_experts is
-        # written as num_local_experts); not a field of this family at all: nothing to check
+        # written as num_local_experts)
         stored = config_class.attribute_map.get(name)
         field = stored if name not in raw and stored in raw else name
         if name not in defaults:

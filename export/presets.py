@@ -119,7 +119,6 @@ def _write_target(directory: Path, preset: Preset) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-
     config = AutoConfig.for_model(
         "qwen3_moe" if preset.moe else "qwen3", **preset.shape(), **(preset.moe or {}),
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default",
@@ -156,7 +155,6 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
-
 
     family = "Qwen3_5Moe" if preset.moe else "Qwen3_5"
     shape = preset.shape()
@@ -216,8 +214,7 @@ def _write_draft(directory: Path, target: dict) -> None:
               "intermediate_size": target.get("intermediate_size") or 3 * hidden}
     config = native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
                            mask_token_id=min(MASK_TOKEN_ID, vocab - 1), markov_rank=MARKOV_RANK,
-                           num_anchors=512,
-                           confidence_head=True)
+                           num_anchors=512, confidence_head=True)
     heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
     head_dim, intermediate = target["head_dim"], target["intermediate_size"]
     shapes = {"embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),

@@ -24,7 +24,6 @@ SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 MAX_POSITIONS = 1024
-MOE_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5-multimodal", "qwen3_5_moe-multimodal")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
@@ -109,7 +108,9 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
     elif spec.arch == "qwen3_moe":   # 8 experts, top 2, renormalised; layer 1 a dense MLP
         config = AutoConfig.for_model("qwen3_moe", tie_word_embeddings=False, moe_intermediate_size=32,
                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                                      mlp_only_layers=[1], **MOE_ROPE, **common)
+                                      mlp_only_layers=[1],
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                      **common)
     else:   # three linear-attention layers, then a full one; grouped value heads
         moe = "moe" in spec.arch
         extra = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,

@@ -70,7 +70,6 @@ class OrtBackend(EngineBackend):
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
         self.threads = threads
         self.quantized = set(weight_formats(m).values()) != {"float"}
-        self._dtype = NUMPY_DTYPES[m["dtype"]]
         decoder = m["target"]["decoder"]
         self._rotary = rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"],
                                      m["limits"]["max_seq_len"])
@@ -166,9 +165,10 @@ class OrtBackend(EngineBackend):
 
         return {name: buffer(name) for name in feeds}, [buffer(name) for name in outputs]
 
-    def _numpy(self, tensor: dict):
-        """The numpy dtype of a graph tensor: its own, the build dtype for float16 / float32 ones."""
-        return {"float32": np.float32, "int64": np.int64}.get(tensor["dtype"], self._dtype)
+    @staticmethod
+    def _numpy(tensor: dict):
+        """The numpy dtype of a graph tensor (a hybrid's state caches are fp32 in any build)."""
+        return {**NUMPY_DTYPES, "int64": np.int64}[tensor["dtype"]]
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):

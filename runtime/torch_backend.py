@@ -81,10 +81,10 @@ class TorchBackend:
     @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
-        if self.limits.state_slots:
+        inputs = [input_ids, start, logit_rows]
+        if self.limits.state_slots:   # a hybrid target's recurrent-state slots
             self.limits.check_states(state_rows)
-        states = (state_slot, state_rows) if self.limits.state_slots else ()
-        inputs = [input_ids, start, logit_rows, *states]
+            inputs += [state_slot, state_rows]
         if self.graphs is not None:
             batch, rows = input_ids.shape
             return self.graphs("target", {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
