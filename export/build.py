@@ -257,15 +257,12 @@ def release_freed_memory() -> None:
 
 
 def _check_moe(architecture: str, weights: str | None, backend: str) -> None:
-    """What a MoE target cannot be built with yet: its experts quantized (they would stay float,
-    most of the weights), a TensorRT engine (its expert op has no plugin; the parser would inline a
-    body of ops TensorRT lacks)."""
-    if weights is not None:
-        raise ValueError(f"--weights {weights}: the experts of a {architecture} target are not quantized "
-                         f"yet (they are most of its weights); build with --weights float")
-    if backend != "onnx":
-        raise ValueError(f"--backend {backend}: a {architecture} target's experts have no TensorRT plugin "
-                         f"yet; build with --backend onnx (ONNX Runtime runs it)")
+    """What a MoE target cannot be built with yet: a TensorRT engine of quantized experts (their
+    plugin reads float experts; the parser would inline a body of ops TensorRT lacks)."""
+    if backend != "onnx" and weights is not None:
+        raise ValueError(f"--weights {weights}: a {architecture} target's quantized experts have no "
+                         f"TensorRT plugin yet; build {backend} engines with --weights float, or "
+                         f"--backend onnx (ONNX Runtime runs them)")
 
 
 def _check_limits(limits: Limits) -> None:

@@ -66,10 +66,12 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.c = c
         self.gate = nn.Linear(d.hidden_size, c.num_experts, bias=False)
+        self.gate.keep_float = True   # --weights leaves the router float (export/quantize.py)
         self.experts = Experts(d.hidden_size, c)
         if c.shared_size:
             self.shared_expert = MLP(replace(d, intermediate_size=c.shared_size, mlp_bias=False))
             self.shared_expert_gate = nn.Linear(d.hidden_size, 1, bias=False)
+            self.shared_expert_gate.keep_float = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.flatten(0, 1)

@@ -11,7 +11,11 @@ which ONNX Runtime fuses into ``MatMulNBits`` on the CPU and TensorRT-RTX builds
 quantized layer, its weights kept int4 / int8 in the engine (``tests/test_tensorrt_build.py``).
 The rewrite is ours rather than the tool's, whose QDQ path refuses 8 bits, skips ``Gemm`` (the
 target's ``lm_head``) and writes a weight that several MatMuls share (the draft's K/V projections)
-once per use. Function bodies (the ``dspark`` nodes') are not touched.
+once per use. Function bodies (the ``dspark`` nodes') are not touched; a MoE layer's experts
+(``dspark::MoeExperts``, most of such a target's weights) become ``MoeExpertsInt4`` / ``Int8``,
+which gather the integers and blocks of the experts a step selects and de-quantize only those
+(``plugins/moe/onnx_function.py``). The router stays float (``keep_float``), as llama.cpp keeps it:
+a rounded router may pick other experts.
 
 The PyTorch module is quantized first (``quantize_linears``): its weights become the de-quantized
 values, so the reference that verifies the graph computes with exactly the graph's weights. The
@@ -84,8 +88,10 @@ def float_weights(module: torch.nn.Module) -> set[str]:
 def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
     its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
-    except ``float_weights``. Returns how many were replaced; none is refused, so no engine is
-    labelled quantized that is not."""
+    except ``float_weights``, and so each MoE layer's two expert matrices. Returns how many
+    matrices were replaced; none is refused, so no engine is labelled quantized that is not."""
+    from .moe import Experts
+
     kept = float_weights(module)
     linears = [m for name, m in module.named_modules()
                if isinstance(m, torch.nn.Linear) and f"{name}.weight" not in kept]
@@ -93,16 +99,30 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     for linear in linears:
         if linear.in_features % block:
             continue
-        weight = linear.weight.detach()
-        matrix = to_numpy(weight.T)
-        values = torch.from_numpy(Blocks(*rtn(matrix, bits, block), bits).values().astype(np.float32))
-        linear.weight = torch.nn.Parameter(values.T.to(weight.dtype).contiguous(), requires_grad=False)
+        linear.weight = dequantized(linear.weight, bits, block)
         replaced += 1
+    for experts in (m for m in module.modules() if isinstance(m, Experts)):
+        if experts.gate_up_proj.shape[-1] % block or experts.down_proj.shape[-1] % block:
+            continue
+        experts.gate_up_proj = dequantized(experts.gate_up_proj, bits, block)
+        experts.down_proj = dequantized(experts.down_proj, bits, block)
+        replaced += 2
     if not replaced:
         sizes = sorted({m.in_features for m in linears})
         raise ValueError(f"--weights-block {block}: no linear layer's input size ({sizes}) is a "
                          f"multiple of it; choose a smaller block")
     return replaced
+
+
+def dequantized(weight: torch.Tensor, bits: int, block: int) -> torch.nn.Parameter:
+    """``weight [..., N, K]`` (a linear layer's, or a stack of experts') rounded in blocks along
+    K, one matrix at a time."""
+    matrices = weight.detach().reshape(-1, *weight.shape[-2:])
+    values = torch.empty_like(matrices)
+    for index, matrix in enumerate(matrices):
+        blocks = Blocks(*rtn(to_numpy(matrix.T), bits, block), bits)
+        values[index] = torch.from_numpy(blocks.values().astype(np.float32)).T.to(weight.dtype)
+    return torch.nn.Parameter(values.reshape(weight.shape), requires_grad=False)
 
 
 @dataclass
@@ -157,6 +177,7 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
             replaced += len(group)
         elif len(group) > 1:   # e.g. one of them is not the GGUF file's: each on its own
             pending[:0] = [[member] for member in group]
+    replaced += 2 * _quantize_experts(model, blocks_of)
     staging = path.parent / f".{path.name}.quantized"
     staging.mkdir()
     try:
@@ -270,6 +291,65 @@ class _Rewrite:
             new_nodes += [reshape, reduce]
             self.block_sums[(x.name, block)] = reduce.outputs[0]
         return self.block_sums[(x.name, block)]
+
+
+def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
+    """Rewrite each ``dspark::MoeExperts`` node whose two expert stacks are constants and have
+    blocks as ``MoeExpertsInt{bits}`` (``plugins/moe/onnx_function.py``); returns how many."""
+    import onnx_ir as ir
+
+    from plugins.moe import onnx_function as moe
+    from plugins.onnx_domain import DOMAIN
+
+    graph, replaced, used = model.graph, 0, set()
+    for node in [n for n in graph if n.domain == DOMAIN and n.op_type == moe.NAME]:
+        stacks = [node.inputs[moe.INPUTS.index(m)] for m in moe.MATRICES]
+        if not all(s.is_initializer() and s.const_value is not None for s in stacks):
+            continue
+        quantized = [expert_blocks(s.const_value.numpy(), blocks_of) for s in stacks]
+        if None in quantized:
+            continue
+        bits = quantized[0][2]
+        inputs = list(node.inputs[:3])
+        for stack, (q, scales, _) in zip(stacks, quantized):
+            inputs += [_initializer(graph, f"{stack.name}_int{bits}", q),
+                       _initializer(graph, f"{stack.name}_scales", scales)]
+        new = ir.node(f"{moe.NAME}Int{bits}", inputs, domain=DOMAIN, name=node.name,
+                      attributes={k: a.value for k, a in node.attributes.items()})
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
+        for stack in stacks:
+            if not stack.uses():
+                graph.initializers.pop(stack.name)
+        used.add(bits)
+        replaced += 1
+    if replaced:
+        if not any(n.op_type == moe.NAME for n in graph if n.domain == DOMAIN):
+            model.functions.pop((DOMAIN, moe.NAME, ""), None)
+        for bits in used:
+            function = ir.serde.deserialize_function(moe.quantized_function(bits))
+            function.opset_imports[""] = model.opset_imports[""]
+            model.functions[function.identifier()] = function
+    return replaced
+
+
+def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
+    """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales [E, N,
+    K / block], bits)``, ``q`` int8 ``[E, N, K]`` or, for int4, ``[E, N, K / 2]`` bytes; None where
+    an expert has no blocks."""
+    q = scales = None
+    for expert, matrix in enumerate(stack):
+        blocks = blocks_of(np.ascontiguousarray(matrix.T))
+        if blocks is None or blocks.offsets is not None:
+            return None
+        integers = blocks.q.T
+        if blocks.bits == 4:   # two to a byte, plus 8: the even column in the low nibble
+            unsigned = (integers + 8).astype(np.uint8)
+            integers = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        if q is None:
+            q = np.empty((len(stack), *integers.shape), integers.dtype)
+            scales = np.empty((len(stack), *blocks.scales.T.shape), blocks.scales.dtype)
+        q[expert], scales[expert] = integers, blocks.scales.T
+    return q, scales, blocks.bits
 
 
 def _linear_groups(graph, keep: Set[str]) -> list[list[tuple]]:

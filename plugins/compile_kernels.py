@@ -37,6 +37,22 @@ KERNELS = {
          "state_ptr": "*fp32", "slot_ptr": "*i64", "rows_ptr": "*i64", "out_ptr": "*fp32",
          "rows": "i32", "heads": "i32", "key_heads": "i32", "slots": "i32", "captured": "i32"},
         {"KEY_DIM": 128, "VALUE_DIM": 128, "BLOCK_K": 128, "BLOCK_V": 32}),
+    "moe._route": (
+        "plugins.moe.triton_kernel", "_route",
+        {"experts_ptr": "*i64", "counts_ptr": "*i32", "lists_ptr": "*i32", "pairs": "i32"}, {"BLOCK_P": 128}),
+    "moe._gate_up": (
+        "plugins.moe.triton_kernel", "_gate_up",
+        {"x_ptr": "*bf16", "gate_up_ptr": "*bf16", "counts_ptr": "*i32", "lists_ptr": "*i32",
+         "inter_ptr": "*fp32", "pairs": "i32", "hidden": "i32", "size": "i32"},
+        {"TOP_K": 8, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}),
+    "moe._down": (
+        "plugins.moe.triton_kernel", "_down",
+        {"inter_ptr": "*fp32", "down_ptr": "*bf16", "weights_ptr": "*bf16", "counts_ptr": "*i32",
+         "lists_ptr": "*i32", "rows_ptr": "*fp32", "pairs": "i32", "hidden": "i32", "size": "i32"},
+        {"PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}),
+    "moe._combine": (
+        "plugins.moe.triton_kernel", "_combine",
+        {"rows_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
 }
 
 

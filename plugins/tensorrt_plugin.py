@@ -41,8 +41,9 @@ def specs() -> list[PluginSpec]:
     from .cache_write.trt_plugin import SPEC as cache_write
     from .d2t_gather.trt_plugin import SPEC as d2t_gather
     from .gated_delta.trt_plugin import SPEC as gated_delta
+    from .moe.trt_plugin import SPEC as moe
 
-    return [block_attention, cache_write, d2t_gather, gated_delta]
+    return [block_attention, cache_write, d2t_gather, gated_delta, moe]
 
 
 def register_plugins(trt) -> list:

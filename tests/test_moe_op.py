@@ -1,6 +1,7 @@
 """``dspark::MoeExperts`` against ``transformers``' own experts (``Qwen3MoeExperts``), and its ONNX
 function in ONNX Runtime against the reference, fp32 and fp16: a decode step (1 token), a verify
-block (9 tokens, most experts selected by some token) and a prefill chunk."""
+block (9 tokens, most experts selected by some token) and a prefill chunk; and its int4 / int8
+forms (``--weights``) against the reference on the de-quantized experts."""
 import numpy as np
 import onnx
 import pytest
@@ -12,6 +13,7 @@ from plugins.moe.reference import moe_experts
 from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 16, 4, 32, 24
+BLOCK = 8   # the quantized forms' block: divides both input sizes
 
 
 def routed(tokens: int, seed: int = 0):
@@ -42,18 +44,23 @@ def test_matches_transformers_experts(tokens):
     assert torch.equal(moe_experts(x, experts, weights, gate_up, down), expected)
 
 
-def _onnx_model(dtype) -> onnx.ModelProto:
-    names = onnx_function.INPUTS
-    ranks = dict(x=2, experts=2, weights=2, gate_up=3, down=3, out=2)
-    types = {n: TensorProto.INT64 if n == "experts" else dtype for n in names}
-    node = helper.make_node(onnx_function.NAME, names, onnx_function.OUTPUTS, domain="dspark",
-                            **PLUGIN_ATTRIBUTES)
+def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
+    """One ``MoeExperts`` node, or with ``bits`` one ``MoeExpertsInt{bits}``."""
+    names = onnx_function.QUANTIZED_INPUTS if bits else onnx_function.INPUTS
+    integers = {4: TensorProto.UINT8, 8: TensorProto.INT8}.get(bits)
+    types = {n: TensorProto.INT64 if n == "experts" else integers if n.endswith("_q") else dtype
+             for n in names}
+    node = helper.make_node(f"{onnx_function.NAME}Int{bits}" if bits else onnx_function.NAME, names,
+                            onnx_function.OUTPUTS, domain="dspark", **PLUGIN_ATTRIBUTES)
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * ranks[n]) for n in names],
+        [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * (2 if n in ("x", "experts",
+                                                                                     "weights") else 3))
+                      for n in names],
         [helper.make_tensor_value_info("out", dtype, [None, None])])
+    function = onnx_function.quantized_function(bits) if bits else onnx_function.MoeExperts.to_function_proto()
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
                                                     helper.make_opsetid("dspark", 1)],
-                              functions=[onnx_function.MoeExperts.to_function_proto()])
+                              functions=[function])
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -70,3 +77,62 @@ def test_onnx_function_matches_reference(tokens, dtype, tolerance):
     (out,) = session.run(None, dict(zip(onnx_function.INPUTS, (t.numpy() for t in inputs))))
     expected = moe_experts(*[t if t.dtype == torch.long else t.float() for t in inputs])
     np.testing.assert_allclose(out.astype(np.float32), expected.numpy(), atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtype, tolerance):
+    """The integers and blocks ``quantize_graph`` writes, de-quantized expert by expert in the
+    graph, compute what the reference computes with the module's de-quantized experts."""
+    import onnxruntime as ort
+
+    from export import quantize
+
+    x, experts, weights, gate_up, down = (t if t.dtype == torch.long else t.to(dtype)
+                                          for t in routed(tokens, seed=2))
+    stacks = [quantize.dequantized(m, bits, BLOCK).detach() for m in (gate_up, down)]
+    feeds = {"x": x, "experts": experts, "weights": weights}
+    for name, stack in zip(onnx_function.MATRICES, stacks):
+        q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
+        feeds |= {f"{name}_q": torch.from_numpy(q), f"{name}_scales": torch.from_numpy(scales)}
+        assert q.dtype == (np.uint8 if bits == 4 else np.int8) and q.shape[-1] == stack.shape[-1] * bits // 8
+    onnx_type = TensorProto.FLOAT if dtype == torch.float32 else TensorProto.FLOAT16
+    session = ort.InferenceSession(_onnx_model(onnx_type, bits).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {n: t.numpy() for n, t in feeds.items()})
+    expected = moe_experts(x.float(), experts, weights.float(), *(s.float() for s in stacks))
+    np.testing.assert_allclose(out.astype(np.float32), expected.numpy(), atol=tolerance)
+    assert not torch.equal(stacks[0], gate_up)   # the weights were rounded
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_triton_kernel_matches_reference(tokens, dtype, tolerance):
+    """Blocks that do not divide the widths (24 by 16), an expert with more pairs than a block (at
+    70 tokens), experts nobody chose; a token's output the same alone as among others."""
+    pytest.importorskip("triton")
+    from plugins.moe import triton_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, experts, weights, gate_up, down = (t if t.dtype == torch.long else t.to(dtype)
+                                          for t in routed(tokens, seed=3))
+    expected = moe_experts(x.float(), experts, weights.float(), gate_up.float(), down.float())
+
+    def kernel(x, experts, weights):
+        on = [t.to(device).contiguous() for t in (x, experts, weights, gate_up, down)]
+        out = torch.empty_like(on[0])
+        workspace = torch.empty(triton_kernel.workspace_bytes(len(x), TOP_K, EXPERTS, HIDDEN,
+                                                              INTERMEDIATE) // 4, device=device)
+        triton_kernel.moe_experts(*on, out, workspace, block_n=16, block_k=16)
+        return out.cpu()
+
+    out = kernel(x, experts, weights)
+    np.testing.assert_allclose(out.float().numpy(), expected.numpy(), atol=tolerance)
+    alone = kernel(x[-1:], experts[-1:], weights[-1:])
+    if device == "cuda":
+        assert torch.equal(alone, out[-1:])
+    else:   # the interpreter's dots are numpy's, whose rounding may follow the other rows
+        torch.testing.assert_close(alone, out[-1:], atol=1e-6, rtol=0)
+    if tokens == 70:
+        assert torch.bincount(experts.flatten()).max() > 16

@@ -1,0 +1,132 @@
+"""GPU kernels of ``dspark::MoeExperts`` in Triton: the routed experts as a grouped GEMM by expert,
+each expert's weights read once per block of its tokens, experts no token chose never read.
+
+Four launches on the caller's stream, no allocation (the scratch is one caller-given buffer) and no
+host sync, so a CUDA graph can hold them (the reference's ``unique().tolist()`` cannot be captured):
+
+1. ``_route``: per expert, the (token, choice) pairs that chose it, listed in order;
+2. ``_gate_up``: per expert and block of the intermediate width, its pairs' ``silu(gate) * up``;
+3. ``_down``: per expert and block of the hidden width, ``down @ a`` times the routing weight;
+4. ``_combine``: per token, its ``k`` weighted rows summed.
+
+A pair's row never depends on which other pairs share a block (each output element is its own
+dot product along K), so a token's output does not depend on its call. Accumulation is fp32 (fp32
+inputs at IEEE precision, not TF32); the reference rounds to the input type after each product
+and each expert's sum, so fp16 / bf16 outputs agree to that type's rounding, not bit for bit.
+Semantics: ``reference.py``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route(experts_ptr, counts_ptr, lists_ptr, pairs, BLOCK_P: tl.constexpr):
+    """Program e: ``lists[e, :counts[e]]``, the pairs ``t * k + j`` with ``experts[t, j] == e``."""
+    e = tl.program_id(0)
+    count = 0
+    for start in range(0, pairs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        hit = (tl.load(experts_ptr + p, mask=p < pairs, other=-1) == e).to(tl.int32)
+        position = count + tl.cumsum(hit, axis=0) - 1
+        tl.store(lists_ptr + e * pairs + position, p, mask=hit > 0)
+        count += tl.sum(hit, axis=0)
+    tl.store(counts_ptr + e, count)
+
+
+@triton.jit
+def _gate_up(x_ptr, gate_up_ptr, counts_ptr, lists_ptr, inter_ptr, pairs, hidden, size,
+             TOP_K: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n): ``inter[p, n block] = silu(x_t @ gate[e]ᵀ) * (x_t @ up[e]ᵀ)`` for e's pairs."""
+    e, n_block = tl.program_id(0), tl.program_id(1)
+    count = tl.load(counts_ptr + e)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_rows = gate_up_ptr + e * 2 * size * hidden + n[None, :] * hidden   # [1, N]: row n of gate
+    for start in range(0, count, BLOCK_M):
+        m = start + tl.arange(0, BLOCK_M)
+        p = tl.load(lists_ptr + e * pairs + m, mask=m < count, other=0)
+        token = p // TOP_K
+        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + token[:, None] * hidden + k[None, :],
+                        mask=(m[:, None] < count) & (k[None, :] < hidden), other=0.0)
+            w_mask = (k[:, None] < hidden) & (n[None, :] < size)
+            w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)              # [K, N]
+            w_up = tl.load(gate_rows + size * hidden + k[:, None], mask=w_mask, other=0.0)
+            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+        a = gate * tl.sigmoid(gate) * up
+        tl.store(inter_ptr + p[:, None] * size + n[None, :], a,
+                 mask=(m[:, None] < count) & (n[None, :] < size))
+
+
+@triton.jit
+def _down(inter_ptr, down_ptr, weights_ptr, counts_ptr, lists_ptr, rows_ptr, pairs, hidden, size,
+          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n): ``rows[p, n block] = weights[p] * inter[p] @ down[e]ᵀ`` for e's pairs."""
+    e, n_block = tl.program_id(0), tl.program_id(1)
+    count = tl.load(counts_ptr + e)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    down_rows = down_ptr + e * hidden * size + n[None, :] * size
+    for start in range(0, count, BLOCK_M):
+        m = start + tl.arange(0, BLOCK_M)
+        p = tl.load(lists_ptr + e * pairs + m, mask=m < count, other=0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, size, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(down_rows + k[:, None], mask=(k[:, None] < size) & (n[None, :] < hidden), other=0.0)
+            a = tl.load(inter_ptr + p[:, None] * size + k[None, :],
+                        mask=(m[:, None] < count) & (k[None, :] < size), other=0.0)
+            acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + p, mask=m < count, other=0.0).to(tl.float32)
+        tl.store(rows_ptr + p[:, None] * hidden + n[None, :], acc * weight[:, None],
+                 mask=(m[:, None] < count) & (n[None, :] < hidden))
+
+
+@triton.jit
+def _combine(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, h): ``out[t, h block]``, token t's ``k`` weighted rows summed in order."""
+    t, h_block = tl.program_id(0), tl.program_id(1)
+    h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * hidden + h, mask=h < hidden, other=0.0)
+    tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=h < hidden)
+
+
+def workspace_bytes(tokens: int, top_k: int, experts: int, hidden: int, size: int) -> int:
+    """The scratch ``moe_experts`` needs: pair counts and lists (int32), and each pair's
+    intermediate and output rows (fp32)."""
+    pairs = tokens * top_k
+    return 4 * (experts + experts * pairs + pairs * size + pairs * hidden)
+
+
+def moe_experts(x, experts, weights, gate_up, down, out, workspace,
+                block_m: int = 16, block_n: int = 64, block_k: int = 64):
+    """Fill ``out [T, H]`` from ``x [T, H]``, ``experts [T, k]`` (int64), ``weights [T, k]``,
+    ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (contiguous); ``workspace`` a flat fp32 tensor of at
+    least ``workspace_bytes`` / 4 elements."""
+    import torch
+
+    tokens, hidden = x.shape
+    top_k, num_experts, size = experts.shape[1], gate_up.shape[0], down.shape[2]
+    pairs = tokens * top_k
+    counts = workspace[:num_experts].view(torch.int32)
+    lists = workspace[num_experts:num_experts * (1 + pairs)].view(torch.int32)
+    inter_start = num_experts * (1 + pairs)
+    inter = workspace[inter_start:inter_start + pairs * size]
+    rows = workspace[inter_start + pairs * size:inter_start + pairs * (size + hidden)]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _route[(num_experts,)](experts, counts, lists, pairs, BLOCK_P=min(1024, triton.next_power_of_2(pairs)))
+    _gate_up[(num_experts, triton.cdiv(size, block_n))](
+        x, gate_up, counts, lists, inter, pairs, hidden, size, TOP_K=top_k, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _down[(num_experts, triton.cdiv(hidden, block_n))](
+        inter, down, weights, counts, lists, rows, pairs, hidden, size, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine[(tokens, triton.cdiv(hidden, block_h))](rows, out, hidden, TOP_K=top_k, BLOCK_H=block_h)
