@@ -73,7 +73,8 @@ def _session(weights: str, stacks: dict[str, torch.Tensor], args):
     from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 
     if weights == "float":
-        name, inputs, function = onnx_function.NAME, onnx_function.INPUTS, onnx_function.MoeExperts.to_function_proto()
+        name, inputs = onnx_function.NAME, onnx_function.INPUTS
+        function = onnx_function.MoeExperts.to_function_proto()
         constants = {m: t.numpy() for m, t in stacks.items()}
     else:
         bits = quantize.BITS[weights]

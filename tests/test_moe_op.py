@@ -52,12 +52,12 @@ def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
              for n in names}
     node = helper.make_node(f"{onnx_function.NAME}Int{bits}" if bits else onnx_function.NAME, names,
                             onnx_function.OUTPUTS, domain="dspark", **PLUGIN_ATTRIBUTES)
+    rank = {n: 2 if n in ("x", "experts", "weights") else 3 for n in names}
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * (2 if n in ("x", "experts",
-                                                                                     "weights") else 3))
-                      for n in names],
+        [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * rank[n]) for n in names],
         [helper.make_tensor_value_info("out", dtype, [None, None])])
-    function = onnx_function.quantized_function(bits) if bits else onnx_function.MoeExperts.to_function_proto()
+    function = (onnx_function.quantized_function(bits) if bits else
+                onnx_function.MoeExperts.to_function_proto())
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
                                                     helper.make_opsetid("dspark", 1)],
                               functions=[function])

@@ -68,8 +68,9 @@ def _quantized_matrices(bits: int) -> list[onnx.NodeProto]:
     if bits == 4:
         byte = lambda name, v: node("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
             name, TensorProto.UINT8, [], [v]))
+        eight = helper.make_tensor("e_eight", TensorProto.FLOAT, [], [8.0])
         nodes += [byte("e_low_mask", 15), byte("e_four", 4), _ints("e_rows_by_columns", [0, -1]),
-                  node("Constant", [], ["e_eight"], value=helper.make_tensor("e_eight", TensorProto.FLOAT, [], [8.0]))]
+                  node("Constant", [], ["e_eight"], value=eight)]
     for m in MATRICES:
         q, scales, ints = f"e_{m}_q", f"e_{m}_scales", f"e_{m}_ints"
         nodes += [node("Gather", [f"{m}_q", "e_expert"], [q], axis=0),             # [N, K] or [N, K/2]
