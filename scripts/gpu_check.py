@@ -79,8 +79,25 @@ def check_kernels() -> str:
         error = max((out.cpu() - expected).abs().max().item(),
                     (on[5].cpu() - expected_state).abs().max().item())
         assert error < 1e-3, f"gated_delta_rule, {rows} rows: error {error}"
-    return ("block_attention (fp32/fp16/bf16, causal and not), d2t_gather and gated_delta_rule match "
-            "the references")
+    # the routed experts at Qwen3.6-35B-A3B's shapes (256 of 512, top 8, hidden 2048), bf16: a
+    # decode step, a verify block, a prefill chunk
+    from plugins.moe.reference import moe_experts as moe_reference
+    from plugins.moe.triton_kernel import moe_experts, workspace_bytes
+
+    gate_up = (torch.randn(256, 1024, 2048, generator=g) * 0.02).bfloat16()
+    down = (torch.randn(256, 2048, 512, generator=g) * 0.02).bfloat16()
+    for tokens in (1, 9, 256):
+        x = torch.randn(tokens, 2048, generator=g).bfloat16()
+        weights, experts = torch.randn(tokens, 256, generator=g).softmax(-1).topk(8)
+        expected = moe_reference(x.float(), experts, weights, gate_up.float(), down.float())
+        out = torch.empty(tokens, 2048, dtype=torch.bfloat16, device="cuda")
+        workspace = torch.empty(workspace_bytes(tokens, 8, 256, 2048, 512) // 4, device="cuda")
+        moe_experts(x.cuda(), experts.cuda(), weights.bfloat16().cuda(), gate_up.cuda(), down.cuda(), out,
+                    workspace)
+        error = ((out.float().cpu() - expected).abs().max() / expected.abs().max()).item()
+        assert error < 2e-2, f"moe_experts, {tokens} tokens: relative error {error}"
+    return ("block_attention (fp32/fp16/bf16, causal and not), d2t_gather, gated_delta_rule and "
+            "moe_experts match the references")
 
 
 def check_plugin_enqueue() -> str:
@@ -92,6 +109,8 @@ def check_plugin_enqueue() -> str:
     from plugins.cache_write.trt_plugin import SPEC as CACHE_WRITE
     from plugins.d2t_gather.reference import d2t_gather as d2t_reference
     from plugins.d2t_gather.trt_plugin import SPEC as D2T
+    from plugins.moe.reference import moe_experts as moe_reference
+    from plugins.moe.trt_plugin import SPEC as MOE
 
     kinds = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64"}
     trt = SimpleNamespace(DataType=SimpleNamespace(FLOAT="f32", HALF="f16", BF16="bf16", INT64="i64",
@@ -140,8 +159,18 @@ def check_plugin_enqueue() -> str:
         enqueue(D2T, {}, [scores.cuda(), d2t.cuda(), w1.cuda()], [ids, picked])
         want_ids, want_rows = d2t_reference(scores, d2t, w1)
         assert torch.equal(ids.cpu(), want_ids) and torch.equal(picked.cpu(), want_rows), f"D2TGather {dtype}"
-    return ("CacheWrite, BlockAttention (workspace from the plugin) and D2TGather enqueue == references "
-            "(fp16/bf16, caches aliased)")
+        x = torch.randn(9, 256, generator=g).to(dtype)
+        weights, experts = torch.randn(9, 16, generator=g).softmax(-1).topk(4)
+        gate_up = (torch.randn(16, 128, 256, generator=g) * 0.05).to(dtype)
+        down = (torch.randn(16, 256, 64, generator=g) * 0.05).to(dtype)
+        out = torch.empty_like(x, device="cuda")
+        enqueue(MOE, {}, [x.cuda(), experts.cuda(), weights.to(dtype).cuda(), gate_up.cuda(), down.cuda()],
+                [out])
+        want = moe_reference(x.float(), experts, weights, gate_up.float(), down.float())
+        error = ((out.float().cpu() - want).abs().max() / want.abs().max()).item()
+        assert error < 2e-2, f"MoeExperts {dtype}: relative error {error}"
+    return ("CacheWrite, BlockAttention (workspace from the plugin), D2TGather and MoeExperts (its "
+            "workspace) enqueue == references (fp16/bf16, caches aliased)")
 
 
 class Skipped(Exception):

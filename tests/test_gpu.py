@@ -14,9 +14,10 @@ pytestmark = pytest.mark.gpu
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
-# a hybrid target too: its state banks are captured by address like the KV caches (the MoE op's
-# reference syncs with the host, so MoE targets cannot be captured yet)
-CASES = {**ENGINE_CASES, "qwen3_5-multimodal": dict(arch="qwen3_5-multimodal")}
+# hybrid targets too: their state banks are captured by address like the KV caches, and the MoE
+# op runs its Triton kernel (no host sync) on CUDA
+CASES = {**ENGINE_CASES, "qwen3_5-multimodal": dict(arch="qwen3_5-multimodal"),
+         "qwen3_5_moe-multimodal": dict(arch="qwen3_5_moe-multimodal")}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,6 +1,7 @@
 """``torch.ops.dspark.moe_experts``: the reference as an opaque custom op, so that ``torch.export``
 keeps it as one node (its loop over the selected experts is data-dependent) for the ONNX exporter
-to translate."""
+to translate. On CUDA tensors it runs the Triton kernel instead: the reference asks the host which
+experts were chosen, which a CUDA graph cannot capture."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,17 @@ from .reference import moe_experts as reference
 @torch.library.custom_op("dspark::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
-    return reference(x, experts, weights, gate_up, down)
+    if not x.is_cuda:
+        return reference(x, experts, weights, gate_up, down)
+    from .triton_kernel import moe_experts as kernel
+    from .triton_kernel import workspace_bytes
+
+    out = torch.empty_like(x)
+    scratch = torch.empty(workspace_bytes(len(x), experts.shape[1], gate_up.shape[0], x.shape[1],
+                                          down.shape[2]) // 4, device=x.device)
+    kernel(x.contiguous(), experts.contiguous(), weights.contiguous(), gate_up.contiguous(),
+           down.contiguous(), out, scratch)
+    return out
 
 
 @moe_experts.register_fake

@@ -1,0 +1,87 @@
+"""Run ``python -m export build`` inside a memory cgroup limited to a multiple of the weights it
+will write, and report whether it completed there.
+
+    sudo .venv/bin/python scripts/memory_limit.py --ratio 1.5 -- --target T --draft D --out OUT \\
+        [build flags...]
+
+Peak RSS counts the pages of the weight files a build maps, which the kernel reclaims under
+pressure, so the goal (a build within 1.5x the weights it writes) is measured as a limit, not a
+peak: a cgroup v1 ``memory.limit_in_bytes`` (this machine's; needs root) of ``ratio`` times the
+target's and draft's checkpoint tensors at the build's dtype, which is what an unquantized build
+writes. Afterwards the ONNX weights actually written are summed and the limit is reported against
+them too. A benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CGROUPS = Path("/sys/fs/cgroup/memory")
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def checkpoint_bytes(directory: Path, skip: tuple[str, ...], width: int) -> int:
+    """The tensors of ``directory``'s safetensors files at ``width`` bytes per value, those whose
+    names start with ``skip`` (a vision tower, an MTP layer: never read) left out."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "np") as file:
+            for name in file.keys():
+                if not name.startswith(skip):
+                    shape = file.get_slice(name).get_shape()
+                    count = 1
+                    for size in shape:
+                        count *= size
+                    total += count * width
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ratio", type=float, default=1.5)
+    p.add_argument("build", nargs=argparse.REMAINDER, help="-- then python -m export build's flags")
+    args = p.parse_args()
+    flags = args.build[1:] if args.build[:1] == ["--"] else args.build
+    given = dict(zip(flags, flags[1:]))   # each flag to the value after it
+    target, draft, out = Path(given["--target"]), Path(given["--draft"]), Path(given["--out"])
+    width = BYTES[given.get("--dtype", "fp16")]
+    weights = (checkpoint_bytes(target, ("model.visual.", "mtp."), width)
+               + checkpoint_bytes(draft, (), width))
+    limit = int(args.ratio * weights)
+    group = CGROUPS / f"dspark-build-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        started = time.perf_counter()
+
+        def join():
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        run = subprocess.run([sys.executable, "-m", "export", "build", *flags], cwd=ROOT,
+                             preexec_fn=join, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        hits = int((group / "memory.failcnt").read_text())
+    finally:
+        group.rmdir()
+    written = sum(f.stat().st_size for f in out.glob("*.onnx.data")) if out.is_dir() else 0
+    print(json.dumps({
+        "build": " ".join(flags), "completed": run.returncode == 0, "wall_s": round(wall),
+        "checkpoint_weights_gb": round(weights / 1e9, 2), "limit_gb": round(limit / 1e9, 2),
+        "written_gb": round(written / 1e9, 2),
+        "limit_over_written": round(limit / written, 2) if written else None,
+        "cgroup_peak_gb": round(peak / 1e9, 2), "times_at_limit": hits}, indent=1))
+    if run.returncode:
+        sys.exit(f"the build failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+
+
+if __name__ == "__main__":
+    main()
