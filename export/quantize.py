@@ -333,22 +333,24 @@ def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -
 
 
 def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
-    """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales [E, N,
-    K / block], bits)``, ``q`` int8 ``[E, N, K]`` or, for int4, ``[E, N, K / 2]`` bytes; None where
-    an expert has no blocks."""
+    """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales
+    [E, K / b, N], bits)`` in ``MoeExpertsInt{bits}``'s layout: ``q`` int8 ``[E, K / b, b, N]``,
+    or for int4 ``[E, K / b, b / 2, N]`` bytes (block row ``j`` low, ``j + b / 2`` high, plus 8);
+    None where an expert has no blocks."""
     q = scales = None
     for expert, matrix in enumerate(stack):
         blocks = blocks_of(np.ascontiguousarray(matrix.T))
         if blocks is None or blocks.offsets is not None:
             return None
-        integers = blocks.q.T
-        if blocks.bits == 4:   # two to a byte, plus 8: the even column in the low nibble
+        integers = blocks.q.reshape(blocks.scales.shape[0], blocks.block, -1)   # [K/b, b, N]
+        if blocks.bits == 4:
             unsigned = (integers + 8).astype(np.uint8)
-            integers = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+            half = blocks.block // 2
+            integers = unsigned[:, :half] | (unsigned[:, half:] << 4)
         if q is None:
             q = np.empty((len(stack), *integers.shape), integers.dtype)
-            scales = np.empty((len(stack), *blocks.scales.T.shape), blocks.scales.dtype)
-        q[expert], scales[expert] = integers, blocks.scales.T
+            scales = np.empty((len(stack), *blocks.scales.shape), blocks.scales.dtype)
+        q[expert], scales[expert] = integers, blocks.scales
     return q, scales, blocks.bits
 
 

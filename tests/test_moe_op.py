@@ -52,7 +52,7 @@ def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
              for n in names}
     node = helper.make_node(f"{onnx_function.NAME}Int{bits}" if bits else onnx_function.NAME, names,
                             onnx_function.OUTPUTS, domain="dspark", **PLUGIN_ATTRIBUTES)
-    rank = {n: 2 if n in ("x", "experts", "weights") else 3 for n in names}
+    rank = {n: 2 if n in ("x", "experts", "weights") else 4 if n.endswith("_q") else 3 for n in names}
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * rank[n]) for n in names],
         [helper.make_tensor_value_info("out", dtype, [None, None])])
@@ -96,7 +96,8 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
     for name, stack in zip(onnx_function.MATRICES, stacks):
         q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
         feeds |= {f"{name}_q": torch.from_numpy(q), f"{name}_scales": torch.from_numpy(scales)}
-        assert q.dtype == (np.uint8 if bits == 4 else np.int8) and q.shape[-1] == stack.shape[-1] * bits // 8
+        assert q.dtype == (np.uint8 if bits == 4 else np.int8)
+        assert q.shape == (EXPERTS, stack.shape[-1] // BLOCK, BLOCK * bits // 8, stack.shape[1])
     onnx_type = TensorProto.FLOAT if dtype == torch.float32 else TensorProto.FLOAT16
     session = ort.InferenceSession(_onnx_model(onnx_type, bits).SerializeToString(),
                                    providers=["CPUExecutionProvider"])

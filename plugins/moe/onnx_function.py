@@ -5,12 +5,13 @@ per expert, ``NonZero`` finds its tokens, ``Gather`` takes them and the expert's
 two ``Gemm(transB=1)`` apply them as stored, and ``ScatterND`` writes its rows of the carried
 output with the weighted rows added (ONNX Runtime has no fp16 ``reduction="add"`` on the CPU).
 
-``MoeExpertsInt8`` / ``MoeExpertsInt4`` (``build --weights``) take each matrix as integers and
-one scale per block of values along its input axis (``export/quantize.py`` writes them; the block
-is the input size over the scales' last axis) and de-quantize only the experts they gather. ONNX
-has no ``Gather`` of ``int4``, so int4 comes packed two to a ``uint8`` (the even column in the
-low nibble, stored plus 8) and is unpacked with bit ops."""
+``MoeExpertsInt8`` / ``MoeExpertsInt4`` (``build --weights``) take each matrix as integers in
+blocks along its input axis with one scale per block (``export/quantize.py`` writes them; the
+layout is ``_quantized_product``'s) and compute with only the experts they gather. ONNX has no
+``Gather`` of ``int4``, so int4 comes packed two to a ``uint8`` and is unpacked with bit ops."""
 from __future__ import annotations
+
+from typing import Callable
 
 import onnx
 from onnx import TensorProto, helper
@@ -43,8 +44,9 @@ for _bits, _type in QUANTIZED_TYPES.items():
         outputs=[("out", "T")],
         type_constraints=[("T", FLOAT_TYPES, "activation and scale type")],
         attributes=[],
-        doc=f"{_DOC} Each matrix is int{_bits} with one scale per block along its input axis (last)"
-            + (", packed two to a byte plus 8, the even column low." if _bits == 4 else "."),
+        doc=f"{_DOC} Each matrix [N, K] is int{_bits} as [E, K/b, b, N]"
+            + (" (packed [E, K/b, b/2, N]: row j low, j + b/2 high, each plus 8)" if _bits == 4 else "")
+            + " with scales [E, K/b, N].",
     )
 dspark = Opset(DOMAIN, DOMAIN_VERSION)
 
@@ -54,59 +56,74 @@ def _ints(name: str, values: list[int]):
         name, TensorProto.INT64, [len(values)], values))
 
 
-def _float_matrices() -> list[onnx.NodeProto]:
-    """Expert ``e_expert``'s two matrices, ``e_gate_up [2I, H]`` and ``e_down [H, I]``, as stored."""
-    return [helper.make_node("Gather", [m, "e_expert"], [f"e_{m}"], axis=0) for m in MATRICES]
+Product = Callable[[str, str, str], list[onnx.NodeProto]]
 
 
-def _quantized_matrices(bits: int) -> list[onnx.NodeProto]:
-    """The same, gathered as integers and de-quantized (only this expert's): each block of values
-    times its scale, as a ``Cast`` and a broadcast ``Mul`` (three times faster in ONNX Runtime
-    than a blocked ``DequantizeLinear``, which it runs unvectorised)."""
+def _float_product(matrix: str, x: str, y: str) -> list[onnx.NodeProto]:
+    """``y [n, N] = x [n, K] @ matrix[e]ᵀ``, expert ``e_expert``'s matrix ``[N, K]`` as stored."""
     node = helper.make_node
-    nodes = [_ints("e_one_more_axis", [-1])]
-    if bits == 4:
-        byte = lambda name, v: node("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
-            name, TensorProto.UINT8, [], [v]))
-        eight = helper.make_tensor("e_eight", TensorProto.FLOAT, [], [8.0])
-        nodes += [byte("e_low_mask", 15), byte("e_four", 4), _ints("e_rows_by_columns", [0, -1]),
-                  node("Constant", [], ["e_eight"], value=eight)]
-    for m in MATRICES:
-        q, scales, ints = f"e_{m}_q", f"e_{m}_scales", f"e_{m}_ints"
-        nodes += [node("Gather", [f"{m}_q", "e_expert"], [q], axis=0),             # [N, K] or [N, K/2]
-                  node("Gather", [f"{m}_scales", "e_expert"], [scales], axis=0)]   # [N, K/block]
-        if bits == 8:
-            nodes.append(node("CastLike", [q, scales], [ints]))
-        else:   # [N, K/2] bytes -> [N, K/2, 2] nibbles -> [N, K], less 8
-            nodes += [
-                node("BitwiseAnd", [q, "e_low_mask"], [f"{q}_low"]),
-                node("BitShift", [q, "e_four"], [f"{q}_high"], direction="RIGHT"),
-                node("Unsqueeze", [f"{q}_low", "e_last"], [f"{q}_low_3d"]),
-                node("Unsqueeze", [f"{q}_high", "e_last"], [f"{q}_high_3d"]),
-                node("Concat", [f"{q}_low_3d", f"{q}_high_3d"], [f"{q}_pairs"], axis=-1),
-                node("Reshape", [f"{q}_pairs", "e_rows_by_columns"], [f"{q}_unsigned"]),
-                node("CastLike", [f"{q}_unsigned", scales], [f"{q}_shifted"]),
-                node("CastLike", ["e_eight", scales], [f"{q}_eight"]),
-                node("Sub", [f"{q}_shifted", f"{q}_eight"], [ints]),
-            ]
-        nodes += [  # [N, K] -> [N, K/block, block] times [N, K/block, 1] -> [N, K]
-            node("Shape", [scales], [f"{scales}_shape"]),
-            node("Concat", [f"{scales}_shape", "e_one_more_axis"], [f"{ints}_blocked_shape"], axis=0),
-            node("Reshape", [ints, f"{ints}_blocked_shape"], [f"{ints}_blocked"]),
-            node("Unsqueeze", [scales, "e_one_more_axis"], [f"{scales}_3d"]),
-            node("Mul", [f"{ints}_blocked", f"{scales}_3d"], [f"e_{m}_blocked"]),
-            node("Shape", [ints], [f"{ints}_shape"]),
-            node("Reshape", [f"e_{m}_blocked", f"{ints}_shape"], [f"e_{m}"]),
+    return [node("Gather", [matrix, "e_expert"], [f"e_{matrix}"], axis=0),
+            node("Gemm", [x, f"e_{matrix}"], [y], transB=1)]
+
+
+def _quantized_product(bits: int) -> Product:
+    """The same product from the expert's integers ``[K/b, b, N]`` (int4: ``[K/b, b/2, N]`` bytes,
+    block row ``j`` in the low nibble and ``j + b/2`` in the high one, each plus 8) and scales
+    ``[K/b, N]``, in fp32: per block ``x_block @ integers`` (a batched ``MatMul``), less
+    ``8 · sum(x_block)`` for int4, times the block's scales, summed over the blocks. The weights
+    are cast once and never scaled or shifted as a whole: on the CPU each pass over an expert's
+    values costs as much as its product (``scripts/moe_cost.py``)."""
+    node = helper.make_node
+
+    def product(matrix: str, x: str, y: str) -> list[onnx.NodeProto]:
+        q, scales, p = f"e_{matrix}_q", f"e_{matrix}_scales", f"e_{matrix}"
+        nodes = [node("Gather", [f"{matrix}_q", "e_expert"], [q], axis=0),
+                 node("Gather", [f"{matrix}_scales", "e_expert"], [scales], axis=0)]
+        if bits == 4:
+            nodes += [node("BitwiseAnd", [q, "e_low_mask"], [f"{q}_low"]),
+                      node("BitShift", [q, "e_four"], [f"{q}_high"], direction="RIGHT"),
+                      node("Concat", [f"{q}_low", f"{q}_high"], [f"{q}_unpacked"], axis=1)]   # [K/b, b, N]
+            q = f"{q}_unpacked"
+        nodes += [
+            node("Cast", [q], [f"{p}_ints"], to=TensorProto.FLOAT),
+            node("Shape", [f"{p}_ints"], [f"{p}_shape"], end=2),                              # [K/b, b]
+            node("Concat", ["e_keep", f"{p}_shape"], [f"{p}_x_shape"], axis=0),               # [0, K/b, b]
+            node("Cast", [x], [f"{p}_x"], to=TensorProto.FLOAT),
+            node("Reshape", [f"{p}_x", f"{p}_x_shape"], [f"{p}_x_blocked"]),
+            node("Transpose", [f"{p}_x_blocked"], [f"{p}_x_blocks"], perm=[1, 0, 2]),          # [K/b, n, b]
+            node("MatMul", [f"{p}_x_blocks", f"{p}_ints"], [f"{p}_by_block"]),                # [K/b, n, N]
         ]
-    return nodes
+        by_block = f"{p}_by_block"
+        if bits == 4:
+            nodes += [node("ReduceSum", [f"{p}_x_blocks", "e_last"], [f"{p}_x_sums"], keepdims=1),
+                      node("Mul", [f"{p}_x_sums", "e_eight"], [f"{p}_offsets"]),
+                      node("Sub", [by_block, f"{p}_offsets"], [f"{p}_by_block_signed"])]
+            by_block = f"{p}_by_block_signed"
+        return nodes + [
+            node("Cast", [scales], [f"{scales}_float"], to=TensorProto.FLOAT),
+            node("Unsqueeze", [f"{scales}_float", "e_axis1"], [f"{scales}_3d"]),               # [K/b, 1, N]
+            node("Mul", [by_block, f"{scales}_3d"], [f"{p}_scaled"]),
+            node("ReduceSum", [f"{p}_scaled", "e_first"], [f"{p}_sum"], keepdims=0),
+            node("CastLike", [f"{p}_sum", x], [y]),
+        ]
+
+    return product
 
 
-def _expert_body(matrices: list[onnx.NodeProto]) -> onnx.GraphProto:
+def _quantized_constants() -> list[onnx.NodeProto]:
+    def constant(name: str, kind: int, value) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, [], [value]))
+
+    return [constant("e_low_mask", TensorProto.UINT8, 15), constant("e_four", TensorProto.UINT8, 4),
+            constant("e_eight", TensorProto.FLOAT, 8.0), _ints("e_keep", [0])]
+
+
+def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.GraphProto:
     """Iteration ``i``: expert ``selected[i]``'s tokens through its SwiGLU, weighted, added to
-    ``acc [T, H]``; ``matrices`` give the expert's ``e_gate_up`` and ``e_down``."""
+    ``acc [T, H]``; ``product(matrix, x, y)`` applies one of the expert's two matrices."""
     node = helper.make_node
     nodes = [
-        _ints("e_axis1", [1]), _ints("e_last", [-1]), _ints("e_first", [0]),
+        *constants, _ints("e_axis1", [1]), _ints("e_last", [-1]), _ints("e_first", [0]),
         node("Gather", ["selected", "i"], ["e_expert"], axis=0),               # a scalar id
         node("Equal", ["experts", "e_expert"], ["e_hit"]),                    # [T, k]
         node("Cast", ["e_hit"], ["e_hit_float"], to=TensorProto.FLOAT),
@@ -117,13 +134,12 @@ def _expert_body(matrices: list[onnx.NodeProto]) -> onnx.GraphProto:
         node("Mul", ["weights", "e_hit_weights"], ["e_weights_kept"]),
         node("ReduceSum", ["e_weights_kept", "e_axis1"], ["e_weight"], keepdims=0),  # [T]
         node("Gather", ["x", "e_rows"], ["e_x"], axis=0),                     # [n, H]
-        *matrices,                                                            # [2I, H], [H, I]
-        node("Gemm", ["e_x", "e_gate_up"], ["e_h"], transB=1),
+        *product("gate_up", "e_x", "e_h"),                                    # [n, 2I]
         node("Split", ["e_h"], ["e_gate", "e_up"], axis=-1, num_outputs=2),
         node("Sigmoid", ["e_gate"], ["e_sigmoid"]),
         node("Mul", ["e_gate", "e_sigmoid"], ["e_silu"]),
         node("Mul", ["e_silu", "e_up"], ["e_a"]),
-        node("Gemm", ["e_a", "e_down"], ["e_y"], transB=1),                   # [n, H]
+        *product("down", "e_a", "e_y"),                                       # [n, H]
         node("Gather", ["e_weight", "e_rows"], ["e_row_weight"], axis=0),
         node("Unsqueeze", ["e_row_weight", "e_last"], ["e_row_weight_2d"]),
         node("Mul", ["e_y", "e_row_weight_2d"], ["e_weighted"]),
@@ -143,7 +159,8 @@ def _expert_body(matrices: list[onnx.NodeProto]) -> onnx.GraphProto:
         [value("cond_next", TensorProto.BOOL, []), onnx.ValueInfoProto(name="acc_next")])
 
 
-def _function(name: str, inputs: list[str], matrices: list[onnx.NodeProto]) -> onnx.FunctionProto:
+def _function(name: str, inputs: list[str], product: Product,
+              constants: list[onnx.NodeProto] = ()) -> onnx.FunctionProto:
     node = helper.make_node
     nodes = [
         _ints("flat", [-1]),
@@ -156,7 +173,7 @@ def _function(name: str, inputs: list[str], matrices: list[onnx.NodeProto]) -> o
         node("CastLike", ["zero", "x"], ["zero_like"]),
         node("Shape", ["x"], ["x_shape"]),
         node("Expand", ["zero_like", "x_shape"], ["acc0"]),
-        node("Loop", ["count", "true", "acc0"], ["out"], body=_expert_body(matrices)),
+        node("Loop", ["count", "true", "acc0"], ["out"], body=_expert_body(product, list(constants))),
     ]
     return helper.make_function(DOMAIN, name, inputs, OUTPUTS, nodes, [helper.make_opsetid("", 23)])
 
@@ -167,12 +184,12 @@ class MoeExperts:
 
     @staticmethod
     def to_function_proto() -> onnx.FunctionProto:
-        return _function(NAME, INPUTS, _float_matrices())
+        return _function(NAME, INPUTS, _float_product)
 
 
 def quantized_function(bits: int) -> onnx.FunctionProto:
     """``MoeExpertsInt{bits}``'s function proto."""
-    return _function(f"{NAME}Int{bits}", QUANTIZED_INPUTS, _quantized_matrices(bits))
+    return _function(f"{NAME}Int{bits}", QUANTIZED_INPUTS, _quantized_product(bits), _quantized_constants())
 
 
 def translate(x, experts, weights, gate_up, down):
