@@ -110,12 +110,13 @@ def _quantized_product(bits: int) -> Product:
     return product
 
 
-def _quantized_constants() -> list[onnx.NodeProto]:
+def _quantized_constants(bits: int) -> list[onnx.NodeProto]:
     def constant(name: str, kind: int, value) -> onnx.NodeProto:
         return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, [], [value]))
 
-    return [constant("e_low_mask", TensorProto.UINT8, 15), constant("e_four", TensorProto.UINT8, 4),
-            constant("e_eight", TensorProto.FLOAT, 8.0), _ints("e_keep", [0])]
+    unpacking = [constant("e_low_mask", TensorProto.UINT8, 15), constant("e_four", TensorProto.UINT8, 4),
+                 constant("e_eight", TensorProto.FLOAT, 8.0)]
+    return [_ints("e_keep", [0]), *(unpacking if bits == 4 else [])]
 
 
 def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.GraphProto:
@@ -189,7 +190,8 @@ class MoeExperts:
 
 def quantized_function(bits: int) -> onnx.FunctionProto:
     """``MoeExpertsInt{bits}``'s function proto."""
-    return _function(f"{NAME}Int{bits}", QUANTIZED_INPUTS, _quantized_product(bits), _quantized_constants())
+    return _function(f"{NAME}Int{bits}", QUANTIZED_INPUTS, _quantized_product(bits),
+                     _quantized_constants(bits))
 
 
 def translate(x, experts, weights, gate_up, down):
