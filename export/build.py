@@ -257,8 +257,12 @@ def release_freed_memory() -> None:
 
 
 def _check_moe(architecture: str, weights: str | None, backend: str) -> None:
-    """What a MoE target cannot be built with yet: a TensorRT engine of quantized experts (their
-    plugin reads float experts; the parser would inline a body of ops TensorRT lacks)."""
+    """What a MoE target cannot be built with yet: a GGUF file's own expert blocks, a TensorRT
+    engine of quantized experts (their plugin reads float experts; the parser would inline a body
+    of ops TensorRT lacks)."""
+    if weights == quantize.GGUF:
+        raise ValueError(f"--weights gguf: a {architecture} target's experts cannot keep the file's "
+                         f"blocks yet; use --weights int4 or int8")
     if backend != "onnx" and weights is not None:
         raise ValueError(f"--weights {weights}: a {architecture} target's quantized experts have no "
                          f"TensorRT plugin yet; build {backend} engines with --weights float, or "

@@ -82,6 +82,33 @@ def test_moe_builds_that_cannot_be_made_yet_are_refused(tiny, tmp_path):
               weights="int4", progress=False)
 
 
+def test_a_moe_gguf_target_keeping_its_blocks_is_refused(tiny, tmp_path):
+    """A Qwen3-MoE GGUF file's expert blocks cannot be kept yet: refused from its header."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from export.build import build
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for add, value in (("block_count", 2), ("context_length", 256), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2),
+                       ("key_length", 16), ("value_length", 16), ("rope_freq_base", 1e4),
+                       ("layer_norm_rms_eps", 1e-6), ("expert_count", 8), ("expert_used_count", 2)):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((100, 64), np.float32))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("output.weight", gguf.quants.quantize(np.ones((100, 64), np.float32), q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="--weights gguf: a Qwen3MoeForCausalLM target's experts cannot "
+                                         "keep the file's blocks yet"):
+        build(str(path), str(tiny(arch="qwen3_moe")[1]), tmp_path / "e", weights="gguf", progress=False,
+              limits=Limits(max_batch=1, max_seq_len=64, max_prompt_chunk=8))
+
+
 def test_a_multimodal_checkpoint_without_text_weights_is_named(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
