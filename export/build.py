@@ -99,7 +99,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                              f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
         target_config = load_target_config(target_dir)
         if target_config.moe is not None:
-            _check_moe(target_config.architecture, weights, backend)
+            _check_moe(target_config.architecture, weights)
         if limits.max_seq_len > target_config.max_position_embeddings:
             raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "
                              f"{target_config.max_position_embeddings} positions")
@@ -256,17 +256,11 @@ def release_freed_memory() -> None:
         pass
 
 
-def _check_moe(architecture: str, weights: str | None, backend: str) -> None:
-    """What a MoE target cannot be built with yet: a GGUF file's own expert blocks, a TensorRT
-    engine of quantized experts (their plugin reads float experts; the parser would inline a body
-    of ops TensorRT lacks)."""
+def _check_moe(architecture: str, weights: str | None) -> None:
+    """What a MoE target cannot be built with yet: a GGUF file's own expert blocks."""
     if weights == quantize.GGUF:
         raise ValueError(f"--weights gguf: a {architecture} target's experts cannot keep the file's "
                          f"blocks yet; use --weights int4 or int8")
-    if backend != "onnx" and weights is not None:
-        raise ValueError(f"--weights {weights}: a {architecture} target's quantized experts have no "
-                         f"TensorRT plugin yet; build {backend} engines with --weights float, or "
-                         f"--backend onnx (ONNX Runtime runs them)")
 
 
 def _check_limits(limits: Limits) -> None:

@@ -335,7 +335,8 @@ def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -
 def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
     """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales
     [E, K / b, N], bits)`` in ``MoeExpertsInt{bits}``'s layout: ``q`` int8 ``[E, K / b, b, N]``,
-    or for int4 ``[E, K / b, b / 2, N]`` bytes (block row ``j`` low, ``j + b / 2`` high, plus 8);
+    or for int4 ``[E, K / b, b / 2, N]`` bytes (block row ``j`` low, ``j + b / 2`` high, plus 8; their
+    bits as int8);
     None where an expert has no blocks."""
     q = scales = None
     for expert, matrix in enumerate(stack):
@@ -346,7 +347,7 @@ def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | 
         if blocks.bits == 4:
             unsigned = (integers + 8).astype(np.uint8)
             half = blocks.block // 2
-            integers = unsigned[:, :half] | (unsigned[:, half:] << 4)
+            integers = (unsigned[:, :half] | (unsigned[:, half:] << 4)).view(np.int8)   # the bits as int8
         if q is None:
             q = np.empty((len(stack), *integers.shape), integers.dtype)
             scales = np.empty((len(stack), *blocks.scales.shape), blocks.scales.dtype)

@@ -41,9 +41,10 @@ def specs() -> list[PluginSpec]:
     from .cache_write.trt_plugin import SPEC as cache_write
     from .d2t_gather.trt_plugin import SPEC as d2t_gather
     from .gated_delta.trt_plugin import SPEC as gated_delta
+    from .moe.trt_plugin import INT4_SPEC, INT8_SPEC
     from .moe.trt_plugin import SPEC as moe
 
-    return [block_attention, cache_write, d2t_gather, gated_delta, moe]
+    return [block_attention, cache_write, d2t_gather, gated_delta, moe, INT8_SPEC, INT4_SPEC]
 
 
 def register_plugins(trt) -> list:
@@ -156,7 +157,8 @@ def device_tensors(trt, pointers, descs) -> list:
     # bf16 has no CUDA-array-interface type string: wrap as int16 and reinterpret
     kinds = {trt.DataType.FLOAT: ("<f4", None), trt.DataType.HALF: ("<f2", None),
              trt.DataType.BF16: ("<i2", torch.bfloat16), trt.DataType.INT64: ("<i8", None),
-             trt.DataType.INT32: ("<i4", None)}
+             trt.DataType.INT32: ("<i4", None), trt.DataType.INT8: ("|i1", None),
+             trt.DataType.UINT8: ("|u1", None)}
     tensors = []
     for pointer, desc in zip(pointers, descs):
         typestr, view = kinds[desc.type]

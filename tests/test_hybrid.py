@@ -71,17 +71,6 @@ def test_linear_head_counts_that_disagree_with_the_weights_are_named(tiny, tmp_p
         load_pair(target, draft_dir)
 
 
-def test_moe_builds_that_cannot_be_made_yet_are_refused(tiny, tmp_path):
-    from export.build import build
-
-    target, draft = map(str, tiny(arch="qwen3_moe"))
-    limits = Limits(max_batch=1, max_seq_len=64, max_prompt_chunk=8)
-    with pytest.raises(ValueError, match="--weights int4: a Qwen3MoeForCausalLM target's quantized experts "
-                                         "have no TensorRT plugin yet"):
-        build(target, draft, tmp_path / "b", limits=limits, dtype="fp16", backend="trt-rtx",
-              weights="int4", progress=False)
-
-
 def test_a_moe_gguf_target_keeping_its_blocks_is_refused(tiny, tmp_path):
     """A Qwen3-MoE GGUF file's expert blocks cannot be kept yet: refused from its header."""
     gguf = pytest.importorskip("gguf")
@@ -221,18 +210,19 @@ def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
     assert state["dtype"] == "float32" and state["shape"][1] == k + 1
 
 
-def test_moe_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
-    """Each sparse layer's experts one MoeExperts plugin (layer 1 of the tiny Qwen3-MoE is dense).
-    fp32: the tiny MoE pairs' fp16 logits stray 5-10% from fp32 in ``transformers`` too, past the
-    build's check."""
+@pytest.mark.parametrize("weights, op", [("float", "MoeExperts"), ("int4", "MoeExpertsInt4")])
+def test_moe_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path, weights, op):
+    """Each sparse layer's experts one plugin (layer 1 of the tiny Qwen3-MoE is dense), float or
+    quantized. fp32: the tiny MoE pairs' fp16 logits stray 5-10% from fp32 in ``transformers``
+    too, past the build's check."""
     pytest.importorskip("tensorrt_rtx")
     from export.build import build
 
     build(*map(str, tiny(arch="qwen3_moe")), tmp_path, limits=Limits(max_batch=2, max_seq_len=64,
                                                                      max_prompt_chunk=8),
-          backend="trt-rtx", gpus=("sm89",), progress=False)
+          backend="trt-rtx", gpus=("sm89",), weights=weights, progress=False)
     plugins = json.loads((tmp_path / "manifest.json").read_text())["trt-rtx"]["plugin_layers"]["target"]
-    assert plugins == {"BlockAttention": 4, "MoeExperts": 3}
+    assert plugins == {"BlockAttention": 4, op: 3}
 
 
 def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):

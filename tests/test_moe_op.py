@@ -47,7 +47,7 @@ def test_matches_transformers_experts(tokens):
 def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
     """One ``MoeExperts`` node, or with ``bits`` one ``MoeExpertsInt{bits}``."""
     names = onnx_function.QUANTIZED_INPUTS if bits else onnx_function.INPUTS
-    integers = {4: TensorProto.UINT8, 8: TensorProto.INT8}.get(bits)
+    integers = TensorProto.INT8
     types = {n: TensorProto.INT64 if n == "experts" else integers if n.endswith("_q") else dtype
              for n in names}
     node = helper.make_node(f"{onnx_function.NAME}Int{bits}" if bits else onnx_function.NAME, names,
@@ -96,7 +96,7 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
     for name, stack in zip(onnx_function.MATRICES, stacks):
         q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
         feeds |= {f"{name}_q": torch.from_numpy(q), f"{name}_scales": torch.from_numpy(scales)}
-        assert q.dtype == (np.uint8 if bits == 4 else np.int8)
+        assert q.dtype == np.int8
         assert q.shape == (EXPERTS, stack.shape[-1] // BLOCK, BLOCK * bits // 8, stack.shape[1])
     onnx_type = TensorProto.FLOAT if dtype == torch.float32 else TensorProto.FLOAT16
     session = ort.InferenceSession(_onnx_model(onnx_type, bits).SerializeToString(),
@@ -137,3 +137,26 @@ def test_triton_kernel_matches_reference(tokens, dtype, tolerance):
         torch.testing.assert_close(alone, out[-1:], atol=1e-6, rtol=0)
     if tokens == 70:
         assert torch.bincount(experts.flatten()).max() > 16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_triton_kernel_reads_the_quantized_layout(bits):
+    """The integers and scales ``quantize_graph`` writes, de-quantized tile by tile (blocks of 8
+    under tiles of 16): the reference's output on the de-quantized experts."""
+    pytest.importorskip("triton")
+    from export import quantize
+    from plugins.moe import triton_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, experts, weights, gate_up, down = routed(9, seed=4)
+    stacks = [quantize.dequantized(m, bits, BLOCK).detach() for m in (gate_up, down)]
+    expected = moe_experts(x, experts, weights, *stacks)
+    (gate_up_q, gate_up_scales, _), (down_q, down_scales, _) = (
+        quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK)) for stack in stacks)
+    on = [torch.from_numpy(t).to(device) if isinstance(t, np.ndarray) else t.to(device).contiguous()
+          for t in (x, experts, weights, gate_up_q, down_q, gate_up_scales, down_scales)]
+    out = torch.empty_like(on[0])
+    workspace = torch.empty(triton_kernel.workspace_bytes(9, TOP_K, EXPERTS, HIDDEN, INTERMEDIATE) // 4,
+                            device=device)
+    triton_kernel.moe_experts(*on[:5], out, workspace, *on[5:], bits=bits, block_n=16, block_k=16)
+    np.testing.assert_allclose(out.cpu().numpy(), expected.numpy(), atol=1e-5)

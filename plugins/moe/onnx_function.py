@@ -8,7 +8,7 @@ output with the weighted rows added (ONNX Runtime has no fp16 ``reduction="add"`
 ``MoeExpertsInt8`` / ``MoeExpertsInt4`` (``build --weights``) take each matrix as integers in
 blocks along its input axis with one scale per block (``export/quantize.py`` writes them; the
 layout is ``_quantized_product``'s) and compute with only the experts they gather. ONNX has no
-``Gather`` of ``int4``, so int4 comes packed two to a ``uint8`` and is unpacked with bit ops."""
+``Gather`` of ``int4``, so int4 comes packed two to a byte and is unpacked with bit ops."""
 from __future__ import annotations
 
 from typing import Callable
@@ -24,7 +24,8 @@ INPUTS = ["x", "experts", "weights", "gate_up", "down"]
 OUTPUTS = ["out"]
 MATRICES = ("gate_up", "down")
 QUANTIZED_INPUTS = ["x", "experts", "weights", "gate_up_q", "gate_up_scales", "down_q", "down_scales"]
-QUANTIZED_TYPES = {8: "tensor(int8)", 4: "tensor(uint8)"}   # int4: two to a byte
+# int4 two to a byte, stored as int8: TensorRT's parser widens uint8 constants to int32
+QUANTIZED_TYPES = {8: "tensor(int8)", 4: "tensor(int8)"}
 
 _DOC = ("The routed experts of a MoE layer, only those selected: out_t = sum_j weights[t, j] * "
         "down[e] @ (silu(gate) * up), gate, up = split(gate_up[e] @ x_t), e = experts[t, j]; see "
@@ -68,7 +69,8 @@ def _float_product(matrix: str, x: str, y: str) -> list[onnx.NodeProto]:
 
 def _quantized_product(bits: int) -> Product:
     """The same product from the expert's integers ``[K/b, b, N]`` (int4: ``[K/b, b/2, N]`` bytes,
-    block row ``j`` in the low nibble and ``j + b/2`` in the high one, each plus 8) and scales
+    block row ``j`` in the low nibble and ``j + b/2`` in the high one, each plus 8, the byte's bits
+    stored as an int8) and scales
     ``[K/b, N]``, in fp32: per block ``x_block @ integers`` (a batched ``MatMul``), less
     ``8 · sum(x_block)`` for int4, times the block's scales, summed over the blocks. The weights
     are cast once and never scaled or shifted as a whole: on the CPU each pass over an expert's
@@ -79,9 +81,10 @@ def _quantized_product(bits: int) -> Product:
         q, scales, p = f"e_{matrix}_q", f"e_{matrix}_scales", f"e_{matrix}"
         nodes = [node("Gather", [f"{matrix}_q", "e_expert"], [q], axis=0),
                  node("Gather", [f"{matrix}_scales", "e_expert"], [scales], axis=0)]
-        if bits == 4:
-            nodes += [node("BitwiseAnd", [q, "e_low_mask"], [f"{q}_low"]),
-                      node("BitShift", [q, "e_four"], [f"{q}_high"], direction="RIGHT"),
+        if bits == 4:   # the bytes as uint8 (a cast that keeps the bits), then their two nibbles
+            nodes += [node("Cast", [q], [f"{q}_bytes"], to=TensorProto.UINT8),
+                      node("BitwiseAnd", [f"{q}_bytes", "e_low_mask"], [f"{q}_low"]),
+                      node("BitShift", [f"{q}_bytes", "e_four"], [f"{q}_high"], direction="RIGHT"),
                       node("Concat", [f"{q}_low", f"{q}_high"], [f"{q}_unpacked"], axis=1)]   # [K/b, b, N]
             q = f"{q}_unpacked"
         nodes += [

@@ -1,8 +1,10 @@
 """GPU kernels of ``dspark::MoeExperts`` in Triton: the routed experts as a grouped GEMM by expert,
 each expert's weights read once per block of its tokens, experts no token chose never read.
 
-Four launches on the caller's stream, no allocation (the scratch is one caller-given buffer) and no
-host sync, so a CUDA graph can hold them (the reference's ``unique().tolist()`` cannot be captured):
+The weights may be float or ``MoeExpertsInt8`` / ``Int4``'s integers and block scales, de-quantized
+tile by tile in registers (``_weights``). Four launches on the caller's stream, no allocation (the
+scratch is one caller-given buffer) and no host sync, so a CUDA graph can hold them (the
+reference's ``unique().tolist()`` cannot be captured):
 
 1. ``_route``: per expert, the (token, choice) pairs that chose it, listed in order;
 2. ``_gate_up``: per expert and block of the intermediate width, its pairs' ``silu(gate) * up``;
@@ -36,14 +38,33 @@ def _route(experts_ptr, counts_ptr, lists_ptr, pairs, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
-def _gate_up(x_ptr, gate_up_ptr, counts_ptr, lists_ptr, inter_ptr, pairs, hidden, size,
-             TOP_K: tl.constexpr, PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weights(w_ptr, scales_ptr, e, k, n, K, N, BITS: tl.constexpr, QBLOCK: tl.constexpr):
+    """Expert ``e``'s weights ``[k, n]`` (a ``[BLOCK_K, 1]`` by ``[1, BLOCK_N]`` tile of its
+    ``[N, K]`` matrix, transposed), fp32: float as stored ``[E, N, K]``, or (``BITS`` 8 / 4) from
+    ``MoeExpertsInt{BITS}``'s block-major integers and scales (``export/quantize.py``)."""
+    mask = (k < K) & (n < N)
+    if BITS == 0:
+        return tl.load(w_ptr + e * N * K + n * K + k, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + e * (K // QBLOCK) * N + (k // QBLOCK) * N + n, mask=mask, other=0.0)
+    if BITS == 8:                                   # [E, K, N]
+        ints = tl.load(w_ptr + e * K * N + k * N + n, mask=mask, other=0).to(tl.float32)
+    else:                                           # [E, K/b, b/2, N] bytes, row j + b/2 high
+        half: tl.constexpr = QBLOCK // 2
+        byte = tl.load(w_ptr + e * (K // 2) * N + (k // QBLOCK) * half * N + (k % half) * N + n,
+                       mask=mask, other=0).to(tl.int32) & 255   # the int8's bits
+        ints = ((byte >> ((k % QBLOCK) // half * 4)) & 15).to(tl.float32) - 8.0
+    return ints * scale.to(tl.float32)
+
+
+@triton.jit
+def _gate_up(x_ptr, gate_up_ptr, gate_up_scales_ptr, counts_ptr, lists_ptr, inter_ptr, pairs, hidden,
+             size, TOP_K: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
     """Program (e, n): ``inter[p, n block] = silu(x_t @ gate[e]ᵀ) * (x_t @ up[e]ᵀ)`` for e's pairs."""
     e, n_block = tl.program_id(0), tl.program_id(1)
     count = tl.load(counts_ptr + e)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate_rows = gate_up_ptr + e * 2 * size * hidden + n[None, :] * hidden   # [1, N]: row n of gate
     for start in range(0, count, BLOCK_M):
         m = start + tl.arange(0, BLOCK_M)
         p = tl.load(lists_ptr + e * pairs + m, mask=m < count, other=0)
@@ -54,34 +75,36 @@ def _gate_up(x_ptr, gate_up_ptr, counts_ptr, lists_ptr, inter_ptr, pairs, hidden
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + token[:, None] * hidden + k[None, :],
                         mask=(m[:, None] < count) & (k[None, :] < hidden), other=0.0)
-            w_mask = (k[:, None] < hidden) & (n[None, :] < size)
-            w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)              # [K, N]
-            w_up = tl.load(gate_rows + size * hidden + k[:, None], mask=w_mask, other=0.0)
-            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+            w_gate = _weights(gate_up_ptr, gate_up_scales_ptr, e, k[:, None], n[None, :], hidden,
+                              2 * size, BITS, QBLOCK)
+            w_up = _weights(gate_up_ptr, gate_up_scales_ptr, e, k[:, None], size + n[None, :], hidden,
+                            2 * size, BITS, QBLOCK)
+            gate = tl.dot(x, w_gate.to(x.dtype), gate, input_precision=PRECISION)
+            up = tl.dot(x, w_up.to(x.dtype), up, input_precision=PRECISION)
         a = gate * tl.sigmoid(gate) * up
         tl.store(inter_ptr + p[:, None] * size + n[None, :], a,
                  mask=(m[:, None] < count) & (n[None, :] < size))
 
 
 @triton.jit
-def _down(inter_ptr, down_ptr, weights_ptr, counts_ptr, lists_ptr, rows_ptr, pairs, hidden, size,
-          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down(inter_ptr, down_ptr, down_scales_ptr, weights_ptr, counts_ptr, lists_ptr, rows_ptr, pairs,
+          hidden, size, BITS: tl.constexpr, QBLOCK: tl.constexpr, PRECISION: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e, n): ``rows[p, n block] = weights[p] * inter[p] @ down[e]ᵀ`` for e's pairs."""
     e, n_block = tl.program_id(0), tl.program_id(1)
     count = tl.load(counts_ptr + e)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    down_rows = down_ptr + e * hidden * size + n[None, :] * size
     for start in range(0, count, BLOCK_M):
         m = start + tl.arange(0, BLOCK_M)
         p = tl.load(lists_ptr + e * pairs + m, mask=m < count, other=0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, size, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(down_rows + k[:, None], mask=(k[:, None] < size) & (n[None, :] < hidden), other=0.0)
+            w = _weights(down_ptr, down_scales_ptr, e, k[:, None], n[None, :], size, hidden, BITS, QBLOCK)
             a = tl.load(inter_ptr + p[:, None] * size + k[None, :],
                         mask=(m[:, None] < count) & (k[None, :] < size), other=0.0)
-            acc = tl.dot(a.to(w.dtype), w, acc, input_precision=PRECISION)
+            dtype = weights_ptr.dtype.element_ty
+            acc = tl.dot(a.to(dtype), w.to(dtype), acc, input_precision=PRECISION)
         weight = tl.load(weights_ptr + p, mask=m < count, other=0.0).to(tl.float32)
         tl.store(rows_ptr + p[:, None] * hidden + n[None, :], acc * weight[:, None],
                  mask=(m[:, None] < count) & (n[None, :] < hidden))
@@ -105,15 +128,18 @@ def workspace_bytes(tokens: int, top_k: int, experts: int, hidden: int, size: in
     return 4 * (experts + experts * pairs + pairs * size + pairs * hidden)
 
 
-def moe_experts(x, experts, weights, gate_up, down, out, workspace,
-                block_m: int = 16, block_n: int = 64, block_k: int = 64):
+def moe_experts(x, experts, weights, gate_up, down, out, workspace, gate_up_scales=None,
+                down_scales=None, bits: int = 0, block_m: int = 16, block_n: int = 64, block_k: int = 64):
     """Fill ``out [T, H]`` from ``x [T, H]``, ``experts [T, k]`` (int64), ``weights [T, k]``,
-    ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (contiguous); ``workspace`` a flat fp32 tensor of at
+    ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (contiguous), or with ``bits`` 8 / 4 their integers
+    and ``*_scales`` as ``MoeExpertsInt{bits}`` takes them; ``workspace`` a flat fp32 tensor of at
     least ``workspace_bytes`` / 4 elements."""
     import torch
 
     tokens, hidden = x.shape
-    top_k, num_experts, size = experts.shape[1], gate_up.shape[0], down.shape[2]
+    top_k, num_experts = experts.shape[1], gate_up.shape[0]
+    size = down.shape[2] if not bits else down_scales.shape[1] * (hidden // gate_up_scales.shape[1])
+    qblock = hidden // gate_up_scales.shape[1] if bits else 1
     pairs = tokens * top_k
     counts = workspace[:num_experts].view(torch.int32)
     lists = workspace[num_experts:num_experts * (1 + pairs)].view(torch.int32)
@@ -121,12 +147,14 @@ def moe_experts(x, experts, weights, gate_up, down, out, workspace,
     inter = workspace[inter_start:inter_start + pairs * size]
     rows = workspace[inter_start + pairs * size:inter_start + pairs * (size + hidden)]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_scales = gate_up if gate_up_scales is None else gate_up_scales
+    down_scales = down if down_scales is None else down_scales
     _route[(num_experts,)](experts, counts, lists, pairs, BLOCK_P=min(1024, triton.next_power_of_2(pairs)))
     _gate_up[(num_experts, triton.cdiv(size, block_n))](
-        x, gate_up, counts, lists, inter, pairs, hidden, size, TOP_K=top_k, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        x, gate_up, gate_up_scales, counts, lists, inter, pairs, hidden, size, TOP_K=top_k, BITS=bits,
+        QBLOCK=qblock, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     _down[(num_experts, triton.cdiv(hidden, block_n))](
-        inter, down, weights, counts, lists, rows, pairs, hidden, size, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        inter, down, down_scales, weights, counts, lists, rows, pairs, hidden, size, BITS=bits,
+        QBLOCK=qblock, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine[(tokens, triton.cdiv(hidden, block_h))](rows, out, hidden, TOP_K=top_k, BLOCK_H=block_h)

@@ -1,8 +1,12 @@
 """``dspark::MoeExperts`` as a TensorRT plugin: inputs ``x [T, H], experts [T, k]`` (int64),
 ``weights [T, k], gate_up [E, 2I, H], down [E, H, I]``; output ``out [T, H]``. TensorRT has no
 ``Unique``, and its ``Loop`` could not skip the experts nobody chose: the Triton kernel reads only
-those, its pair lists and rows in the plugin's workspace."""
+those, its pair lists and rows in the plugin's workspace. ``MoeExpertsInt8`` / ``Int4`` take each
+matrix as integers and block scales instead (``x, experts, weights, gate_up_q, gate_up_scales,
+down_q, down_scales``), which the kernel de-quantizes tile by tile."""
 from __future__ import annotations
+
+from functools import partial
 
 from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream, workspace_floats
 
@@ -15,36 +19,51 @@ def _output_shapes(trt, inputs, builder):
     return [inputs[0]]
 
 
-def _supports(trt, pos, in_out, num_inputs):
+def _supports(bits: int, trt, pos, in_out, num_inputs):
     kind = in_out[pos].desc.type
     if pos == 1:                                          # experts
         return kind == trt.DataType.INT64
+    if bits and pos in (3, 5):                            # the integers (int4: two to an int8)
+        return kind == trt.DataType.INT8
     floats = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
     return kind in floats and kind == in_out[0].desc.type
 
 
-def _sizes(shape_of) -> tuple[int, int, int, int, int]:
+def _sizes(bits: int, shape_of) -> tuple[int, int, int, int, int]:
     """``(tokens, k, experts, hidden, intermediate)`` from the inputs' shapes."""
-    (tokens, hidden), top_k = shape_of(0), shape_of(1)[1]
-    return tokens, top_k, shape_of(3)[0], hidden, shape_of(4)[2]
+    (tokens, hidden), top_k, experts = shape_of(0), shape_of(1)[1], shape_of(3)[0]
+    if not bits:
+        return tokens, top_k, experts, hidden, shape_of(4)[2]
+    block = hidden // shape_of(4)[1]                      # gate_up_scales [E, H/b, 2I]
+    return tokens, top_k, experts, hidden, shape_of(6)[1] * block   # down_scales [E, I/b, H]
 
 
-def _workspace(inputs) -> int:
+def _workspace(bits: int, inputs) -> int:
     from .triton_kernel import workspace_bytes
 
-    return workspace_bytes(*_sizes(lambda i: tuple(inputs[i].max)))
+    return workspace_bytes(*_sizes(bits, lambda i: tuple(inputs[i].max)))
 
 
-def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, stream):
+def _enqueue(bits: int, trt, attrs, input_desc, output_desc, inputs, outputs, workspace, stream):
     from .triton_kernel import moe_experts, workspace_bytes
 
-    x, experts, weights, gate_up, down = tensors = device_tensors(trt, inputs, input_desc)
+    tensors = device_tensors(trt, inputs, input_desc)
     (out,) = device_tensors(trt, outputs, output_desc)
-    scratch = workspace_floats(workspace, workspace_bytes(*_sizes(lambda i: tuple(tensors[i].shape))))
+    scratch = workspace_floats(workspace, workspace_bytes(*_sizes(bits, lambda i: tuple(tensors[i].shape))))
+    if bits:
+        x, experts, weights, gate_up, gate_up_scales, down, down_scales = tensors
+        matrices = dict(gate_up_scales=gate_up_scales, down_scales=down_scales, bits=bits)
+    else:
+        (x, experts, weights, gate_up, down), matrices = tensors, {}
     with on_stream(stream):
-        moe_experts(x, experts, weights, gate_up, down, out, scratch)
+        moe_experts(x, experts, weights, gate_up, down, out, scratch, **matrices)
 
 
-SPEC = PluginSpec(name="MoeExperts", num_outputs=1, fields={}, output_types=_output_types,
-                  output_shapes=_output_shapes, supports=_supports, enqueue=_enqueue,
-                  workspace=_workspace)
+def _spec(bits: int) -> PluginSpec:
+    return PluginSpec(name=f"MoeExpertsInt{bits}" if bits else "MoeExperts", num_outputs=1, fields={},
+                      output_types=_output_types, output_shapes=_output_shapes,
+                      supports=partial(_supports, bits), enqueue=partial(_enqueue, bits),
+                      workspace=partial(_workspace, bits))
+
+
+SPEC, INT8_SPEC, INT4_SPEC = _spec(0), _spec(8), _spec(4)
