@@ -103,6 +103,7 @@ def check_kernels() -> str:
 def check_plugin_enqueue() -> str:
     from types import SimpleNamespace
 
+    from export import quantize
     from plugins.block_attention.reference import block_attention as attention_reference
     from plugins.block_attention.trt_plugin import SPEC as ATTENTION
     from plugins.cache_write.reference import cache_write as write_reference
@@ -110,11 +111,13 @@ def check_plugin_enqueue() -> str:
     from plugins.d2t_gather.reference import d2t_gather as d2t_reference
     from plugins.d2t_gather.trt_plugin import SPEC as D2T
     from plugins.moe.reference import moe_experts as moe_reference
+    from plugins.moe.trt_plugin import INT4_SPEC as MOE_INT4
     from plugins.moe.trt_plugin import SPEC as MOE
 
-    kinds = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64"}
+    kinds = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
+             torch.int8: "i8"}
     trt = SimpleNamespace(DataType=SimpleNamespace(FLOAT="f32", HALF="f16", BF16="bf16", INT64="i64",
-                                                   INT32="i32"))
+                                                   INT32="i32", INT8="i8", UINT8="u8"))
 
     def enqueue(spec, attrs, inputs, outputs):
         """As TensorRT would: raw pointers, descs, the workspace it reserved, its own stream."""
@@ -169,8 +172,16 @@ def check_plugin_enqueue() -> str:
         want = moe_reference(x.float(), experts, weights, gate_up.float(), down.float())
         error = ((out.float().cpu() - want).abs().max() / want.abs().max()).item()
         assert error < 2e-2, f"MoeExperts {dtype}: relative error {error}"
-    return ("CacheWrite, BlockAttention (workspace from the plugin), D2TGather and MoeExperts (its "
-            "workspace) enqueue == references (fp16/bf16, caches aliased)")
+        stacks = [quantize.dequantized(m, 4, 32).detach() for m in (gate_up, down)]
+        blocks = [quantize.expert_blocks(m.float().numpy(), quantize.rtn_blocks(4, 32))[:2] for m in stacks]
+        quantized = [t for q, scales in blocks
+                     for t in (torch.from_numpy(q).cuda(), torch.from_numpy(scales).to(dtype).cuda())]
+        enqueue(MOE_INT4, {}, [x.cuda(), experts.cuda(), weights.to(dtype).cuda(), *quantized], [out])
+        want = moe_reference(x.float(), experts, weights, *(m.float() for m in stacks))
+        error = ((out.float().cpu() - want).abs().max() / want.abs().max()).item()
+        assert error < 2e-2, f"MoeExpertsInt4 {dtype}: relative error {error}"
+    return ("CacheWrite, BlockAttention (workspace from the plugin), D2TGather and MoeExperts, "
+            "float and int4 (their workspace), enqueue == references (fp16/bf16, caches aliased)")
 
 
 class Skipped(Exception):
