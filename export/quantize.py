@@ -335,9 +335,8 @@ def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -
 def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
     """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales
     [E, K / b, N], bits)`` in ``MoeExpertsInt{bits}``'s layout: ``q`` int8 ``[E, K / b, b, N]``,
-    or for int4 ``[E, K / b, b / 2, N]`` bytes (block row ``j`` low, ``j + b / 2`` high, plus 8; their
-    bits as int8);
-    None where an expert has no blocks."""
+    or for int4 ``[E, K / b, b / 2, N]`` bytes, their bits as int8 (block row ``j`` low, ``j + b / 2``
+    high, plus 8); None where an expert has no blocks."""
     q = scales = None
     for expert, matrix in enumerate(stack):
         blocks = blocks_of(np.ascontiguousarray(matrix.T))

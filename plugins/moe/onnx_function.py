@@ -24,8 +24,7 @@ INPUTS = ["x", "experts", "weights", "gate_up", "down"]
 OUTPUTS = ["out"]
 MATRICES = ("gate_up", "down")
 QUANTIZED_INPUTS = ["x", "experts", "weights", "gate_up_q", "gate_up_scales", "down_q", "down_scales"]
-# int4 two to a byte, stored as int8: TensorRT's parser widens uint8 constants to int32
-QUANTIZED_TYPES = {8: "tensor(int8)", 4: "tensor(int8)"}
+BITS = (8, 4)   # int4 two to a byte, stored as int8: TensorRT's parser widens uint8 constants to int32
 
 _DOC = ("The routed experts of a MoE layer, only those selected: out_t = sum_j weights[t, j] * "
         "down[e] @ (silu(gate) * up), gate, up = split(gate_up[e] @ x_t), e = experts[t, j]; see "
@@ -37,11 +36,11 @@ register_schema(
     type_constraints=[("T", FLOAT_TYPES, "activation and weight type")],
     attributes=[], doc=_DOC,
 )
-for _bits, _type in QUANTIZED_TYPES.items():
+for _bits in BITS:
     register_schema(
         f"{NAME}Int{_bits}",
-        inputs=[("x", "T"), ("experts", "tensor(int64)"), ("weights", "T"), ("gate_up_q", _type),
-                ("gate_up_scales", "T"), ("down_q", _type), ("down_scales", "T")],
+        inputs=[("x", "T"), ("experts", "tensor(int64)"), ("weights", "T"), ("gate_up_q", "tensor(int8)"),
+                ("gate_up_scales", "T"), ("down_q", "tensor(int8)"), ("down_scales", "T")],
         outputs=[("out", "T")],
         type_constraints=[("T", FLOAT_TYPES, "activation and scale type")],
         attributes=[],
