@@ -137,12 +137,13 @@ def test_cache_outputs_alias_their_inputs():
     from plugins.tensorrt_plugin import register_plugins, specs
 
     assert {spec.name: spec.aliases for spec in specs()} == {
-        "BlockAttention": {1: 3, 2: 4}, "CacheWrite": {0: 0}, "D2TGather": {}, "GatedDeltaRule": {1: 5}}
+        "BlockAttention": {1: 3, 2: 4}, "CacheWrite": {0: 0}, "D2TGather": {}, "GatedDeltaRule": {1: 5},
+        "MoeExperts": {}, "MoeExpertsInt8": {}, "MoeExpertsInt4": {}}
     attributes = trt.PluginFieldCollection([
         trt.PluginField("causal", np.array([0], np.int32), trt.PluginFieldType.INT32),
         trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32)])
     expected = {"BlockAttention": [-1, 3, 4], "CacheWrite": [0], "D2TGather": [-1, -1],
-                "GatedDeltaRule": [-1, 5]}
+                "GatedDeltaRule": [-1, 5], "MoeExperts": [-1], "MoeExpertsInt8": [-1], "MoeExpertsInt4": [-1]}
     for creator in register_plugins(trt):
         plugin = creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
         build = plugin.get_capability_interface(trt.PluginCapabilityType.BUILD)
@@ -150,26 +151,38 @@ def test_cache_outputs_alias_their_inputs():
         assert [build.get_aliased_input(i) for i in range(plugin.num_outputs)] == expected[creator.name]
 
 
-def test_attention_reserves_the_workspace_its_split_kernel_needs():
-    """TensorRT hands ``enqueue`` the scratch memory ``get_workspace_size`` asked for; the split
-    attention keeps its partial results there (allocating during a captured launch is not allowed)."""
+def test_plugins_reserve_the_workspace_their_kernels_need():
+    """TensorRT hands ``enqueue`` the scratch memory ``get_workspace_size`` asked for at the
+    profile's largest shapes: the split attention keeps its partial results there, the experts
+    their pair lists and rows (allocating during a captured launch is not allowed)."""
     from types import SimpleNamespace
 
     import numpy as np
     import tensorrt_rtx as trt
 
     from plugins.block_attention.triton_kernel import workspace_bound
+    from plugins.moe.triton_kernel import workspace_bytes
     from plugins.tensorrt_plugin import register_plugins
 
     attributes = trt.PluginFieldCollection([
         trt.PluginField("causal", np.array([1], np.int32), trt.PluginFieldType.INT32),
         trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32)])
-    q = SimpleNamespace(max=(4, 32, 2048, 128))
+    shapes = [(4, 32, 2048, 128)]                                  # BlockAttention's q; others ignore it
+    routing = [(72, 2048), (72, 8), (72, 8)]                       # 72 tokens of hidden 2048, top 8
+    inputs = {"MoeExperts": routing + [(128, 1536, 2048), (128, 2048, 768)],
+              # 128 experts of 768, blocks of 32: integers and scales, block-major
+              "MoeExpertsInt8": routing + [(128, 64, 32, 1536), (128, 64, 1536), (128, 24, 32, 2048),
+                                           (128, 24, 2048)],
+              "MoeExpertsInt4": routing + [(128, 64, 16, 1536), (128, 64, 1536), (128, 24, 16, 2048),
+                                           (128, 24, 2048)]}
     sizes = {creator.name: creator.create_plugin(creator.name, attributes, trt.TensorRTPhase.BUILD)
-             .get_workspace_size([q], []) for creator in register_plugins(trt)}
+             .get_workspace_size([SimpleNamespace(max=m) for m in inputs.get(creator.name, shapes)], [])
+             for creator in register_plugins(trt)}
+    experts = workspace_bytes(72, 8, 128, 2048, 768)
     assert sizes == {"BlockAttention": workspace_bound(128), "CacheWrite": 0, "D2TGather": 0,
-                     "GatedDeltaRule": 0}
-    assert workspace_bound(128) > 0
+                     "GatedDeltaRule": 0, "MoeExperts": experts, "MoeExpertsInt8": experts,
+                     "MoeExpertsInt4": experts}
+    assert workspace_bound(128) > 0 and experts > 0
 
 
 def test_profiles_follow_the_limits(engine):
