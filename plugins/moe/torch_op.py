@@ -15,13 +15,10 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     if not x.is_cuda:
         return reference(x, experts, weights, gate_up, down)
     from .triton_kernel import moe_experts as kernel
-    from .triton_kernel import workspace_bytes
 
     out = torch.empty_like(x)
-    scratch = torch.empty(workspace_bytes(len(x), experts.shape[1], gate_up.shape[0], x.shape[1],
-                                          down.shape[2]) // 4, device=x.device)
     kernel(x.contiguous(), experts.contiguous(), weights.contiguous(), gate_up.contiguous(),
-           down.contiguous(), out, scratch)
+           down.contiguous(), out)
     return out
 
 

@@ -128,18 +128,30 @@ def workspace_bytes(tokens: int, top_k: int, experts: int, hidden: int, size: in
     return 4 * (experts + experts * pairs + pairs * size + pairs * hidden)
 
 
-def moe_experts(x, experts, weights, gate_up, down, out, workspace, gate_up_scales=None,
+def sizes(x, experts, gate_up, down, gate_up_scales=None, down_scales=None) -> tuple[int, ...]:
+    """``(tokens, k, experts, hidden, intermediate)``, ``workspace_bytes``' arguments, from the
+    inputs' shapes: float ``gate_up [E, 2I, H]`` and ``down [E, H, I]``, or with ``*_scales``
+    (``[E, H/b, 2I]``, ``[E, I/b, H]``) the quantized forms'."""
+    (tokens, hidden), top_k, num_experts = x, experts[1], gate_up[0]
+    if gate_up_scales is None:
+        return tokens, top_k, num_experts, hidden, down[2]
+    return tokens, top_k, num_experts, hidden, down_scales[1] * (hidden // gate_up_scales[1])
+
+
+def moe_experts(x, experts, weights, gate_up, down, out, workspace=None, gate_up_scales=None,
                 down_scales=None, bits: int = 0, block_m: int = 16, block_n: int = 64, block_k: int = 64):
     """Fill ``out [T, H]`` from ``x [T, H]``, ``experts [T, k]`` (int64), ``weights [T, k]``,
     ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (contiguous), or with ``bits`` 8 / 4 their integers
     and ``*_scales`` as ``MoeExpertsInt{bits}`` takes them; ``workspace`` a flat fp32 tensor of at
-    least ``workspace_bytes`` / 4 elements."""
+    least ``workspace_bytes`` / 4 elements (allocated here when not given)."""
     import torch
 
-    tokens, hidden = x.shape
-    top_k, num_experts = experts.shape[1], gate_up.shape[0]
-    size = down.shape[2] if not bits else down_scales.shape[1] * (hidden // gate_up_scales.shape[1])
+    dims = sizes(x.shape, experts.shape, gate_up.shape, down.shape,
+                 *((gate_up_scales.shape, down_scales.shape) if bits else ()))
+    tokens, top_k, num_experts, hidden, size = dims
     qblock = hidden // gate_up_scales.shape[1] if bits else 1
+    if workspace is None:
+        workspace = torch.empty(workspace_bytes(*dims) // 4, device=x.device)
     pairs = tokens * top_k
     counts = workspace[:num_experts].view(torch.int32)
     lists = workspace[num_experts:num_experts * (1 + pairs)].view(torch.int32)

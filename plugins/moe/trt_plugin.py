@@ -29,13 +29,13 @@ def _supports(bits: int, trt, pos, in_out, num_inputs):
     return kind in floats and kind == in_out[0].desc.type
 
 
-def _sizes(bits: int, shape_of) -> tuple[int, int, int, int, int]:
-    """``(tokens, k, experts, hidden, intermediate)`` from the inputs' shapes."""
-    (tokens, hidden), top_k, experts = shape_of(0), shape_of(1)[1], shape_of(3)[0]
-    if not bits:
-        return tokens, top_k, experts, hidden, shape_of(4)[2]
-    block = hidden // shape_of(4)[1]                      # gate_up_scales [E, H/b, 2I]
-    return tokens, top_k, experts, hidden, shape_of(6)[1] * block   # down_scales [E, I/b, H]
+def _sizes(bits: int, shape_of) -> tuple[int, ...]:
+    """``triton_kernel.sizes`` from the inputs' shapes, in the node's input order."""
+    from .triton_kernel import sizes
+
+    if bits:   # x, experts, weights, gate_up_q, gate_up_scales, down_q, down_scales
+        return sizes(shape_of(0), shape_of(1), shape_of(3), shape_of(5), shape_of(4), shape_of(6))
+    return sizes(shape_of(0), shape_of(1), shape_of(3), shape_of(4))
 
 
 def _workspace(bits: int, inputs) -> int:
@@ -49,14 +49,14 @@ def _enqueue(bits: int, trt, attrs, input_desc, output_desc, inputs, outputs, wo
 
     tensors = device_tensors(trt, inputs, input_desc)
     (out,) = device_tensors(trt, outputs, output_desc)
-    scratch = workspace_floats(workspace, workspace_bytes(*_sizes(bits, lambda i: tuple(tensors[i].shape))))
+    needed = workspace_bytes(*_sizes(bits, lambda i: tuple(tensors[i].shape)))
     if bits:
         x, experts, weights, gate_up, gate_up_scales, down, down_scales = tensors
         matrices = dict(gate_up_scales=gate_up_scales, down_scales=down_scales, bits=bits)
     else:
         (x, experts, weights, gate_up, down), matrices = tensors, {}
     with on_stream(stream):
-        moe_experts(x, experts, weights, gate_up, down, out, scratch, **matrices)
+        moe_experts(x, experts, weights, gate_up, down, out, workspace_floats(workspace, needed), **matrices)
 
 
 def _spec(bits: int) -> PluginSpec:
