@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,13 +35,8 @@ def checkpoint_bytes(directory: Path, skip: tuple[str, ...], width: int) -> int:
     total = 0
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(path, "np") as file:
-            for name in file.keys():
-                if not name.startswith(skip):
-                    shape = file.get_slice(name).get_shape()
-                    count = 1
-                    for size in shape:
-                        count *= size
-                    total += count * width
+            total += sum(math.prod(file.get_slice(name).get_shape()) * width
+                         for name in file.keys() if not name.startswith(skip))
     return total
 
 
