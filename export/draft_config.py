@@ -19,6 +19,7 @@ Conventions (``docs/dspark.md#target-taps``, ``#block-layouts-and-k``):
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,18 @@ NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_nam
                  "tie_word_embeddings", "logit_scale")
 # where vLLM reads a native draft's nestable fields, first to last
 NESTED_SECTIONS = ("dflash_config", "eagle_config")
+# DeepSpec's native draft classes -> their backbone's model_type
+NATIVE = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4_text"}
+
+
+@dataclass(frozen=True)
+class Gemma4Draft:
+    """What a Gemma 4 draft (DeepSpec's ``Gemma4DSparkModel``) adds to its ``DecoderConfig``,
+    which holds its full-attention head size, KV heads and proportional RoPE: V taken from the
+    raw K projection, soft-capped logits, and each layer's MLP width."""
+    attention_k_eq_v: bool
+    final_logit_softcapping: float | None
+    mlp_sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class DraftConfig:
     markov_rank: int
     default_k: int | None               # Speculators' speculative_tokens, if the config names one
     logit_scale: float                  # multiplies the logits and the Markov bias
+    gemma4: Gemma4Draft | None = None   # a Gemma 4 backbone's numerics (None: Qwen3's)
 
     @property
     def max_drafts(self) -> int:
@@ -68,13 +82,13 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
     path = directory / "config.json"
     if "speculators_model_type" in raw:
         config = _from_speculators(raw, path, target_hidden_size, target_num_layers)
-    elif isinstance(raw.get("architectures"), list) and "Qwen3DSparkModel" in raw["architectures"]:
+    elif isinstance(raw.get("architectures"), list) and set(NATIVE) & set(raw["architectures"]):
         config = _from_native(raw, path, target_hidden_size, target_num_layers)
     else:
         raise CheckpointError(
-            f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] (native "
-            f"DeepSpec) or speculators_model_type 'dspark' (Speculators), got architectures "
-            f"{raw.get('architectures')}")
+            f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] or "
+            f"['Gemma4DSparkModel'] (native DeepSpec) or speculators_model_type 'dspark' "
+            f"(Speculators), got architectures {raw.get('architectures')}")
     if config.target_hidden_size != target_hidden_size:
         raise CheckpointError(f"{path}: target_hidden_size {config.target_hidden_size} does not match "
                               f"the target's hidden_size {target_hidden_size}")
@@ -172,6 +186,58 @@ def _decoder(backbone: dict, path: Path, field: str) -> tuple[DecoderConfig, int
     return decoder, hf.vocab_size, hf.max_position_embeddings
 
 
+def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gemma4Draft]:
+    """A ``Gemma4DSparkModel``'s backbone, as DeepSpec builds it from the config (a copy of the
+    target's text config): every layer full attention of ``global_head_dim``, KV heads
+    ``num_global_key_value_heads`` where K is V, RoPE as the target's full layers."""
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    if raw.get("model_type") != "gemma4_text":
+        raise CheckpointError(f"{path}: field 'model_type' = {raw.get('model_type')!r}: expected "
+                              f"'gemma4_text' for Gemma4DSparkModel")
+    for field, off in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False)):
+        if raw.get(field, off) not in (off, None):
+            raise CheckpointError(f"{path}: field '{field}' = {raw[field]!r}: DeepSpec's "
+                                  f"Gemma4DSparkModel has no per-layer inputs or MoE blocks; "
+                                  f"expected {json.dumps(off)}")
+    layers = raw.get("num_hidden_layers")
+    if raw.get("layer_types") != ["full_attention"] * (layers if is_int(layers) else 0):
+        raise CheckpointError(f"{path}: field 'layer_types' = {raw.get('layer_types')!r}: expected "
+                              f"'full_attention' for each of the {layers} draft layers")
+    if raw.get("attention_k_eq_v") and not is_int(raw.get("num_global_key_value_heads")):
+        raise CheckpointError(f"{path}: field 'num_global_key_value_heads' = "
+                              f"{raw.get('num_global_key_value_heads')!r}: expected an integer "
+                              f"(attention_k_eq_v is true)")
+    clean = {k: v for k, v in raw.items() if k not in IGNORED_BACKBONE_FIELDS}
+    try:
+        check_fields(clean, "gemma4_text", ("global_head_dim", "num_global_key_value_heads"))
+        hf = AutoConfig.for_model("gemma4_text", **clean)
+        layer = hf.per_layer_config[0]
+        if hf.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"field 'hidden_activation' = {hf.hidden_activation!r}: expected "
+                             f"'gelu_pytorch_tanh'")
+        rotary = Gemma4TextRotaryEmbedding(hf)
+    except CONFIG_ERRORS as err:
+        raise CheckpointError(f"{path}: {one_line(err)}") from None
+    decoder = DecoderConfig(
+        hidden_size=hf.hidden_size, num_layers=layers, num_heads=hf.num_attention_heads,
+        num_kv_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
+        intermediate_size=hf.intermediate_size, rms_norm_eps=hf.rms_norm_eps,
+        attention_bias=bool(hf.attention_bias), mlp_bias=False, qk_norm=True,
+        rope_inv_freq=tuple(rotary.full_attention_inv_freq.tolist()),
+        rope_attention_scaling=float(rotary.full_attention_attention_scaling))
+    # transformers 5.10's Gemma4TextMLP, which DeepSpec builds: double width from the first
+    # KV-shared layer on, when there is one after layer 0
+    first_shared = layers - (hf.num_kv_shared_layers or 0)
+    wide = [bool(hf.use_double_wide_mlp) and i >= first_shared > 0 for i in range(layers)]
+    cap = hf.final_logit_softcapping
+    gemma4 = Gemma4Draft(attention_k_eq_v=bool(hf.attention_k_eq_v),
+                         final_logit_softcapping=None if cap is None else float(cap),
+                         mlp_sizes=tuple(hf.intermediate_size * (2 if w else 1) for w in wide))
+    return decoder, hf.vocab_size, hf.max_position_embeddings, gemma4
+
+
 def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") -> int:
     head_type = raw.get("markov_head_type", type_default)
     if head_type != "vanilla":
@@ -206,7 +272,11 @@ def _logit_scale(raw: dict, path: Path, field: str) -> float:
 
 
 def _from_native(raw: dict, path: Path, target_hidden_size: int, target_num_layers: int) -> DraftConfig:
-    decoder, vocab, positions = _decoder(raw, path, "")
+    gemma4 = None
+    if "Gemma4DSparkModel" in raw["architectures"]:
+        decoder, vocab, positions, gemma4 = _gemma4_decoder(raw, path)
+    else:
+        decoder, vocab, positions = _decoder(raw, path, "")
     taps_source, taps_field = _nested(raw, "target_layer_ids", path)
     taps = _require(taps_source, taps_field, path, "DeepSpec tap layers")
     mask_source, mask_field = _nested(raw, "mask_token_id", path)
@@ -226,6 +296,7 @@ def _from_native(raw: dict, path: Path, target_hidden_size: int, target_num_laye
         markov_rank=_markov(raw, path),
         default_k=None,
         logit_scale=_logit_scale(raw, path, ""),
+        gemma4=gemma4,
     )
     _check_taps(config.target_layer_ids, path, target_num_layers, taps_field, shift=0)
     if "eagle_aux_hidden_state_layer_ids" in raw:

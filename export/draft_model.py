@@ -17,6 +17,7 @@ from plugins.d2t_gather import d2t_gather
 from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
 from .draft_config import DraftConfig, load_draft_config, resolve_k
+from .gemma4_model import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
 from .target_config import TargetConfig, load_target_config
 from .target_model import TargetStep, load_embeddings
 
@@ -58,12 +59,20 @@ class DraftStep(nn.Module):
         d = config.decoder
         self.config, self.k = config, k
         self.target_vocab_size = target_vocab_size
-        taps = len(config.target_layer_ids)
-        self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+        taps, g = len(config.target_layer_ids), config.gemma4
         self.fc = nn.Linear(taps * config.target_hidden_size, d.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
-        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        if g is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+            self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+            self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
+            self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        else:   # DeepSpec's Gemma4DSparkModel: Gemma 4 layers, all full attention
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5)
+            self.hidden_norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
+            shape = AttentionShape(d.num_heads, d.num_kv_heads, d.head_dim, k_eq_v=g.attention_k_eq_v)
+            self.layers = nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps, d.attention_bias)
+                                        for size in g.mlp_sizes)
+            self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, config.draft_vocab_size, bias=False)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -113,10 +122,15 @@ class DraftStep(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         new_caches = []
         for index, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], anchor_pos,
-                            causal=False)
+            h, k, v, *_ = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], anchor_pos,
+                                causal=False)
             new_caches += [k, v]
-        return self.lm_head(self.norm(h)), *new_caches
+        return self.logits(h), *new_caches
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Base logits of the last hidden rows (a Gemma 4 draft's soft-capped)."""
+        cap = self.config.gemma4.final_logit_softcapping if self.config.gemma4 else None
+        return softcap(self.lm_head(self.norm(h)), cap)
 
     def sample(self, base, anchor, temperature, noise):
         """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
@@ -154,8 +168,8 @@ class DraftStep(nn.Module):
         mask = _block_mask(anchors, seen, block)
         for layer in self.layers:
             context_kv = layer.self_attn.key_value(context, ctx_cos, ctx_sin)   # skips input_layernorm
-            h, _, _ = layer(h, cos, sin, context_kv=context_kv, mask=mask)
-        base = self.lm_head(self.norm(h)).reshape(count, block, -1)
+            h = layer(h, cos, sin, context_kv=context_kv, mask=mask)[0]
+        base = self.logits(h).reshape(count, block, -1)
         predecessors = tokens[span.clamp(max=length - 1)]                  # [anchor, y_1 .. y_{B-1}]
         return base + self.markov_head.markov_w2(self.markov_head.markov_w1(predecessors))
 

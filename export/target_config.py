@@ -6,28 +6,34 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
 from .decoder import CONFIG_ERRORS, DecoderConfig, check_fields, is_int
+from .gemma4_model import SLIDING, Gemma4Layout, layout_from_hf
 from .moe import MOE_FIELDS, MoeConfig
 from .qwen3_5_model import FULL, LINEAR, LinearAttentionConfig
 
 # architecture -> whether its attention normalises q and k per head
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False, "Qwen3MoeForCausalLM": True,
                            "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True,
-                           "Qwen3_5MoeForCausalLM": True, "Qwen3_5MoeForConditionalGeneration": True}
+                           "Qwen3_5MoeForCausalLM": True, "Qwen3_5MoeForConditionalGeneration": True,
+                           "Gemma4ForCausalLM": True, "Gemma4ForConditionalGeneration": True}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",   # by model_type
                  "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                 "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
 HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
           "Qwen3_5MoeForConditionalGeneration"}
 MOE = {"Qwen3MoeForCausalLM": False, "Qwen3_5MoeForCausalLM": True,   # -> whether it has a shared expert
        "Qwen3_5MoeForConditionalGeneration": True}
 # a multimodal checkpoint keeps its text model's config under this key, its weights under the prefix
-MULTIMODAL = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
-                           "text_config")
+MULTIMODAL = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                            "Gemma4ForConditionalGeneration"), "text_config")
+GEMMA4 = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
 # the hybrid's shape fields beyond the dense decoder's
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")
+# Gemma 4's full layers' shapes (transformers takes them as arguments, or per_layer_config)
+GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class TargetConfig:
     max_position_embeddings: int
     linear: LinearAttentionConfig | None = None   # a hybrid's linear-attention layers
     moe: MoeConfig | None = None                    # a MoE target's sparse blocks
+    gemma4: Gemma4Layout | None = None              # a Gemma 4 target's layers beyond decoder's
 
 
 def load_target_config(directory: Path) -> TargetConfig:
@@ -67,17 +74,22 @@ def load_target_config(directory: Path) -> TargetConfig:
         architectures = hf.architectures or [ARCHITECTURES.get(hf.model_type, hf.model_type)]
     arch = _supported(architectures, path)
     hf = hf.get_text_config() if arch in MULTIMODAL else hf
+    nested = f"{MULTIMODAL[arch]}: " if arch in MULTIMODAL else ""
     layer_types = list(getattr(hf, "layer_types", None) or [])
-    allowed = (FULL, LINEAR) if arch in HYBRID else (FULL,)
+    allowed = (FULL, LINEAR) if arch in HYBRID else (FULL, SLIDING) if arch in GEMMA4 else (FULL,)
     if any(t not in allowed for t in layer_types):
         kinds = "full or linear attention" if arch in HYBRID else "only full attention"
         raise CheckpointError(f"{path}: layer_types {layer_types}: {kinds} is supported "
                               f"(no sliding-window layers)")
+    gemma4 = None
     try:
-        decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch],
-                                        partial_rotary=arch in HYBRID)
+        if arch in GEMMA4:
+            decoder, gemma4 = layout_from_hf(hf)
+        else:
+            decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch],
+                                            partial_rotary=arch in HYBRID)
     except CONFIG_ERRORS as err:
-        raise CheckpointError(f"{path}: {one_line(err)}") from None
+        raise CheckpointError(f"{path}: {nested}{one_line(err)}") from None
     linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None
     if linear is not None:   # Qwen3.5's MLP has no biases whatever mlp_bias says (transformers ignores it)
         decoder = replace(decoder, mlp_bias=False)
@@ -89,7 +101,7 @@ def load_target_config(directory: Path) -> TargetConfig:
         raise CheckpointError(f"{path}: field 'layer_types' has {len(linear.layer_types)} entries: "
                               f"expected one per layer ({decoder.num_layers}, num_hidden_layers)")
     return TargetConfig(
-        linear=linear, moe=moe,
+        linear=linear, moe=moe, gemma4=gemma4,
         architecture=arch,
         decoder=decoder,
         vocab_size=hf.vocab_size,
@@ -127,7 +139,8 @@ def _check_raw(raw: dict, arch: str, path: Path) -> None:
             raise CheckpointError(f"{path}: field '{where}model_type' = {raw.get('model_type')!r}: "
                                   f"expected {model_type!r} for {arch}")
     extra = (LINEAR_FIELDS if arch in HYBRID else ()) + (MOE_FIELDS if arch in MOE else ()) + \
-        (("shared_expert_intermediate_size",) if MOE.get(arch) else ())
+        (("shared_expert_intermediate_size",) if MOE.get(arch) else ()) + \
+        (GEMMA4_FIELDS if arch in GEMMA4 else ())
     try:
         check_fields(raw, model_type, extra)
     except ValueError as err:

@@ -13,13 +13,15 @@ from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches, logits_and_aux
+from .gemma4_model import Gemma4TargetStep
 from .moe import SparseMoe, fuse_experts
 from .qwen3_5_model import HybridTargetStep
 from .target_config import MULTIMODAL, TargetConfig, load_target_config
 
 # a multimodal checkpoint's text weights, and the towers and MTP layer the text model ignores
 TEXT_PREFIX = dict.fromkeys(MULTIMODAL, "model.language_model.")
-IGNORED = ("model.visual.", "mtp.")
+IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+           "model.embed_audio.")
 
 
 class TargetStep(nn.Module):
@@ -71,7 +73,7 @@ class TargetStep(nn.Module):
 
 
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
-                role: str = "target") -> TargetStep | HybridTargetStep:
+                role: str = "target") -> TargetStep | HybridTargetStep | Gemma4TargetStep:
     directory = resolve(path, role)
     config = load_target_config(directory)
     tensors = _tensors(directory, config)
@@ -83,7 +85,7 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
         fuse_experts(tensors, config.moe)
     if config.linear is not None:
         _check_layer_types(tensors, config, f"{fields}layer_types'")
-    model = HybridTargetStep if config.linear is not None else TargetStep
+    model = HybridTargetStep if config.linear is not None else Gemma4TargetStep if config.gemma4 else TargetStep
     target = build_module(lambda: model(config, taps), tensors, directory, dtype)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that

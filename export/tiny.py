@@ -24,7 +24,18 @@ SPECIALS = ["<unk>", "<eos>", "<mask>", "<|user|>", "<|assistant|>"]
 CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0123456789+-*/=()$:;\"")
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 MAX_POSITIONS = 1024
-ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5-multimodal", "qwen3_5_moe-multimodal")
+ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5-multimodal", "qwen3_5_moe-multimodal", "gemma4",
+         "gemma4-multimodal")
+# a Gemma 4 target with every feature on: windows of 4 rows (crossed by any real prompt), full
+# layers with their own head size, one KV head and V = K, per-layer inputs, two KV-shared layers
+# with double-wide MLPs, soft-capped logits
+GEMMA4 = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=4,
+              global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+              final_logit_softcapping=10.0, hidden_activation="gelu_pytorch_tanh",
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
@@ -35,7 +46,9 @@ class TinySpec:
                                         # layer among MoE ones) or a hybrid: qwen3_5
                                         # (Qwen3_5ForCausalLM), qwen3_5-multimodal (its
                                         # ForConditionalGeneration layout, a vision tower beside it),
-                                        # qwen3_5_moe-multimodal (the same with MoE blocks)
+                                        # qwen3_5_moe-multimodal (the same with MoE blocks);
+                                        # gemma4 (Gemma4ForCausalLM, every feature on) and
+                                        # gemma4-multimodal (Gemma4ForConditionalGeneration)
     draft_format: str = "native"        # native or speculators
     draft_vocab: int | None = None      # < target vocab gives a reduced vocabulary with d2t
     layout: str = ANCHOR_FIRST
@@ -105,6 +118,10 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
         config = AutoConfig.for_model("llama", tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                                       **common)
+    elif spec.arch.startswith("gemma4"):
+        config = AutoConfig.for_model("gemma4_text", tie_word_embeddings=True,
+                                      vocab_size_per_layer_input=len(tokenizer),
+                                      **{**common, **GEMMA4})
     elif spec.arch == "qwen3_moe":   # 8 experts, top 2, renormalised; layer 1 a dense MLP
         config = AutoConfig.for_model("qwen3_moe", tie_word_embeddings=False, moe_intermediate_size=32,
                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
@@ -121,7 +138,14 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
             linear_num_key_heads=2, linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             **extra, **{k: v for k, v in common.items() if k != "intermediate_size"})
-    if spec.arch.endswith("-multimodal"):
+    if spec.arch == "gemma4-multimodal":   # a vision tower beside the text model
+        import transformers
+
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+        outer = transformers.Gemma4Config(text_config=config.to_dict(), vision_config=vision, audio_config=None)
+        model = transformers.Gemma4ForConditionalGeneration(outer).float()
+    elif spec.arch.endswith("-multimodal"):
         import transformers
 
         family = "Qwen3_5Moe" if "moe" in spec.arch else "Qwen3_5"
@@ -140,7 +164,8 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
 
 
 def _randomise_norms(module: torch.nn.Module) -> None:
-    """Norm weights, and routers, which transformers initialises to zero (every expert tied)."""
+    """Norm weights, and routers, which transformers initialises to zero (every expert tied);
+    Gemma 4's per-layer output scales (``layer_scalar``, ones)."""
     import torch
 
     with torch.no_grad():
@@ -149,6 +174,9 @@ def _randomise_norms(module: torch.nn.Module) -> None:
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):
                 parameter.normal_(0, 1.0)
+        for name, buffer in module.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
 
 
 def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:

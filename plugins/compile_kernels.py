@@ -11,7 +11,7 @@ KERNELS = {
         "plugins.block_attention.triton_kernel", "_attend",
         {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "o_part_ptr": "*fp32",
          "lse_part_ptr": "*fp32", "start_ptr": "*i64", "heads": "i32", "kv_heads": "i32", "rows": "i32",
-         "capacity": "i32", "scale": "fp32"},
+         "capacity": "i32", "scale": "fp32", "window": "i32"},
         {"CAUSAL": True, "GROUP": 4, "SPLITS": 8, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 32,
          "BLOCK_N": 64, "PRECISION": "tf32"}),
     "block_attention._merge": (

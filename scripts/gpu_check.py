@@ -148,7 +148,7 @@ def check_plugin_enqueue() -> str:
             keys, values = written.cuda(), v.cuda()
             start = ctx_start + 9
             out = torch.empty_like(q, device="cuda")
-            enqueue(ATTENTION, {"causal": int(causal), "scale": 128 ** -0.5},
+            enqueue(ATTENTION, {"causal": int(causal), "scale": 128 ** -0.5, "window": 0},
                     [q.cuda(), k_new.cuda(), v_new.cuda(), keys, values, start.cuda()], [out, keys, values])
             want, k_want, v_want = attention_reference(q.float(), k_new.float(), v_new.float(),
                                                        written.float(), v.float(), start, causal, 128 ** -0.5)

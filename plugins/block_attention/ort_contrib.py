@@ -1,5 +1,5 @@
 """ONNX Runtime's CPU forms of ``dspark::BlockAttention`` at batch 1: a causal node (the target's)
-becomes one ``com.microsoft.GroupQueryAttention`` node, which also applies the rotary embedding
+without a sliding window becomes one ``com.microsoft.GroupQueryAttention`` node, which also applies the rotary embedding
 before it; a non-causal one (the draft's block) an ``Attention`` over the rows it sees.
 
 ONNX Runtime runs a ``dspark`` node by inlining its portable function body, about 18 small ops per
@@ -61,6 +61,8 @@ def _to_group_query_attention(graph, node, rotary, lengths: dict) -> bool:
 
     q, k_new, v_new, k_cache, v_cache, start = node.inputs
     if not all(_static(value, axis) for value, axis in ((q, 1), (q, 3), (k_cache, 1))):
+        return False
+    if node.attributes.get_int("window", 0):   # a sliding layer's ring: the cache rows are not positions
         return False
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], k_cache.shape[1]
     new_nodes, tables = [], []

@@ -28,12 +28,14 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _attend(q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, start_ptr,
-            heads, kv_heads, rows, capacity, scale,
+            heads, kv_heads, rows, capacity, scale, window,
             CAUSAL: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             PRECISION: tl.constexpr):
     """Program (b * kv_heads + h, tile, split): tile rows ``r`` are (query row ``r // GROUP``,
-    head ``h * GROUP + r % GROUP``) pairs; the split takes its share of the visible cache rows."""
+    head ``h * GROUP + r % GROUP``) pairs; the split takes its share of the cache rows the tile may
+    see. Each cache row's position is ``reference.held_positions``'s (the row itself unless the
+    cache is a ring that has wrapped), and a row is seen from its query's window."""
     bk, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv_head = bk // kv_heads, bk % kv_heads
     group_rows = rows * GROUP
@@ -46,12 +48,16 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, start_ptr,
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
 
     start = tl.load(start_ptr + b)
+    last = start + rows - 1
     if CAUSAL:
-        limit = start + i + 1
+        newest = start + i
         tile_limit = start + tl.minimum(tile * BLOCK_M + BLOCK_M - 1, group_rows - 1) // GROUP + 1
     else:
-        limit = start + rows + tl.zeros_like(i)
-        tile_limit = start + rows
+        newest = last + tl.zeros_like(i)
+        tile_limit = last + 1
+    lowest = tl.where(window > 0, start + i - window, -1)          # exclusive
+    # rows below tile_limit hold positions below it, unless the ring has wrapped: then every row
+    tile_limit = tl.where(last >= capacity, capacity, tile_limit)
     chunk = tl.cdiv(tl.cdiv(tile_limit, SPLITS), BLOCK_N) * BLOCK_N
     low = split * chunk
     high = tl.minimum(low + chunk, tile_limit)
@@ -65,7 +71,9 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, start_ptr,
         kv_mask = (n < high)[:, None] & (d[None, :] < HEAD_DIM)
         keys = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
-        visible = (n[None, :] < limit[:, None]) & (n < high)[None, :]
+        held = last - (last - n) % capacity                          # n <= last: no negative modulo
+        visible = ((held[None, :] <= newest[:, None]) & (held[None, :] > lowest[:, None])
+                   & (n < high)[None, :])
         scores = tl.where(visible, scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)   # rows that see nothing yet
@@ -133,7 +141,7 @@ def workspace_bound(head_dim: int, programs: int = TARGET_PROGRAMS) -> int:
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, out, causal: bool, scale: float,
-                    workspace: torch.Tensor | None = None, splits: int | None = None,
+                    window: int = 0, workspace: torch.Tensor | None = None, splits: int | None = None,
                     block_n: int = 64):
     """Write ``k_new``/``v_new`` into the caches in place at each row's ``start``, then fill
     ``out``. Shapes as in ``reference.py``; every tensor contiguous, on one device. ``workspace``:
@@ -153,7 +161,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, out, causal: bool,
     lse_part = workspace[batch * kv_heads * rows * group * chosen.splits * head_dim:]
     block_d = max(16, triton.next_power_of_2(head_dim))
     _attend[(batch * kv_heads, chosen.tiles, chosen.splits)](
-        q, k_cache, v_cache, out, workspace, lse_part, start, heads, kv_heads, rows, capacity, scale,
+        q, k_cache, v_cache, out, workspace, lse_part, start, heads, kv_heads, rows, capacity, scale, window,
         CAUSAL=causal, GROUP=group, SPLITS=chosen.splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=chosen.block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")

@@ -39,10 +39,10 @@ def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, st
             if source.data_ptr() != cache.data_ptr():
                 cache.copy_(source)
         block_attention(q, k_new, v_new, k_cache, v_cache, start, out,
-                        causal=bool(attrs["causal"]), scale=attrs["scale"],
+                        causal=bool(attrs["causal"]), scale=attrs["scale"], window=attrs["window"],
                         workspace=workspace_floats(workspace, workspace_bound(q.shape[3])))
 
 
-SPEC = PluginSpec(name="BlockAttention", num_outputs=3, fields={"causal": "int", "scale": "float"},
+SPEC = PluginSpec(name="BlockAttention", num_outputs=3, fields={"causal": "int", "scale": "float", "window": "int"},
                   output_types=_output_types, output_shapes=_output_shapes, supports=_supports,
                   enqueue=_enqueue, aliases={1: 3, 2: 4}, workspace=_workspace)

@@ -9,12 +9,13 @@ import triton.language as tl
 @triton.jit
 def _write_rows(new_ptr, cache_ptr, start_ptr, kv_heads, rows, capacity,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * kv_heads + h, i): ``cache[b, h, start[b] + i, :] = new[b, h, i, :]``."""
+    """Program (b * kv_heads + h, i): ``cache[b, h, (start[b] + i) mod C, :] = new[b, h, i, :]``
+    (the modulo: a sliding layer's ring, ``block_attention/reference.py``)."""
     bh, i = tl.program_id(0), tl.program_id(1)
     b = bh // kv_heads
     d = tl.arange(0, BLOCK_D)
     row = tl.load(new_ptr + (bh * rows + i) * HEAD_DIM + d, mask=d < HEAD_DIM)
-    position = tl.load(start_ptr + b) + i
+    position = (tl.load(start_ptr + b) + i) % capacity
     tl.store(cache_ptr + (bh * capacity + position) * HEAD_DIM + d, row, mask=d < HEAD_DIM)
 
 
