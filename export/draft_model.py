@@ -70,8 +70,8 @@ class DraftStep(nn.Module):
             self.embed_tokens = ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5)
             self.hidden_norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
             shape = AttentionShape(d.num_heads, d.num_kv_heads, d.head_dim, k_eq_v=g.attention_k_eq_v)
-            self.layers = nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps, d.attention_bias)
-                                        for size in g.mlp_sizes)
+            self.layers = nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps,
+                                                    d.attention_bias) for size in g.mlp_sizes)
             self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, config.draft_vocab_size, bias=False)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)

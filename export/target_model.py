@@ -85,7 +85,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
         fuse_experts(tensors, config.moe)
     if config.linear is not None:
         _check_layer_types(tensors, config, f"{fields}layer_types'")
-    model = HybridTargetStep if config.linear is not None else Gemma4TargetStep if config.gemma4 else TargetStep
+    model = (HybridTargetStep if config.linear is not None else Gemma4TargetStep if config.gemma4 is not None
+             else TargetStep)
     target = build_module(lambda: model(config, taps), tensors, directory, dtype)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that

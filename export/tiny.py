@@ -143,7 +143,8 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
 
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
-        outer = transformers.Gemma4Config(text_config=config.to_dict(), vision_config=vision, audio_config=None)
+        outer = transformers.Gemma4Config(text_config=config.to_dict(), vision_config=vision,
+                                          audio_config=None)
         model = transformers.Gemma4ForConditionalGeneration(outer).float()
     elif spec.arch.endswith("-multimodal"):
         import transformers

@@ -1,6 +1,7 @@
 """ONNX Runtime's CPU forms of ``dspark::BlockAttention`` at batch 1: a causal node (the target's)
-without a sliding window becomes one ``com.microsoft.GroupQueryAttention`` node, which also applies the rotary embedding
-before it; a non-causal one (the draft's block) an ``Attention`` over the rows it sees.
+without a sliding window becomes one ``com.microsoft.GroupQueryAttention`` node, which also
+applies the rotary embedding before it; a non-causal one (the draft's block) an ``Attention``
+over the rows it sees.
 
 ONNX Runtime runs a ``dspark`` node by inlining its portable function body, about 18 small ops per
 layer (write indices, the visible-row count, the mask, two scatters and two slices), and on a small

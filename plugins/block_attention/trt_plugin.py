@@ -43,6 +43,7 @@ def _enqueue(trt, attrs, input_desc, output_desc, inputs, outputs, workspace, st
                         workspace=workspace_floats(workspace, workspace_bound(q.shape[3])))
 
 
-SPEC = PluginSpec(name="BlockAttention", num_outputs=3, fields={"causal": "int", "scale": "float", "window": "int"},
+SPEC = PluginSpec(name="BlockAttention", num_outputs=3,
+                  fields={"causal": "int", "scale": "float", "window": "int"},
                   output_types=_output_types, output_shapes=_output_shapes, supports=_supports,
                   enqueue=_enqueue, aliases={1: 3, 2: 4}, workspace=_workspace)
