@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from plugins.block_attention.ort_contrib import rotary_tables
+from plugins.block_attention.ort_contrib import target_rotary
 
 from . import manifest as manifest_file
 from . import quantize
@@ -138,7 +138,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
                                             draft_config.block_size, generator)
             if name == "target":
-                verify = _with_context(module, verify, quantize.held_out_texts(tokenizer, 256))
+                verify = _with_context(module, verify, quantize.held_out_texts(tokenizer, 256),
+                                       limits.max_prompt_chunk)
             phase(f"{name}: export")
             path = export_graph(module, spec, trace, limits, out, opset)
             del trace
@@ -166,8 +167,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             check_model(path)
             # the target is also checked as the ORT backend runs it (a sequence per call, lowered),
             # with these rotary tables
-            rotary = None if name == "draft" else rotary_tables(
-                decoder.rope_inv_freq, decoder.rope_attention_scaling, limits.max_seq_len)
+            rotary = None if name == "draft" else target_rotary(described["target"], limits.max_seq_len)
             differences[name] = None if expected is None else compare_with_reference(
                 path, verify, expected, dtype_name, drafts=("tokens", "q") if name == "draft" else None,
                 rotary=rotary)
@@ -337,13 +337,15 @@ def _slots(spec: GraphSpec) -> int:
     return next((t.shape[1] for t in spec.inputs if t.name.startswith("state_cache_")), 1)
 
 
-def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | None) -> dict:
+def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | None, chunk: int) -> dict:
     """The target's verify ``inputs`` as a run has them: each sequence's rows are real text
     (``texts``, token ids; kept random where there is none), and the cache rows before its
-    ``start`` hold that text's beginning, written by the target itself in one prefill call from
-    position 0 (the rows it writes past a sequence's start are scratch, which the verified rows
-    overwrite or no query sees). On random ids a real model's activations are unlike any run's:
-    the demo target's fp16 module was 2.5% off fp32 there, 0.5% on text."""
+    ``start`` hold that text's beginning, written by the target itself in prefill calls of at most
+    ``chunk`` rows from position 0, as a run writes them (a sliding layer's ring holds no more per
+    call; a hybrid's state is kept after each prefix in one call). The rows it writes past a
+    sequence's start are scratch, which the verified rows overwrite or no query sees. On random ids
+    a real model's activations are unlike any run's: the demo target's fp16 module was 2.5% off
+    fp32 there, 0.5% on text."""
     caches = [name for name in inputs if manifest_file.is_cache(name)]
     start, ids = inputs["start"], inputs["input_ids"].clone()
     batch, rows = ids.shape
@@ -360,8 +362,12 @@ def _with_context(target: TargetStep, inputs: dict, texts: list[list[int]] | Non
     first = torch.zeros(batch, 1, dtype=torch.long)
     # a hybrid target keeps the state after each sequence's prefix in slot 0, where it then starts
     states = {"state_slot": first[:, 0], "state_rows": start[:, None] - 1} if "state_slot" in inputs else {}
+    written = [inputs[name] for name in caches]
+    step = longest if states else chunk
     with torch.no_grad():
-        written = target(prefix, first[:, 0], first, *states.values(), *(inputs[name] for name in caches))[2:]
+        for begin in range(0, longest, step):
+            written = target(prefix[:, begin:begin + step], torch.full_like(start, begin), first,
+                             *states.values(), *written)[2:]
     return {**inputs, **dict(zip(caches, written)), **({"state_slot": first[:, 0]} if states else {})}
 
 

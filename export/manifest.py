@@ -32,6 +32,13 @@ def cache_output(name: str) -> str:
     return name.replace("_cache_", "_cache_out_")
 
 
+def call_rows(max_prompt_chunk: int, k: int) -> int:
+    """The most rows one target call writes: a prompt chunk, a verify block (``k + 1``), or the
+    two rows ONNX Runtime makes of a one-row call (``runtime/ort_backend.py``). A sliding layer's
+    ring holds its window plus these, less one (``plugins/block_attention/reference.py``)."""
+    return max(max_prompt_chunk, k + 1, 2)
+
+
 def confidence_threshold(manifest: dict) -> float:
     """The engine's default confidence threshold; engines built before it existed verify all k."""
     return manifest["draft"].get("confidence_threshold", 0.0)

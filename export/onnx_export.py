@@ -22,8 +22,9 @@ from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 from plugins.gated_delta import onnx_function as gated_delta_onnx
 from plugins.moe import onnx_function as moe_onnx
 
+from . import gemma4_model
 from .draft_model import DraftStep
-from .manifest import is_cache
+from .manifest import call_rows, is_cache
 from .qwen3_5_model import LINEAR, HybridTargetStep, cache_shapes
 from .target_model import TargetStep
 
@@ -63,12 +64,17 @@ def _caches(decoder, capacity: int, dtype: str, suffix: str = "") -> tuple[Tenso
                  for layer in range(decoder.num_layers) for kind in ("k", "v"))
 
 
-def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: int = 0) -> GraphSpec:
-    """A hybrid target also takes ``state_slot`` and ``state_rows``, and its linear layers' caches
-    are ``conv_cache_l`` / ``state_cache_l`` banks of ``slots`` slots (``qwen3_5_model``)."""
+def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: int = 1) -> GraphSpec:
+    """``slots``: the verify block's rows, ``k + 1``. A hybrid target also takes ``state_slot``
+    and ``state_rows``, and its linear layers' caches are ``conv_cache_l`` / ``state_cache_l`` banks
+    of ``slots`` slots (``qwen3_5_model``); a Gemma 4 target's sliding layers have ring caches of
+    their window plus the rows a call writes (``gemma4_model``)."""
     c, d = target.config, target.config.decoder
     dtype = DTYPE_NAMES[target.lm_head.weight.dtype]
-    if c.linear is None:
+    if c.gemma4 is not None:
+        states = ()
+        caches, outputs = (_gemma4_caches(target, limits, slots, dtype, suffix) for suffix in ("", "_out"))
+    elif c.linear is None:
         states = ()
         caches, outputs = (_caches(d, limits.max_seq_len, dtype, suffix) for suffix in ("", "_out"))
     else:
@@ -98,6 +104,14 @@ def _hybrid_caches(config, capacity: int, slots: int, dtype: torch.dtype,
              for kind in (("conv", "state") if t == LINEAR else ("k", "v"))]
     return tuple(TensorSpec(f"{kind}_cache{suffix}_{index // 2}", DTYPE_NAMES[kind_dtype], shape)
                  for index, (kind, (shape, kind_dtype)) in enumerate(zip(names, shapes)))
+
+
+def _gemma4_caches(target, limits: Limits, slots: int, dtype: str, suffix: str) -> tuple[TensorSpec, ...]:
+    """``k_cache{suffix}_l, v_cache{suffix}_l`` of each layer that owns K / V."""
+    rows = call_rows(limits.max_prompt_chunk, slots - 1)
+    shapes = gemma4_model.cache_shapes(target.config, "batch", limits.max_seq_len, rows)
+    names = [f"{kind}_cache{suffix}_{layer}" for layer in target.owners() for kind in ("k", "v")]
+    return tuple(TensorSpec(name, dtype, shape) for name, shape in zip(names, shapes))
 
 
 def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:

@@ -52,6 +52,13 @@ class BackendLimits:
                    state_slots=(draft.k if draft is not None else 0) + 1 if target.config.linear else 0)
 
     @property
+    def call_rows(self) -> int:
+        """The most rows one target call writes (``export.manifest.call_rows``)."""
+        from export.manifest import call_rows
+
+        return call_rows(self.max_prompt_chunk, self.k)
+
+    @property
     def lookahead(self) -> int:
         """Cache rows a step may write past a sequence's valid length: the verify block (``k + 1``
         rows) or the draft's scratch block, whichever is longer (1 without a draft)."""

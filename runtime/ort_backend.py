@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from export.manifest import cache_output, is_cache, weight_formats
-from plugins.block_attention.ort_contrib import lowered_session, rotary_tables
+from plugins.block_attention.ort_contrib import lowered_session, target_rotary
 
 from .engine_backend import EngineBackend, damaged
 
@@ -70,9 +70,7 @@ class OrtBackend(EngineBackend):
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
         self.threads = threads
         self.quantized = set(weight_formats(m).values()) != {"float"}
-        decoder = m["target"]["decoder"]
-        self._rotary = rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"],
-                                     m["limits"]["max_seq_len"])
+        self._rotary = target_rotary(m["target"], m["limits"]["max_seq_len"])
         self.sessions, self.lowered = {}, {}   # graph -> its session, and whether it runs lowered
         for name in m["graphs"]:
             session = self._load(name, lowered=True) if lower else None

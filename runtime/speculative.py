@@ -354,7 +354,9 @@ def generate(backend: Backend, prompts: list[list[int]], **options) -> Generatio
 
 def _prefill(backend: Backend, prompts, lengths, speculative: bool):
     """Run the prompts through the target in chunks of at most ``backend.limits.max_prompt_chunk`` rows
-    (right-padded: rows past a prompt's end are scratch). Every chunk but the last is inserted into
+    (right-padded: rows past a prompt's end are scratch; a prompt that ended in an earlier chunk
+    writes its padding from its own end, so that no call writes more than a chunk past a
+    sequence's valid rows, which a sliding layer's ring relies on). Every chunk but the last is inserted into
     the draft's context right away (its proposals are discarded); the last one is returned as the
     first draft step's context. Returns each prompt's last-position logits and that context.
 
@@ -373,7 +375,7 @@ def _prefill(backend: Backend, prompts, lengths, speculative: bool):
         ids = padded[:, begin:begin + chunk]
         last_row = lengths - 1 - begin
         here = (last_row >= 0) & (last_row < ids.shape[1])
-        logits, aux = backend.target_step(ids, torch.full((batch,), begin, device=device),
+        logits, aux = backend.target_step(ids, lengths.clamp(max=begin),
                                           last_row.clamp(0, ids.shape[1] - 1)[:, None], slot,
                                           last_row.clamp(-1, ids.shape[1] - 1)[:, None])
         # a copy: an engine backend reuses its output buffer for the next chunk of this shape

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from export.tiny import TinySpec, make_tiny
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden" / "dspark-tiny"
+GEMMA4_GOLDEN = GOLDEN.with_name("dspark-gemma4-tiny")
 
 # ragged token-id prompts (lengths 7, 3, 11) used across the invariant tests
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]

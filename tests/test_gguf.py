@@ -143,7 +143,8 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
         _, verify = _example_inputs(target_spec(target, limits), limits, target.config.vocab_size,
                                     demo_pair.K, generator)
         assert 0 < int(verify["start"].max()) < 2 * verify["input_ids"].shape[1]
-        verify = _with_context(target, verify, quantize.held_out_texts(tokenizer, 256))
+        verify = _with_context(target, verify, quantize.held_out_texts(tokenizer, 256),
+                               limits.max_prompt_chunk)
         with torch.no_grad():
             logits[dtype] = target(*verify.values())[0].float().numpy()
     assert _relative_difference(logits[torch.float16], logits[torch.float32]) < TOLERANCE["float16"] / 4

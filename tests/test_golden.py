@@ -1,4 +1,5 @@
-"""The independent oracle: a draft saved by DeepSpec's own code and the trace DeepSpec produced."""
+"""The independent oracle: drafts saved by DeepSpec's own code and the traces DeepSpec produced,
+for a Qwen3 pair and a Gemma 4 pair (``tests/data/golden/*/README.md``)."""
 import dataclasses
 import json
 
@@ -9,14 +10,14 @@ from export.target_model import load_target
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from conftest import GOLDEN
+from conftest import GEMMA4_GOLDEN, GOLDEN
 
 
-@pytest.fixture(scope="module")
-def golden():
-    records = [json.loads(line) for line in (GOLDEN / "expected.jsonl").read_text().splitlines()]
-    target = load_target(GOLDEN / "target", taps=(1, 3))
-    draft = load_draft(GOLDEN / "draft-deepspec", target)
+@pytest.fixture(scope="module", params=[GOLDEN, GEMMA4_GOLDEN], ids=["qwen3", "gemma4"])
+def golden(request):
+    records = [json.loads(line) for line in (request.param / "expected.jsonl").read_text().splitlines()]
+    target = load_target(request.param / "target", taps=(1, 3))
+    draft = load_draft(request.param / "draft-deepspec", target)
     return records, TorchBackend(target, draft, capacity=128)
 
 
@@ -36,7 +37,8 @@ def test_every_step_matches_deepspec_batch_1(golden):
 @pytest.mark.parametrize("chunk", [128, 5], ids=["one-prefill-call", "chunked-prefill"])
 def test_every_step_matches_deepspec_batch_3_ragged(golden, chunk, monkeypatch):
     """Also with prompts prefilled in chunks of 5 rows, each chunk inserted into the draft context
-    as it comes: the proposals must not change."""
+    as it comes: the proposals must not change. A Gemma 4 target's sliding layers then keep rings
+    of their window plus 5 rows, which the prompts and the 32 new tokens wrap many times."""
     records, backend = golden
     monkeypatch.setattr(backend, "limits", dataclasses.replace(backend.limits, max_prompt_chunk=chunk))
     assert len({len(r["prompt_ids"]) for r in records}) == 3
@@ -46,3 +48,7 @@ def test_every_step_matches_deepspec_batch_3_ragged(golden, chunk, monkeypatch):
         assert _steps(result, b) == record["steps"]
     # the trace shows real acceptance, so the accepted-row bookkeeping is exercised
     assert max(s["accepted"] for r in records for s in r["steps"]) == 4
+    if backend.target.config.gemma4 is not None:
+        window = backend.target.config.gemma4.sliding_window
+        rings = {cache.shape[2] for cache in backend.target_cache}
+        assert rings == ({window + chunk - 1, 128} if chunk < 128 else {128})

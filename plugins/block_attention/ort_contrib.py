@@ -139,6 +139,16 @@ def rotary_tables(inv_freq, scaling: float, capacity: int) -> tuple[np.ndarray, 
     return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
 
 
+def target_rotary(target: dict, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rotary tables a target's causal nodes take (``rotary_tables`` of the manifest's
+    ``target`` entry), or None where its layers rotate differently from one another (Gemma 4's
+    full and sliding layers): their nodes then keep their own rotations."""
+    if target.get("gemma4"):
+        return None
+    decoder = target["decoder"]
+    return rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"], capacity)
+
+
 def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None):
     """An ONNX Runtime CPU session of the graph at ``path`` with its ``BlockAttention`` nodes
     lowered (``lower``), or None when there is nothing to lower; ``options`` are this
