@@ -125,6 +125,26 @@ def native_config(target: dict, *, layers: int, block_size: int, taps, mask_toke
     return config
 
 
+def gemma4_native_config(target: dict, *, layers: int, block_size: int, taps, mask_token_id: int,
+                         markov_rank: int, num_anchors: int) -> dict:
+    """What DeepSpec's ``build_draft_config`` writes for a Gemma 4 target whose text config.json
+    is ``target``: a copy of it (in transformers 5.10's form, the full layers' head size and KV
+    heads as ``global_head_dim`` / ``num_global_key_value_heads``) with ``layers`` full-attention
+    layers, no per-layer inputs, and the DSpark fields, a confidence head among them."""
+    config = {k: v for k, v in copy.deepcopy(target).items()
+              if k not in NOT_INHERITED and k != "per_layer_config"}
+    full = next((v for v in (target.get("per_layer_config") or {}).values()), {})
+    config.setdefault("global_head_dim", full.get("head_dim", target.get("head_dim")))
+    config.setdefault("num_global_key_value_heads", full.get("num_key_value_heads"))
+    config.update(
+        architectures=["Gemma4DSparkModel"], num_target_layers=target["num_hidden_layers"],
+        num_hidden_layers=layers, layer_types=["full_attention"] * layers, hidden_size_per_layer_input=0,
+        tie_word_embeddings=False, target_layer_ids=list(taps), block_size=block_size,
+        mask_token_id=mask_token_id, num_anchors=num_anchors, markov_rank=markov_rank,
+        markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True)
+    return config
+
+
 def resolve_k(config: DraftConfig, k: int | None) -> int:
     """Drafts per step: the trained number by default; fewer run the full block and keep the
     first ``k`` proposals; more are refused because rows past the block were never trained
@@ -193,9 +213,10 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
     from transformers import AutoConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-    if raw.get("model_type") != "gemma4_text":
-        raise CheckpointError(f"{path}: field 'model_type' = {raw.get('model_type')!r}: expected "
-                              f"'gemma4_text' for Gemma4DSparkModel")
+    model_type = raw.get("model_type")
+    if model_type not in ("gemma4_text", "gemma4_unified_text"):   # a copy of its target's text config
+        raise CheckpointError(f"{path}: field 'model_type' = {model_type!r}: expected 'gemma4_text' or "
+                              f"'gemma4_unified_text' for Gemma4DSparkModel")
     for field, off in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False)):
         if raw.get(field, off) not in (off, None):
             raise CheckpointError(f"{path}: field '{field}' = {raw[field]!r}: DeepSpec's "
@@ -211,8 +232,8 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
                               f"(attention_k_eq_v is true)")
     clean = {k: v for k, v in raw.items() if k not in IGNORED_BACKBONE_FIELDS}
     try:
-        check_fields(clean, "gemma4_text", ("global_head_dim", "num_global_key_value_heads"))
-        hf = AutoConfig.for_model("gemma4_text", **clean)
+        check_fields(clean, model_type, ("global_head_dim", "num_global_key_value_heads"))
+        hf = AutoConfig.for_model(model_type, **clean)
         layer = hf.per_layer_config[0]
         if hf.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"field 'hidden_activation' = {hf.hidden_activation!r}: expected "
@@ -229,7 +250,7 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
         rope_attention_scaling=float(rotary.full_attention_attention_scaling))
     # transformers 5.10's Gemma4TextMLP, which DeepSpec builds: double width from the first
     # KV-shared layer on, when there is one after layer 0
-    first_shared = layers - (hf.num_kv_shared_layers or 0)
+    first_shared = layers - (getattr(hf, "num_kv_shared_layers", 0) or 0)
     wide = [bool(hf.use_double_wide_mlp) and i >= first_shared > 0 for i in range(layers)]
     cap = hf.final_logit_softcapping
     gemma4 = Gemma4Draft(attention_k_eq_v=bool(hf.attention_k_eq_v),

@@ -303,8 +303,9 @@ def cache_shapes(config, batch, capacity: int, max_rows: int) -> list[tuple]:
 
 
 def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
-    """A ``transformers`` ``Gemma4TextConfig`` -> the sliding layers' ``DecoderConfig`` and the
-    rest. ``ValueError`` names the first field the engine cannot follow."""
+    """A ``transformers`` ``Gemma4TextConfig`` (or ``Gemma4UnifiedTextConfig``) -> the sliding
+    layers' ``DecoderConfig`` and the rest. ``ValueError`` names the first field the engine cannot
+    follow."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
     if getattr(hf, "enable_moe_block", False):
@@ -327,11 +328,11 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
         raise ValueError(f"field 'num_kv_shared_layers' = {shared!r}: expected 0 .. {layers - 1}, "
                          f"leaving a layer of each shared type before the shared ones")
     for name in ("sliding_window", "hidden_size_per_layer_input"):
-        value = getattr(hf, name)
+        value = getattr(hf, name, 0)   # the unified form (12B) has no per-layer inputs at all
         low = 1 if name == "sliding_window" else 0
         if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 24):
             raise ValueError(f"field '{name}' = {value!r}: expected an integer >= {low}")
-    ple = hf.hidden_size_per_layer_input or 0
+    ple = getattr(hf, "hidden_size_per_layer_input", 0) or 0
     if ple and hf.vocab_size_per_layer_input < hf.vocab_size:
         raise ValueError(f"field 'vocab_size_per_layer_input' = {hf.vocab_size_per_layer_input!r}: "
                          f"expected at least vocab_size ({hf.vocab_size}), a per-layer row for every token")

@@ -14,21 +14,27 @@ from .qwen3_5_model import FULL, LINEAR, LinearAttentionConfig
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False, "Qwen3MoeForCausalLM": True,
                            "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True,
                            "Qwen3_5MoeForCausalLM": True, "Qwen3_5MoeForConditionalGeneration": True,
-                           "Gemma4ForCausalLM": True, "Gemma4ForConditionalGeneration": True}
+                           "Gemma4ForCausalLM": True, "Gemma4ForConditionalGeneration": True,
+                           "Gemma4UnifiedForCausalLM": True, "Gemma4UnifiedForConditionalGeneration": True}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",   # by model_type
                  "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                 "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+                 "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
+                 "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+                 "gemma4_unified": "Gemma4UnifiedForConditionalGeneration"}
 HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
           "Qwen3_5MoeForConditionalGeneration"}
 MOE = {"Qwen3MoeForCausalLM": False, "Qwen3_5MoeForCausalLM": True,   # -> whether it has a shared expert
        "Qwen3_5MoeForConditionalGeneration": True}
 # a multimodal checkpoint keeps its text model's config under this key, its weights under the prefix
 MULTIMODAL = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                            "Gemma4ForConditionalGeneration"), "text_config")
-GEMMA4 = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
+                            "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"),
+                           "text_config")
+# Gemma 4, and its "unified" form (the 12B: the same text layers without per-layer inputs or MoE)
+GEMMA4 = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
+          "Gemma4UnifiedForConditionalGeneration"}
 # the hybrid's shape fields beyond the dense decoder's
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")

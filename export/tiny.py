@@ -25,7 +25,7 @@ CHARACTERS = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'\n0
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 MAX_POSITIONS = 1024
 ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5-multimodal", "qwen3_5_moe-multimodal", "gemma4",
-         "gemma4-multimodal")
+         "gemma4-multimodal", "gemma4_unified-multimodal")
 # a Gemma 4 target with every feature on: windows of 4 rows (crossed by any real prompt), full
 # layers with their own head size, one KV head and V = K, per-layer inputs, two KV-shared layers
 # with double-wide MLPs, soft-capped logits
@@ -47,8 +47,10 @@ class TinySpec:
                                         # (Qwen3_5ForCausalLM), qwen3_5-multimodal (its
                                         # ForConditionalGeneration layout, a vision tower beside it),
                                         # qwen3_5_moe-multimodal (the same with MoE blocks);
-                                        # gemma4 (Gemma4ForCausalLM, every feature on) and
-                                        # gemma4-multimodal (Gemma4ForConditionalGeneration)
+                                        # gemma4 (Gemma4ForCausalLM, every feature on),
+                                        # gemma4-multimodal (Gemma4ForConditionalGeneration) and
+                                        # gemma4_unified-multimodal (the 12B's layout: no
+                                        # per-layer inputs, vision and audio embedders beside it)
     draft_format: str = "native"        # native or speculators
     draft_vocab: int | None = None      # < target vocab gives a reduced vocabulary with d2t
     layout: str = ANCHOR_FIRST
@@ -69,6 +71,9 @@ class TinySpec:
             raise ValueError(f"--block-size {self.block_size}: expected an integer from 2 to "
                              f"{MAX_POSITIONS} (the anchor and at least one MASK slot, within the "
                              f"tiny target's positions)")
+        if self.arch.startswith("gemma4") and (self.draft_format != "native" or self.draft_vocab is not None):
+            raise ValueError(f"--arch {self.arch}: its draft is DeepSpec's Gemma4DSparkModel, native and "
+                             f"with the full vocabulary (no --draft-format speculators, no --draft-vocab)")
         if self.draft_vocab is not None and not len(SPECIALS) <= self.draft_vocab <= VOCAB:
             raise ValueError(f"--draft-vocab {self.draft_vocab}: expected {len(SPECIALS)}..{VOCAB} "
                              f"(the special tokens up to the whole target vocabulary)")
@@ -118,6 +123,9 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
         config = AutoConfig.for_model("llama", tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                                       **common)
+    elif spec.arch == "gemma4_unified-multimodal":
+        unified = {k: v for k, v in GEMMA4.items() if k != "hidden_size_per_layer_input"}
+        config = AutoConfig.for_model("gemma4_unified_text", tie_word_embeddings=True, **{**common, **unified})
     elif spec.arch.startswith("gemma4"):
         config = AutoConfig.for_model("gemma4_text", tie_word_embeddings=True,
                                       vocab_size_per_layer_input=len(tokenizer),
@@ -138,7 +146,14 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
             linear_num_key_heads=2, linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             **extra, **{k: v for k, v in common.items() if k != "intermediate_size"})
-    if spec.arch == "gemma4-multimodal":   # a vision tower beside the text model
+    if spec.arch == "gemma4_unified-multimodal":
+        import transformers
+
+        outer = transformers.Gemma4UnifiedConfig(
+            text_config=config.to_dict(), audio_config=dict(audio_embed_dim=16),
+            vision_config=dict(patch_size=4, mm_embed_dim=64, mm_posemb_size=16, output_proj_dims=64))
+        model = transformers.Gemma4UnifiedForConditionalGeneration(outer).float()
+    elif spec.arch == "gemma4-multimodal":   # a vision tower beside the text model
         import transformers
 
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -195,6 +210,9 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     markov_rank, mask_token_id = 8, SPECIALS.index("<mask>")
     reduced = draft_vocab if draft_vocab < vocab else None
 
+    if spec.arch.startswith("gemma4"):
+        _write_gemma4_draft(directory, target, spec, markov_rank, mask_token_id)
+        return
     if spec.draft_format == "native":
         # a Qwen3 backbone rotates whole heads: not the hybrid target's partial rotary
         target = {**target, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -232,6 +250,37 @@ def write_draft(directory: Path, target: dict, spec: TinySpec) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     write_tensors(tensors, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_gemma4_draft(directory: Path, target: dict, spec: TinySpec, rank: int, mask_token_id: int) -> None:
+    """A native ``Gemma4DSparkModel`` draft, one layer, sharing the target's embedding and
+    ``lm_head``: its tensors are those the loader's module holds, random."""
+    import torch
+
+    from .checkpoint import write_tensors
+    from .draft_config import gemma4_native_config, load_draft_config
+    from .draft_model import DraftStep
+
+    config = gemma4_native_config(target, layers=1, block_size=spec.block_size, taps=spec.taps,
+                                  mask_token_id=mask_token_id, markov_rank=rank, num_anchors=64)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    draft = load_draft_config(directory, target["num_hidden_layers"], target["hidden_size"])
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in DraftStep(draft, target["vocab_size"], 1).state_dict().items()
+                  if name not in ("d2t", "embed_tokens.weight", "lm_head.weight")}
+    tensors = {}
+    for name, shape in shapes.items():
+        if "norm" in name or name.endswith("layer_scalar"):
+            tensors[name] = torch.rand(shape) + 0.5
+        elif name == "markov_head.markov_w1.weight":
+            tensors[name] = torch.randn(shape)
+        else:
+            tensors[name] = torch.randn(shape) * shape[-1] ** -0.5
+    hidden = target["hidden_size"]
+    tensors |= {"confidence_head.proj.weight": torch.randn(1, hidden + rank) * hidden ** -0.5,
+                "confidence_head.proj.bias": torch.zeros(1)}
+    write_tensors(tensors, directory / "model.safetensors")
 
 
 def _draft_tensors(hidden, taps, intermediate, heads, kv_heads, head_dim, vocab, draft_vocab, rank):
