@@ -172,6 +172,14 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
     else:
         model = AutoModelForCausalLM.from_config(config).float()
     _randomise_norms(model)
+    if spec.arch.startswith("gemma4"):
+        import torch
+
+        # Gemma ties its lm_head to the embedding, which is scaled by sqrt(hidden) into the residual
+        # stream: at random weights the input token's own row would win every step, and the tiny
+        # model would repeat it; a smaller embedding lets the layers decide (33 distinct tokens of 40)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(0.1)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     match_config_mode(directory)

@@ -1,0 +1,220 @@
+"""Gemma 4 targets (``Gemma4ForCausalLM``, ``Gemma4ForConditionalGeneration`` and the 12B's unified
+layout) with every feature on: sliding windows of 4 rows, crossed by the prompts and by every
+step; full layers with their own head size and V = K; per-layer inputs; KV-shared layers; soft-
+capped logits. The module against ``transformers``' own class; greedy speculative == target-only
+== ``transformers`` ``generate`` at batch 1 and ragged batch 3, prompts longer than a prefill chunk
+and than the window, with oracle drafts so that every acceptance count rolls the rings back; the
+engines (ONNX Runtime fp32, fp16 and int4, TensorRT-RTX built on the CPU); bad configs. The draft
+against DeepSpec's own code: ``test_golden.py``."""
+import json
+import shutil
+
+import pytest
+import torch
+from test_greedy_invariant import OracleDrafts
+from test_hybrid import OrtOracle
+
+from export.checkpoint import CheckpointError
+from export.onnx_export import Limits
+from export.pair import load_pair
+from export.target_model import every_row
+from runtime.ort_backend import OrtBackend
+from runtime.speculative import generate
+from runtime.torch_backend import TorchBackend
+
+from conftest import PROMPTS, hf_greedy
+
+MAX_NEW = 40
+CHUNK = 5                  # shorter than two of the prompts, which are longer than the window (4)
+ARCH = "gemma4-multimodal"
+LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
+CLASSES = {"gemma4": "Gemma4ForCausalLM", "gemma4-multimodal": "Gemma4ForConditionalGeneration",
+           "gemma4_unified-multimodal": "Gemma4UnifiedForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("arch", CLASSES)
+def test_the_target_step_gives_transformers_logits(tiny, arch):
+    """Every row's logits, in one call over caches that never wrap and in calls of 3 rows over
+    rings of the window plus 2 rows, which 21 positions wrap three times."""
+    import transformers
+
+    target_dir, draft_dir = tiny(arch=arch)
+    target, _ = load_pair(target_dir, draft_dir)
+    reference = getattr(transformers, CLASSES[arch]).from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = torch.randint(5, target.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
+    expected = reference(input_ids=ids).logits
+    whole = target(ids, torch.tensor([0]), every_row(ids), *target.empty_cache(1, 64))[0]
+    caches, parts = target.empty_cache(1, 64, 3), []
+    assert {c.shape[2] for c in caches} == {target.config.gemma4.sliding_window + 2, 64}
+    for begin in range(0, ids.shape[1], 3):
+        chunk = ids[:, begin:begin + 3]
+        logits, _, *caches = target(chunk, torch.tensor([begin]), every_row(chunk), *caches)
+        parts.append(logits)
+    for ours in (whole, torch.cat(parts, dim=1)):
+        assert (ours - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_greedy_speculative_equals_target_only_and_transformers(tiny):
+    target_dir, draft_dir = tiny(arch=ARCH)
+    target, draft = load_pair(target_dir, draft_dir)
+    eos = target.config.eos_token_ids
+    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
+    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)   # the oracle's truth
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        oracle = OracleDrafts(target, draft, prompts, continuations, max_prompt_chunk=CHUNK)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos)
+        assert result.token_ids == expected[:batch]
+        rings = {c.shape[2] for c in oracle.target_cache}
+        assert rings == {target.config.gemma4.sliding_window + CHUNK - 1, 96}
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(draft.k + 1))
+        target_only = generate(TorchBackend(target, None, capacity=96, max_prompt_chunk=CHUNK), prompts,
+                               max_new_tokens=MAX_NEW, eos_token_ids=eos)
+        assert target_only.token_ids == expected[:batch]
+
+
+def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
+    """The sliding layers' attention as the ring's ONNX function, the full layers' lowered for
+    ONNX Runtime (their own rotations kept), one sequence per call: transformers' output,
+    speculative with every acceptance count and target-only, at batch 1 and 3."""
+    target_dir, _ = tiny(arch=ARCH)
+    engine = engine_dir(LIMITS, arch=ARCH)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    layout = manifest["target"]["gemma4"]
+    caches = {t["name"]: t["shape"] for t in manifest["graphs"]["target"]["inputs"] if "_cache_" in t["name"]}
+    owners = len(layout["layer_types"]) - layout["kv_shared_layers"]
+    assert len(caches) == 2 * owners
+    k = manifest["draft"]["k"]
+    assert caches["k_cache_0"][2] == layout["sliding_window"] + max(CHUNK, k + 1) - 1
+    assert caches["k_cache_1"] == ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
+    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
+    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        oracle = OrtOracle(engine, prompts, continuations)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=oracle.limits.eos_token_ids)
+        assert result.token_ids == expected[:batch]
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(k + 1))
+        target_only = generate(oracle, prompts, max_new_tokens=MAX_NEW, speculative=False,
+                               eos_token_ids=oracle.limits.eos_token_ids)
+        assert target_only.token_ids == expected[:batch]
+
+
+def _copy(source, root):
+    copy = root / source.name
+    shutil.copytree(source, copy)
+    return copy
+
+
+def test_fp16_engine_keeps_large_activations_finite(tiny, tmp_path):
+    """Gemma's residual stream grows large (the embedding is scaled by sqrt(hidden), and each
+    sublayer's output is normed before it is added): squared in fp16, rows of a few hundred
+    overflow. With the embedding 40x larger, rows reach ~1e3; the fp16 engine's logits stay
+    within 1% of transformers' fp32 ones, and its speculative output equals its target-only
+    output."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from export.build import build
+
+    target_dir, draft_dir = tiny(arch=ARCH)
+    target = _copy(target_dir, tmp_path)
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.language_model.embed_tokens.weight"] *= 40
+    save_file(tensors, weights)
+    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = torch.tensor([PROMPTS[2]])
+    hidden = reference(input_ids=prompt, output_hidden_states=True).hidden_states
+    assert max(h.abs().max() for h in hidden) > 300     # squares past fp16's 65504
+    build(str(target), str(draft_dir), tmp_path / "engine", limits=LIMITS, dtype="fp16", progress=False)
+    backend = OrtBackend(tmp_path / "engine")
+    backend.start(1)
+    logits, _ = backend.target_step(prompt[:, :CHUNK], torch.tensor([0]), torch.arange(CHUNK)[None])
+    expected = reference(input_ids=prompt[:, :CHUNK]).logits
+    assert torch.isfinite(logits).all()
+    assert (logits.float() - expected).abs().max() < 1e-2 * expected.abs().max()
+    target_only = generate(backend, PROMPTS, max_new_tokens=MAX_NEW, speculative=False).token_ids
+    oracle = OrtOracle(tmp_path / "engine", PROMPTS, target_only)
+    assert generate(oracle, PROMPTS, max_new_tokens=MAX_NEW).token_ids == target_only
+
+
+def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
+    """Quantized projections (the per-layer input ones included; the full layers' single K = V
+    projection): speculative output with every acceptance count equals target-only output on the
+    same engine, batch 1 and 3."""
+    from export.build import build
+
+    target_dir, draft_dir = tiny(arch=ARCH)
+    result = build(str(target_dir), str(draft_dir), tmp_path, limits=LIMITS, weights="int4", progress=False)
+    # per layer q, o and the MLP's three; k (and v) in the 4 layers that own them; PLE's two; lm_head
+    assert result.quantized_layers["target"] >= 6 * (2 + 3 + 2) + 4 + 1
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        target_only = generate(OrtBackend(tmp_path), prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
+        oracle = OrtOracle(tmp_path, prompts, target_only)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
+        assert result.token_ids == target_only
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
+
+
+def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
+    """fp16; every layer's attention a BlockAttention plugin (a shared layer's too, over its
+    source's caches), the sliding ones with their window."""
+    pytest.importorskip("tensorrt_rtx")
+    import onnx
+
+    from export.build import build
+
+    build(*map(str, tiny(arch=ARCH)), tmp_path, limits=Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8),
+          dtype="fp16", backend="trt-rtx", gpus=("sm89",), progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    layers = len(manifest["target"]["gemma4"]["layer_types"])
+    assert manifest["trt-rtx"]["plugin_layers"]["target"] == {"BlockAttention": layers}
+    graph = onnx.load(tmp_path / "target.onnx", load_external_data=False).graph
+    windows = [next(a.i for a in n.attribute if a.name == "window") for n in graph.node
+               if n.op_type == "BlockAttention"]
+    assert windows == [4 if t == "sliding_attention" else 0 for t in manifest["target"]["gemma4"]["layer_types"]]
+
+
+def _edited(tiny, tmp_path, arch=ARCH, draft=False, **fields):
+    target_dir, draft_dir = tiny(arch=arch)
+    target, draft_copy = _copy(target_dir, tmp_path / "t"), _copy(draft_dir, tmp_path / "d")
+    path = (draft_copy if draft else target) / "config.json"
+    config = json.loads(path.read_text())
+    section = config if draft or "text_config" not in config else config["text_config"]
+    section.update(fields)
+    path.write_text(json.dumps(config))
+    return target, draft_copy
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8),
+     "field 'enable_moe_block' = true: Gemma 4's MoE blocks .* not supported yet"),
+    (dict(use_bidirectional_attention="all"), "field 'use_bidirectional_attention' = 'all'"),
+    (dict(hidden_activation="silu"), "field 'hidden_activation' = 'silu': expected 'gelu_pytorch_tanh'"),
+    (dict(num_kv_shared_layers=6), "field 'num_kv_shared_layers' = 6: expected 0 .. 5"),
+    (dict(sliding_window=0), "field 'sliding_window' = 0: expected an integer >= 1"),
+    (dict(vocab_size_per_layer_input=10), "field 'vocab_size_per_layer_input' = 10: expected at least"),
+])
+def test_a_target_config_the_engine_cannot_follow_is_named(tiny, tmp_path, fields, message):
+    target, draft = _edited(tiny, tmp_path, **fields)
+    with pytest.raises(CheckpointError, match=rf"config.json: text_config: {message}"):
+        load_pair(target, draft)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(hidden_size_per_layer_input=8), "field 'hidden_size_per_layer_input' = 8: DeepSpec's "
+                                          "Gemma4DSparkModel has no per-layer inputs"),
+    (dict(layer_types=["sliding_attention"]), "field 'layer_types' = \\['sliding_attention'\\]: "
+                                              "expected 'full_attention' for each of the 1 draft layers"),
+    (dict(model_type="qwen3"), "field 'model_type' = 'qwen3': expected 'gemma4_text' or"),
+    (dict(num_global_key_value_heads=None), "field 'num_global_key_value_heads' = None: expected an integer"),
+])
+def test_a_draft_config_the_engine_cannot_follow_is_named(tiny, tmp_path, fields, message):
+    target, draft = _edited(tiny, tmp_path, draft=True, **fields)
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        load_pair(target, draft)
