@@ -211,19 +211,24 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
     target's text config): every layer full attention of ``global_head_dim``, KV heads
     ``num_global_key_value_heads`` where K is V, RoPE as the target's full layers."""
     from transformers import AutoConfig
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from .gemma4_model import FULL, rope_frequencies
 
     model_type = raw.get("model_type")
     if model_type not in ("gemma4_text", "gemma4_unified_text"):   # a copy of its target's text config
         raise CheckpointError(f"{path}: field 'model_type' = {model_type!r}: expected 'gemma4_text' or "
                               f"'gemma4_unified_text' for Gemma4DSparkModel")
-    for field, off in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False)):
-        if raw.get(field, off) not in (off, None):
-            raise CheckpointError(f"{path}: field '{field}' = {raw[field]!r}: DeepSpec's "
-                                  f"Gemma4DSparkModel has no per-layer inputs or MoE blocks; "
-                                  f"expected {json.dumps(off)}")
+    # absent, transformers 5.10 (which DeepSpec builds it with) assumes per-layer inputs of 256
+    for field, off, default in (("hidden_size_per_layer_input", 0, 256), ("enable_moe_block", False, False)):
+        value = raw.get(field, default)
+        if value != off or isinstance(value, bool) != isinstance(off, bool):
+            raise CheckpointError(f"{path}: field '{field}' = {value!r}: DeepSpec's Gemma4DSparkModel has "
+                                  f"no per-layer inputs or MoE blocks; expected {json.dumps(off)}")
     layers = raw.get("num_hidden_layers")
-    if raw.get("layer_types") != ["full_attention"] * (layers if is_int(layers) else 0):
+    if not (is_int(layers) and 1 <= layers <= LARGEST_DIMENSION):
+        raise CheckpointError(f"{path}: field 'num_hidden_layers' = {layers!r}: expected an integer from 1 "
+                              f"to {LARGEST_DIMENSION}")
+    if raw.get("layer_types") != ["full_attention"] * layers:
         raise CheckpointError(f"{path}: field 'layer_types' = {raw.get('layer_types')!r}: expected "
                               f"'full_attention' for each of the {layers} draft layers")
     if raw.get("attention_k_eq_v") and not is_int(raw.get("num_global_key_value_heads")):
@@ -238,7 +243,10 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
         if hf.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"field 'hidden_activation' = {hf.hidden_activation!r}: expected "
                              f"'gelu_pytorch_tanh'")
-        rotary = Gemma4TextRotaryEmbedding(hf)
+        shared = getattr(hf, "num_kv_shared_layers", 0)
+        if not (is_int(shared) and shared >= 0):
+            raise ValueError(f"field 'num_kv_shared_layers' = {shared!r}: expected an integer >= 0")
+        (inv_freq, scaling), = rope_frequencies(hf, {FULL}).values()
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
     decoder = DecoderConfig(
@@ -246,13 +254,15 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
         num_kv_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
         intermediate_size=hf.intermediate_size, rms_norm_eps=hf.rms_norm_eps,
         attention_bias=bool(hf.attention_bias), mlp_bias=False, qk_norm=True,
-        rope_inv_freq=tuple(rotary.full_attention_inv_freq.tolist()),
-        rope_attention_scaling=float(rotary.full_attention_attention_scaling))
+        rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
     # transformers 5.10's Gemma4TextMLP, which DeepSpec builds: double width from the first
     # KV-shared layer on, when there is one after layer 0
-    first_shared = layers - (getattr(hf, "num_kv_shared_layers", 0) or 0)
+    first_shared = layers - shared
     wide = [bool(hf.use_double_wide_mlp) and i >= first_shared > 0 for i in range(layers)]
     cap = hf.final_logit_softcapping
+    if cap is not None and not is_positive_number(cap):
+        raise CheckpointError(f"{path}: field 'final_logit_softcapping' = {cap!r}: expected a number > 0 "
+                              f"or null")
     gemma4 = Gemma4Draft(attention_k_eq_v=bool(hf.attention_k_eq_v),
                          final_logit_softcapping=None if cap is None else float(cap),
                          mlp_sizes=tuple(hf.intermediate_size * (2 if w else 1) for w in wide))

@@ -306,8 +306,6 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
     """A ``transformers`` ``Gemma4TextConfig`` (or ``Gemma4UnifiedTextConfig``) -> the sliding
     layers' ``DecoderConfig`` and the rest. ``ValueError`` names the first field the engine cannot
     follow."""
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-
     if getattr(hf, "enable_moe_block", False):
         raise ValueError("field 'enable_moe_block' = true: Gemma 4's MoE blocks (26B-A4B) are not "
                          "supported yet; expected false")
@@ -339,20 +337,13 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
     cap = hf.final_logit_softcapping
     if cap is not None and not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
         raise ValueError(f"field 'final_logit_softcapping' = {cap!r}: expected a number > 0 or null")
-    rotary = Gemma4TextRotaryEmbedding(hf)   # transformers' own frequencies, per layer type
+    frequencies = rope_frequencies(hf, set(types))
     sliding = next(i for i, t in enumerate(types) if t == SLIDING) if SLIDING in types else None
     full = types.index(FULL) if FULL in types else None
     sliding_config = hf.per_layer_config[sliding if sliding is not None else full]
     full_config = hf.per_layer_config[full if full is not None else sliding]
-
-    def frequencies(kind):
-        if not hasattr(rotary, f"{kind}_inv_freq"):
-            return (), 1.0
-        return (tuple(getattr(rotary, f"{kind}_inv_freq").tolist()),
-                float(getattr(rotary, f"{kind}_attention_scaling")))
-
-    sliding_freq, sliding_scaling = frequencies(SLIDING)
-    full_freq, full_scaling = frequencies(FULL)
+    sliding_freq, sliding_scaling = frequencies.get(SLIDING, ((), 1.0))
+    full_freq, full_scaling = frequencies.get(FULL, ((), 1.0))
     decoder = DecoderConfig(
         hidden_size=hf.hidden_size, num_layers=layers, num_heads=hf.num_attention_heads,
         num_kv_heads=sliding_config.num_key_value_heads, head_dim=sliding_config.head_dim,
@@ -367,3 +358,31 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
         final_logit_softcapping=None if cap is None else float(cap),
         full_rope_inv_freq=full_freq or sliding_freq, full_rope_attention_scaling=full_scaling)
     return decoder, layout
+
+
+def rope_frequencies(hf, kinds: set[str]) -> dict[str, tuple[tuple[float, ...], float]]:
+    """Each layer type's RoPE inverse frequencies and cos / sin scaling, as ``transformers``
+    computes them (``Gemma4TextRotaryEmbedding``), once ``rope_parameters`` is checked for what
+    it would take and run wrong with: ``ValueError`` names the field."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from .decoder import is_positive_number
+
+    for kind in sorted(kinds):
+        params = (hf.rope_parameters or {}).get(kind)
+        field = f"field 'rope_parameters.{kind}"
+        if not isinstance(params, dict):
+            raise ValueError(f"{field}' = {params!r}: expected an object (the {kind} layers' RoPE)")
+        theta, factor = params.get("rope_theta"), params.get("partial_rotary_factor", 1.0)
+        rope_type = params.get("rope_type", "default")
+        if not is_positive_number(theta):
+            raise ValueError(f"{field}.rope_theta' = {theta!r}: expected a number > 0")
+        if not (is_positive_number(factor) and factor <= 1):
+            raise ValueError(f"{field}.partial_rotary_factor' = {factor!r}: expected a number in (0, 1]")
+        if rope_type == "dynamic" or not (rope_type == "default" or rope_type in ROPE_INIT_FUNCTIONS):
+            raise ValueError(f"{field}.rope_type' = {rope_type!r}: expected default, proportional or "
+                             f"another fixed scaling of {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})}")
+    rotary = Gemma4TextRotaryEmbedding(hf)
+    return {kind: (tuple(getattr(rotary, f"{kind}_inv_freq").tolist()),
+                   float(getattr(rotary, f"{kind}_attention_scaling"))) for kind in kinds}

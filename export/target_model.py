@@ -88,6 +88,8 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     model = (HybridTargetStep if config.linear is not None else Gemma4TargetStep if config.gemma4 is not None
              else TargetStep)
     target = build_module(lambda: model(config, taps), tensors, directory, dtype)
+    if config.gemma4 is not None:   # build_module took what the module holds: the rest is unused
+        _check_unused(tensors, config.gemma4, directory)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
         # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
@@ -142,6 +144,21 @@ def _check_layer_types(tensors: dict[str, torch.Tensor], config: TargetConfig, w
         if held != expected:
             raise CheckpointError(f"{where}[{index}] = {kind!r}, but the weights hold "
                                   f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")
+
+
+def _check_unused(left: dict[str, torch.Tensor], layout, directory: Path) -> None:
+    """A Gemma 4 checkpoint's tensors that the module its config.json describes does not hold,
+    beyond the K / V projections and norms of KV-shared layers (which ``transformers`` ignores
+    too): the weights of a per-layer input, a V projection or a layer the config turned off, which
+    would otherwise be dropped without a word."""
+    ignored = tuple(f"layers.{i}.self_attn.{part}." for i in range(len(layout.layer_types))
+                    if layout.kv_source(i) != i for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    unused = sorted(name for name in left if not name.startswith(ignored))
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+        raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
+                              f"describes (a field such as hidden_size_per_layer_input, attention_k_eq_v "
+                              f"or num_kv_shared_layers disagrees with the weights)")
 
 
 def from_start(target: TargetStep | HybridTargetStep, input_ids: torch.Tensor,

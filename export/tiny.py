@@ -125,7 +125,8 @@ def _write_target(directory: Path, spec: TinySpec) -> dict:
                                       **common)
     elif spec.arch == "gemma4_unified-multimodal":
         unified = {k: v for k, v in GEMMA4.items() if k != "hidden_size_per_layer_input"}
-        config = AutoConfig.for_model("gemma4_unified_text", tie_word_embeddings=True, **{**common, **unified})
+        config = AutoConfig.for_model("gemma4_unified_text", tie_word_embeddings=True,
+                                      **{**common, **unified})
     elif spec.arch.startswith("gemma4"):
         config = AutoConfig.for_model("gemma4_text", tie_word_embeddings=True,
                                       vocab_size_per_layer_input=len(tokenizer),

@@ -23,7 +23,7 @@ DELETE = object()
 MUTATIONS = {"delete": DELETE, "string": "1", "list": [1], "null": None, "object": {"a": 1},
              "true": True, "float": 1.5, "zero": 0, "negative": -1, "huge": 10 ** 12}
 # fields the fixture's configs leave out, that a checkpoint may give: set, never deleted
-OPTIONAL = {"target": [], "hybrid": [], "moe": [],
+OPTIONAL = {"target": [], "hybrid": [], "moe": [], "gemma4": [], "gemma4-draft": [],
             "native": ["dspark_bonus_anchor", "sample_from_anchor", "draft_vocab_size", "target_hidden_size"],
             "speculators": ["draft_vocab_size"]}
 
@@ -74,9 +74,29 @@ UNUSED = {
     "head_dim": "absent, Qwen3-MoE derives hidden_size / num_attention_heads (the fixture's value)",
     "decoder_sparse_step": "transformers' default 1 (every layer sparse but mlp_only_layers)",
     "output_router_logits": "training only", "router_aux_loss_coef": "training only",
+    # a Gemma 4 config.json (and its draft's, a copy of it)
+    "audio_token_id": "the audio tower is not used", "boa_token_id": "the audio tower is not used",
+    "eoa_token_index": "the audio tower is not used", "boi_token_id": "the vision tower is not used",
+    "eoi_token_id": "the vision tower is not used",
+    "enable_moe_block": "transformers' default false (true is refused)",
+    "num_experts": "read only with enable_moe_block (refused)",
+    "top_k_experts": "read only with enable_moe_block (refused)",
+    "moe_intermediate_size": "read only with enable_moe_block (refused)",
+    "hidden_activation": "transformers' default gelu_pytorch_tanh",
+    "use_bidirectional_attention": "only 'all' (refused) changes how text attends",
+    "rope_parameters.sliding_attention.rope_type": "transformers' default RoPE, the fixture's",
 }
 # fields of a tower the text model never reads (by prefix)
-UNUSED_SECTIONS = ("vision_config",)
+UNUSED_SECTIONS = ("vision_config", "audio_config")
+# draft fields that only describe layers a Gemma 4 draft does not have (its layers are all full)
+UNUSED_IN_DRAFT = {
+    "rope_parameters.sliding_attention": "a Gemma 4 draft has no sliding layers",
+    "sliding_window": "a Gemma 4 draft has no sliding layers",
+    "num_kv_shared_layers": "widens only the MLPs of draft layers from L - n on, when that is > 0: "
+                            "none of this one-layer draft's",
+    "vocab_size_per_layer_input": "a Gemma 4 draft has no per-layer inputs",
+    "use_double_wide_mlp": "no draft layer is KV-shared (num_kv_shared_layers)",
+}
 # (field, mutation) -> why a value that loads and changes the configuration is legitimate
 VALID = {
     ("rope_parameters.rope_theta", "float"): "any positive RoPE base is a valid one",
@@ -94,6 +114,20 @@ VALID = {
     ("mlp_only_layers", "list"): "[1], the fixture's own value",
     ("norm_topk_prob", "true"): "true, the fixture's own value",
     ("norm_topk_prob", "delete"): "transformers' default false: the top-k weights not renormalised",
+    ("attention_k_eq_v", "true"): "true, the fixture's own value",
+    ("use_double_wide_mlp", "true"): "true, the fixture's own value",
+    ("hidden_size_per_layer_input", "zero"): "0, the draft fixture's own value",
+    ("final_logit_softcapping", "delete"): "absent or null, no soft-capping, as transformers",
+    ("final_logit_softcapping", "null"): "absent or null, no soft-capping, as transformers",
+    ("final_logit_softcapping", "float"): "any positive cap is a valid one",
+    ("final_logit_softcapping", "huge"): "any positive cap is a valid one",
+    ("sliding_window", "delete"): "transformers' default 512, as when it loads the checkpoint",
+    ("rope_parameters.full_attention.rope_type", "delete"): "transformers' default RoPE, a valid one",
+    ("rope_parameters.full_attention.partial_rotary_factor", "delete"): "1: the whole head rotates",
+    ("rope_parameters.full_attention.rope_theta", "float"): "any positive RoPE base is a valid one",
+    ("rope_parameters.full_attention.rope_theta", "huge"): "any positive RoPE base is a valid one",
+    ("rope_parameters.sliding_attention.rope_theta", "float"): "any positive RoPE base is a valid one",
+    ("rope_parameters.sliding_attention.rope_theta", "huge"): "any positive RoPE base is a valid one",
 }
 
 
@@ -143,29 +177,35 @@ def name(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
-def verdict(path: tuple, mutation: str, outcome, baseline) -> str | None:
+def verdict(path: tuple, mutation: str, outcome, baseline, draft: bool = False) -> str | None:
     """None when the outcome is as it should be, else what is wrong."""
     field = name(path)
     key = field.removeprefix("transformer_layer_config.").removeprefix("text_config.")
     if isinstance(outcome, tuple):  # loaded
         if outcome == baseline:
-            unused = key in UNUSED or key.startswith(UNUSED_SECTIONS) or (key, mutation) in VALID
+            unused = (key in UNUSED or key.startswith(UNUSED_SECTIONS) or (key, mutation) in VALID
+                      or (draft and key.startswith(tuple(UNUSED_IN_DRAFT))))
             return None if unused else "loaded, unlisted in UNUSED"
         return None if (key, mutation) in VALID else "loaded with a changed configuration, unlisted in VALID"
     return outcome
 
 
-@pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid", "moe"])
+@pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid", "moe", "gemma4",
+                                  "gemma4-draft"])
 def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case):
     """``hybrid``: a Qwen3.5 target in its ForConditionalGeneration layout (text_config nested,
-    the linear-attention fields, a vision_config); ``moe``: a Qwen3-MoE target."""
+    the linear-attention fields, a vision_config); ``moe``: a Qwen3-MoE target; ``gemma4``: a
+    Gemma 4 target in its ForConditionalGeneration layout, every feature on, and ``gemma4-draft``
+    its native Gemma4DSparkModel draft."""
     source = {"speculators": lambda: tiny(**SPECULATORS),
               "hybrid": lambda: tiny(arch="qwen3_5-multimodal"),
-              "moe": lambda: tiny(arch="qwen3_moe")}.get(case, tiny)()
+              "moe": lambda: tiny(arch="qwen3_moe"),
+              "gemma4": lambda: tiny(arch="gemma4-multimodal"),
+              "gemma4-draft": lambda: tiny(arch="gemma4-multimodal")}.get(case, tiny)()
     target, draft = linked_pair(source, tmp_path)
     for directory, original in zip((target, draft), source):
         (directory / "config.json").write_text((original / "config.json").read_text())
-    checkpoint = target if case in ("target", "hybrid", "moe") else draft
+    checkpoint = target if case in ("target", "hybrid", "moe", "gemma4") else draft
     config_file = checkpoint / "config.json"
     original = json.loads(config_file.read_text())
     baseline = loaded(target, draft)
@@ -186,7 +226,7 @@ def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case
                 outcome = None if one_line else f"not one line naming config.json: {message}"
             except Exception as err:  # the point: no other exception type
                 outcome = f"{type(err).__name__}: {err}"
-            problem = verdict(path, mutation, outcome, baseline)
+            problem = verdict(path, mutation, outcome, baseline, draft=case == "gemma4-draft")
             if problem:
                 problems.append(f"{name(path)} {mutation}: {problem[:300]}")
     assert not problems, f"{len(problems)} mutations misbehave:\n" + "\n".join(problems)

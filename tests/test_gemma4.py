@@ -87,7 +87,8 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     assert len(caches) == 2 * owners
     k = manifest["draft"]["k"]
     assert caches["k_cache_0"][2] == layout["sliding_window"] + max(CHUNK, k + 1) - 1
-    assert caches["k_cache_1"] == ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
+    full = ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
+    assert caches["k_cache_1"] == full
     expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
     continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
     for batch in (1, 3):
@@ -127,7 +128,7 @@ def test_fp16_engine_keeps_large_activations_finite(tiny, tmp_path):
         if name.endswith("post_feedforward_layernorm.weight"):
             tensors[name] *= 300
     save_file(tensors, weights)
-    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    reference = transformers.Gemma4ForConditionalGeneration.from_pretrained(target, dtype=torch.float32)
     prompt = torch.tensor([PROMPTS[2]])
     hidden = reference(input_ids=prompt, output_hidden_states=True).hidden_states
     assert max(h.abs().max() for h in hidden) > 300     # squares past fp16's 65504
@@ -157,7 +158,8 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
     assert result.quantized_layers["target"] == 6 * (2 + 3 + 1) + (2 * 2 + 2) + 1 + 1
     for batch in (1, 3):
         prompts = PROMPTS[:batch]
-        target_only = generate(OrtBackend(tmp_path), prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
+        target_only = generate(OrtBackend(tmp_path), prompts, max_new_tokens=MAX_NEW,
+                               speculative=False).token_ids
         oracle = OrtOracle(tmp_path, prompts, target_only)
         result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
         assert result.token_ids == target_only
@@ -173,15 +175,17 @@ def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
 
     from export.build import build
 
-    build(*map(str, tiny(arch=ARCH)), tmp_path, limits=Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8),
-          dtype="fp16", backend="trt-rtx", gpus=("sm89",), progress=False)
+    build(*map(str, tiny(arch=ARCH)), tmp_path,
+          limits=Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8), dtype="fp16", backend="trt-rtx",
+          gpus=("sm89",), progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     layers = len(manifest["target"]["gemma4"]["layer_types"])
     assert manifest["trt-rtx"]["plugin_layers"]["target"] == {"BlockAttention": layers}
     graph = onnx.load(tmp_path / "target.onnx", load_external_data=False).graph
     windows = [next(a.i for a in n.attribute if a.name == "window") for n in graph.node
                if n.op_type == "BlockAttention"]
-    assert windows == [4 if t == "sliding_attention" else 0 for t in manifest["target"]["gemma4"]["layer_types"]]
+    types = manifest["target"]["gemma4"]["layer_types"]
+    assert windows == [4 if t == "sliding_attention" else 0 for t in types]
 
 
 def _edited(tiny, tmp_path, arch=ARCH, draft=False, **fields):
