@@ -5,7 +5,9 @@ The target is a Qwen3 checkpoint as the hub ships it: ``config.json``, bf16 weig
 safetensors with ``model.safetensors.index.json``, tied embeddings where the release ties them.
 A Qwen3.6 (hybrid) preset is a ``Qwen3_5ForConditionalGeneration`` checkpoint: its text model
 under ``model.language_model.``, beside a few tensors of a vision tower and an MTP layer in their
-real shapes (the loader must skip them; their full size would only cost disk). ``--layers N``
+real shapes (the loader must skip them; their full size would only cost disk). The Gemma 4 12B
+preset is the release's ``Gemma4UnifiedForConditionalGeneration``, its vision and audio embedders
+beside the text model, with DeepSeek's Gemma 4 draft (``dspark_gemma4_12b_block7``) beside it. ``--layers N``
 keeps the first ``N`` layers of the release's pattern, a slice to build and time here.
 The draft has the shape of DeepSeek's released DSpark drafts (``deepseek-ai/dspark_qwen3_4b_block7``):
 a native DeepSpec config that is the target's with the DSpark fields overwritten
@@ -39,10 +41,11 @@ class Preset:
     vocab_size: int = 151936
     linear: dict | None = None   # a Qwen3.5 / 3.6 hybrid's gated-DeltaNet fields
     moe: dict | None = None      # a MoE target's expert fields
+    gemma4: dict | None = None   # a Gemma 4 target's fields beyond the dense decoder's
 
     def shape(self) -> dict:
         """The config fields that are plain numbers (not the family's groups)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("linear", "moe")}
+        return {k: v for k, v in asdict(self).items() if k not in ("linear", "moe", "gemma4")}
 
 
 # Qwen3.6-27B's config.json (text_config): 64 layers, every fourth full attention
@@ -54,6 +57,14 @@ QWEN3_6_A3B_MOE = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_
                        shared_expert_intermediate_size=512)
 # Qwen3-30B-A3B's: 48 layers, 128 experts (top 8, renormalised) of 768
 QWEN3_A3B_MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+# gemma-4-12B-it's text_config (Gemma4UnifiedForConditionalGeneration): 48 layers, five sliding (window
+# 1024, 8 KV heads of 256) to one full (1 KV head of 512, V = K, proportional RoPE); soft-capped logits
+GEMMA4_12B = dict(global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                  sliding_window=1024, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                  max_position_embeddings=262144, use_bidirectional_attention="vision",
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                                      "partial_rotary_factor": 0.25}})
 
 
 # the Qwen3 releases' config.json shapes
@@ -70,7 +81,11 @@ PRESETS = {
                               moe=QWEN3_6_A3B_MOE),
     "qwen3-30b-a3b": Preset(2048, 48, 32, 6144, tie_word_embeddings=False, num_key_value_heads=4,
                             moe=QWEN3_A3B_MOE),
+    "gemma4-12b": Preset(3840, 48, 16, 15360, tie_word_embeddings=True, num_key_value_heads=8, head_dim=256,
+                         vocab_size=262144, gemma4=GEMMA4_12B),
 }
+# DeepSeek's dspark_gemma4_12b_block7 (DeepSpec's config/dspark/dspark_gemma4_12b.py)
+GEMMA4_DRAFT = dict(taps=[5, 17, 29, 41, 46], mask_token_id=4)
 DRAFT_LAYERS, BLOCK_SIZE, MARKOV_RANK, MASK_TOKEN_ID = 5, 7, 256, 151669
 SHARD_SIZE = "4GB"   # the Qwen3 releases' shards are about this size
 SCALE = 0.02         # the releases' initializer_range: activations stay finite through every layer
@@ -94,6 +109,10 @@ def make_preset(out: Path, name: str, seed: int = 0, layers: int | None = None,
     import torch
 
     torch.manual_seed(seed)
+    if preset.gemma4:
+        target = _write_gemma4_target(out / "target", preset)
+        _write_gemma4_draft(out / "draft", target, full=layers is None)
+        return out / "target", out / "draft"
     write = _write_hybrid_target if preset.linear else _write_target   # Qwen3.5 / 3.6, or Qwen3 (-MoE)
     target = write(out / "target", preset)
     _write_draft(out / "draft", target)
@@ -110,7 +129,7 @@ def _random(shape, name: str) -> torch.Tensor:
     """bf16 weights as a release stores them: norms at one, matrices small and random."""
     import torch
 
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "layer_scalar")):
         return torch.ones(shape, dtype=torch.bfloat16)
     return torch.randn(shape, dtype=torch.bfloat16) * SCALE
 
@@ -177,6 +196,61 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
                "mtp.pre_fc_norm_embedding.weight": (preset.hidden_size,),
                "mtp.fc.weight": (preset.hidden_size, 2 * preset.hidden_size)}
     return _save(directory, shapes, config)["text_config"]
+
+
+def _write_gemma4_target(directory: Path, preset: Preset) -> dict:
+    """The ``Gemma4UnifiedForConditionalGeneration`` layout, its vision and audio embedders
+    beside the text model in their real shapes; a slice keeps the first layers of the 5:1
+    pattern and ends on a full layer, as ``transformers`` makes every Gemma 4 end. Returns the
+    text config."""
+    import torch
+    import transformers
+
+    layers = preset.num_hidden_layers
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    types[-1] = "full_attention"
+    text = transformers.Gemma4UnifiedTextConfig(
+        **preset.shape(), **preset.gemma4, layer_types=types, rms_norm_eps=1e-6, eos_token_id=1,
+        pad_token_id=0, bos_token_id=None, dtype="bfloat16")
+    config = transformers.Gemma4UnifiedConfig(text_config=text.to_dict(), tie_word_embeddings=True,
+                                              dtype="bfloat16",
+                                              architectures=["Gemma4UnifiedForConditionalGeneration"])
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in
+                  transformers.Gemma4UnifiedForConditionalGeneration(config).state_dict().items()}
+    shapes.pop("lm_head.weight")   # tied
+    return _save(directory, shapes, config)["text_config"]
+
+
+def _write_gemma4_draft(directory: Path, target: dict, full: bool) -> None:
+    """DeepSeek's Gemma 4 12B draft's shape: DeepSpec's config (the target's, ``build_draft_config``)
+    with 5 layers of the full attention's heads, block 7, its own embedding and ``lm_head``; its
+    taps where the release has them, spread over a slice."""
+    from huggingface_hub import save_torch_state_dict
+
+    from .checkpoint import match_config_mode
+    from .draft_config import gemma4_native_config, load_draft_config
+    from .draft_model import DraftStep
+
+    layers = target["num_hidden_layers"]
+    taps = GEMMA4_DRAFT["taps"] if full else (release_taps(layers) if layers >= 8 else
+                                              list(range(-1, layers - 1))[-5:])
+    config = gemma4_native_config(target, layers=DRAFT_LAYERS, block_size=BLOCK_SIZE, taps=taps,
+                                  mask_token_id=GEMMA4_DRAFT["mask_token_id"], markov_rank=MARKOV_RANK,
+                                  num_anchors=512)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    draft = load_draft_config(directory, layers, target["hidden_size"])
+    import torch
+
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in DraftStep(draft, target["vocab_size"], 1).state_dict().items()
+                  if name != "d2t"}
+    shapes |= {"confidence_head.proj.weight": (1, target["hidden_size"] + MARKOV_RANK),
+               "confidence_head.proj.bias": (1,)}
+    save_torch_state_dict({name: _random(shape, name) for name, shape in shapes.items()}, directory,
+                          max_shard_size=SHARD_SIZE)
+    match_config_mode(directory)
 
 
 def _per_expert(shapes: dict) -> dict:

@@ -119,3 +119,39 @@ def test_moe_preset_slices_store_experts_one_by_one_and_load(monkeypatch, tmp_pa
     target, _ = load_pair(target_dir, draft_dir)
     assert target.config.moe.num_experts == 4 and target.config.moe.sparse_layers == (True, True)
     assert target.layers[0].mlp.experts.gate_up_proj.shape == (4, 16, 64)
+
+
+def test_the_gemma4_12b_preset_has_the_released_shape():
+    """The release's 48 layers, 40 of them sliding, and a text model of the model card's 12B
+    (11.9B with its tied 262k-row embedding; the vision and audio embedders are the rest)."""
+    import transformers
+
+    p = presets.PRESETS["gemma4-12b"]
+    text = transformers.Gemma4UnifiedTextConfig(**p.shape(), **p.gemma4)
+    with torch.device("meta"):
+        model = transformers.Gemma4UnifiedForCausalLM(text)
+    count = sum(t.numel() for t in model.parameters())
+    assert 11.5e9 < count < 12.5e9, count
+    assert text.layer_types.count("sliding_attention") == 40
+
+
+def test_a_gemma4_preset_slice_is_the_unified_layout_with_deepspecs_draft(monkeypatch, tmp_path):
+    """The 12B preset (narrowed here), cut to 7 layers: the unified ForConditionalGeneration layout
+    with its vision and audio embedders, ending on a full layer; the draft DeepSpec's config with 5
+    layers of the full layers' heads and block 7."""
+    from dataclasses import replace
+
+    small = replace(presets.PRESETS["gemma4-12b"], hidden_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=1000,
+                    gemma4=dict(presets.GEMMA4_12B, global_head_dim=32))
+    monkeypatch.setitem(presets.PRESETS, "gemma4-12b", small)
+    cli.main(["make-tiny", str(tmp_path / "pair"), "--preset", "gemma4-12b", "--layers", "7"])
+    target_dir, draft_dir = tmp_path / "pair" / "target", tmp_path / "pair" / "draft"
+    config = json.loads((target_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma4UnifiedForConditionalGeneration"]
+    assert config["text_config"]["layer_types"][-2:] == ["full_attention"] * 2
+    draft_config = json.loads((draft_dir / "config.json").read_text())
+    assert draft_config["architectures"] == ["Gemma4DSparkModel"] and draft_config["block_size"] == 7
+    target, draft = load_pair(target_dir, draft_dir)
+    assert target.config.gemma4.sliding_window == 1024 and draft.k == 7
+    assert draft.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
