@@ -43,17 +43,20 @@ def check_kernels() -> str:
 
     g = torch.Generator().manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
-        for causal in (True, False):
+        # causal, non-causal, and a sliding window over a ring of W + 6 rows that has wrapped
+        for causal, window, capacity, start in ((True, 0, 512, [0, 100, 505]), (False, 0, 512, [0, 100, 505]),
+                                                (True, 64, 70, [3, 300, 5000])):
             q = torch.randn(3, 8, 7, 64, generator=g)
             k_new, v_new = (torch.randn(3, 2, 7, 64, generator=g) for _ in range(2))
-            caches = [torch.randn(3, 2, 512, 64, generator=g) for _ in range(2)]
-            start = torch.tensor([0, 100, 505])
-            expected, k_expected, _ = attention_reference(q, k_new, v_new, *caches, start, causal, 0.125)
+            caches = [torch.randn(3, 2, capacity, 64, generator=g) for _ in range(2)]
+            start = torch.tensor(start)
+            expected, k_expected, _ = attention_reference(q, k_new, v_new, *caches, start, causal, 0.125,
+                                                          window)
             on = [t.cuda().to(dtype) for t in (q, k_new, v_new, *caches)]
             out = torch.empty_like(on[0])
-            block_attention(*on, start.cuda(), out, causal=causal, scale=0.125)
+            block_attention(*on, start.cuda(), out, causal=causal, scale=0.125, window=window)
             error = (out.float().cpu() - expected).abs().max().item()
-            assert error < tolerance, f"block_attention {dtype} causal={causal}: error {error}"
+            assert error < tolerance, f"block_attention {dtype} causal={causal} window={window}: {error}"
             assert torch.equal(on[3].cpu(), k_expected.to(dtype)), "in-place K write"
     scores = torch.randn(4, 151936, generator=g)
     d2t, w1 = torch.zeros(151936, dtype=torch.long), torch.randn(151936, 256, generator=g)
@@ -96,7 +99,8 @@ def check_kernels() -> str:
                     workspace)
         error = ((out.float().cpu() - expected).abs().max() / expected.abs().max()).item()
         assert error < 2e-2, f"moe_experts, {tokens} tokens: relative error {error}"
-    return ("block_attention (fp32/fp16/bf16, causal and not), d2t_gather, gated_delta_rule and "
+    return ("block_attention (fp32/fp16/bf16, causal and not, a sliding window's ring), d2t_gather, "
+            "gated_delta_rule and "
             "moe_experts match the references")
 
 
