@@ -163,13 +163,19 @@ def _shape(tensor: dict) -> str:
     return ", ".join(str(s) for s in tensor["shape"])
 
 
-def _hybrid(target: dict) -> str:
-    """`` (3 gated-DeltaNet, 1 full attention)`` for a hybrid target, else nothing."""
-    if not target.get("linear"):
-        return ""
-    types = target["linear"]["layer_types"]
-    linear, full = types.count("linear_attention"), types.count("full_attention")
-    return f" ({linear} gated-DeltaNet, {full} full attention)"
+def _layer_kinds(target: dict) -> str:
+    """`` (3 gated-DeltaNet, 1 full attention)`` for a hybrid target, `` (5 sliding (window
+    1024), 1 full attention)`` for a Gemma 4 one, else nothing."""
+    if target.get("linear"):
+        types = target["linear"]["layer_types"]
+        linear, full = types.count("linear_attention"), types.count("full_attention")
+        return f" ({linear} gated-DeltaNet, {full} full attention)"
+    if target.get("gemma4"):
+        g = target["gemma4"]
+        shared = f", the last {g['kv_shared_layers']} reusing earlier K/V" if g["kv_shared_layers"] else ""
+        return (f" ({g['layer_types'].count('sliding_attention')} sliding (window {g['sliding_window']}), "
+                f"{g['layer_types'].count('full_attention')} full attention{shared})")
+    return ""
 
 
 def describe(manifest: dict) -> str:
@@ -178,7 +184,8 @@ def describe(manifest: dict) -> str:
     td = t["decoder"]
     lines = [
         f"target   {manifest['source']['target']['id']}",
-        f"         {t['architecture']}, {td['num_layers']} layers{_hybrid(t)}, hidden {td['hidden_size']}, "
+        f"         {t['architecture']}, {td['num_layers']} layers{_layer_kinds(t)}, "
+        f"hidden {td['hidden_size']}, "
         f"{td['num_heads']} heads / {td['num_kv_heads']} KV heads, vocab {t['vocab_size']}",
         f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
         f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
