@@ -11,8 +11,7 @@ import shutil
 
 import pytest
 import torch
-from test_greedy_invariant import OracleDrafts
-from test_hybrid import OrtOracle
+from test_hybrid import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 from export.checkpoint import CheckpointError
 from export.onnx_export import Limits
@@ -20,12 +19,9 @@ from export.pair import load_pair
 from export.target_model import every_row
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS
 
-MAX_NEW = 40
-CHUNK = 5                  # shorter than two of the prompts, which are longer than the window (4)
 ARCH = "gemma4-multimodal"
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
 CLASSES = {"gemma4": "Gemma4ForCausalLM", "gemma4-multimodal": "Gemma4ForConditionalGeneration",
@@ -55,23 +51,9 @@ def test_the_target_step_gives_transformers_logits(tiny, arch):
 
 
 def test_greedy_speculative_equals_target_only_and_transformers(tiny):
-    target_dir, draft_dir = tiny(arch=ARCH)
-    target, draft = load_pair(target_dir, draft_dir)
-    eos = target.config.eos_token_ids
-    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
-    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)   # the oracle's truth
-    for batch in (1, 3):
-        prompts = PROMPTS[:batch]
-        oracle = OracleDrafts(target, draft, prompts, continuations, max_prompt_chunk=CHUNK)
-        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos)
-        assert result.token_ids == expected[:batch]
-        rings = {c.shape[2] for c in oracle.target_cache}
-        assert rings == {target.config.gemma4.sliding_window + CHUNK - 1, 96}
-        if batch == 3:
-            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(draft.k + 1))
-        target_only = generate(TorchBackend(target, None, capacity=96, max_prompt_chunk=CHUNK), prompts,
-                               max_new_tokens=MAX_NEW, eos_token_ids=eos)
-        assert target_only.token_ids == expected[:batch]
+    oracle = check_torch_invariant(*tiny(arch=ARCH))
+    rings = {c.shape[2] for c in oracle.target_cache}
+    assert rings == {oracle.target.config.gemma4.sliding_window + CHUNK - 1, 96}
 
 
 def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
@@ -89,18 +71,7 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     assert caches["k_cache_0"][2] == layout["sliding_window"] + max(CHUNK, k + 1) - 1
     full = ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
     assert caches["k_cache_1"] == full
-    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
-    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
-    for batch in (1, 3):
-        prompts = PROMPTS[:batch]
-        oracle = OrtOracle(engine, prompts, continuations)
-        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=oracle.limits.eos_token_ids)
-        assert result.token_ids == expected[:batch]
-        if batch == 3:
-            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(k + 1))
-        target_only = generate(oracle, prompts, max_new_tokens=MAX_NEW, speculative=False,
-                               eos_token_ids=oracle.limits.eos_token_ids)
-        assert target_only.token_ids == expected[:batch]
+    check_engine_invariant(engine, target_dir)
 
 
 def _copy(source, root):

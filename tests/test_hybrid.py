@@ -25,9 +25,10 @@ CHUNK = 5   # shorter than two of the prompts: the state crosses prefill chunks
 ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculative_equals_target_only_and_transformers(tiny, arch):
-    target_dir, draft_dir = tiny(arch=arch)
+def check_torch_invariant(target_dir, draft_dir) -> OracleDrafts:
+    """Greedy speculative == target-only == ``transformers`` ``generate`` in PyTorch, batch 1 and
+    3, over ``CHUNK``-row prefill chunks, with oracle drafts that take every acceptance count at
+    batch 3; returns that batch's backend."""
     target, draft = load_pair(target_dir, draft_dir)
     eos = target.config.eos_token_ids
     expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
@@ -42,6 +43,12 @@ def test_greedy_speculative_equals_target_only_and_transformers(tiny, arch):
         target_only = generate(TorchBackend(target, None, capacity=96, max_prompt_chunk=CHUNK), prompts,
                                max_new_tokens=MAX_NEW, eos_token_ids=eos)
         assert target_only.token_ids == expected[:batch]
+    return oracle
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculative_equals_target_only_and_transformers(tiny, arch):
+    check_torch_invariant(*tiny(arch=arch))
 
 
 def _copy(source, root):
@@ -172,8 +179,12 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     prompts. One pair with every feature: Qwen3.5-MoE in the multimodal layout (Qwen3-MoE runs the
     same expert op beside the dense attention the other engine tests cover)."""
     arch = "qwen3_5_moe-multimodal"
-    target_dir, _ = tiny(arch=arch)
-    engine = engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch)
+    check_engine_invariant(engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch),
+                           tiny(arch=arch)[0])
+
+
+def check_engine_invariant(engine, target_dir) -> None:
+    """``check_torch_invariant`` on an engine directory, through ONNX Runtime."""
     expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
     continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
     for batch in (1, 3):
