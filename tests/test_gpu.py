@@ -15,9 +15,10 @@ LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
 # hybrid targets too: their state banks are captured by address like the KV caches, and the MoE
-# op runs its Triton kernel (no host sync) on CUDA
+# op runs its Triton kernel (no host sync) on CUDA; and Gemma 4, its sliding layers' rings
 CASES = {**ENGINE_CASES, "qwen3_5-multimodal": dict(arch="qwen3_5-multimodal"),
-         "qwen3_5_moe-multimodal": dict(arch="qwen3_5_moe-multimodal")}
+         "qwen3_5_moe-multimodal": dict(arch="qwen3_5_moe-multimodal"),
+         "gemma4-multimodal": dict(arch="gemma4-multimodal")}
 
 
 @pytest.mark.parametrize("case", CASES)
