@@ -51,7 +51,14 @@ def init_layers(spec: DistillSpec, num_layers: int) -> list[int]:
 
 
 def num_target_layers(target_dir: Path) -> int:
-    return load_target_config(target_dir).decoder.num_layers
+    """The target's layer count; a Gemma 4 target is refused: its draft is DeepSpec's
+    ``Gemma4DSparkModel``, which ``distill`` does not train yet (it trains Qwen3 backbones)."""
+    config = load_target_config(target_dir)
+    if config.gemma4 is not None:
+        raise ValueError(f"{target_dir}: a {config.architecture} target's draft is a Gemma4DSparkModel, "
+                         f"which distill does not train yet; train it with DeepSpec and load it with "
+                         f"`python -m export build`")
+    return config.decoder.num_layers
 
 
 def draft_config(target_dir: Path, target: TargetStep, spec: DistillSpec, taps: tuple[int, ...],

@@ -181,6 +181,13 @@ def test_bad_options_are_refused(tiny, prompts_file, tmp_path, case, message):
         _distill(tiny()[0], tmp_path / "draft", prompts_file, *case)
 
 
+def test_a_gemma4_target_is_refused_in_one_line(tiny, prompts_file, tmp_path):
+    """Its draft is DeepSpec's Gemma4DSparkModel, which distill does not train."""
+    with pytest.raises(SystemExit, match="a Gemma4ForConditionalGeneration target's draft is a "
+                                         "Gemma4DSparkModel, which distill does not train yet"):
+        _distill(tiny(arch="gemma4-multimodal")[0], tmp_path / "draft", prompts_file)
+
+
 @pytest.mark.parametrize("options, sources", [([], [3]), (["--init-layer", "-2", "--layers", "2"], [1, 2]),
                                               (["--init-layer", "random"], [])])
 def test_draft_layers_start_from_the_targets_last_ones(tiny, prompts_file, tmp_path, options, sources):
