@@ -21,7 +21,7 @@ from .target_config import MULTIMODAL, TargetConfig, load_target_config
 # a multimodal checkpoint's text weights, and the towers and MTP layer the text model ignores
 TEXT_PREFIX = dict.fromkeys(MULTIMODAL, "model.language_model.")
 IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-           "model.embed_audio.")
+           "model.embed_audio.", "model.vision_embedder.", "model.audio_embedder.")
 
 
 class TargetStep(nn.Module):
@@ -153,7 +153,8 @@ def _check_unused(left: dict[str, torch.Tensor], layout, directory: Path) -> Non
     would otherwise be dropped without a word."""
     ignored = tuple(f"layers.{i}.self_attn.{part}." for i in range(len(layout.layer_types))
                     if layout.kv_source(i) != i for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
-    unused = sorted(name for name in left if not name.startswith(ignored))
+    # a multimodal checkpoint's other parts keep their prefix: only the text model's are checked
+    unused = sorted(name for name in left if not name.startswith((*ignored, "model.")))
     if unused:
         shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
         raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
