@@ -6,6 +6,7 @@ capped logits. The module against ``transformers``' own class; greedy speculativ
 and than the window, with oracle drafts so that every acceptance count rolls the rings back; the
 engines (ONNX Runtime fp32, fp16 and int4, TensorRT-RTX built on the CPU); bad configs. The draft
 against DeepSpec's own code: ``test_golden.py``."""
+import importlib.util
 import json
 import shutil
 
@@ -115,18 +116,32 @@ def test_fp16_engine_keeps_large_activations_finite(tiny, tmp_path):
     assert generate(oracle, PROMPTS, max_new_tokens=MAX_NEW).token_ids == target_only
 
 
-def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
+def test_int4_engine_speculative_equals_target_only_and_its_tensorrt_rtx_engine_builds(tiny, tmp_path):
     """Quantized projections (the per-layer input ones included; the full layers' single K = V
     projection): speculative output with every acceptance count equals target-only output on the
-    same engine, batch 1 and 3."""
+    ONNX Runtime engine, batch 1 and 3. Its TensorRT-RTX engine, built on the CPU, has a
+    BlockAttention plugin per layer (a shared layer's too, over its source's caches), the sliding
+    ones with their window."""
+    import onnx
+
     from export.build import build
 
     target_dir, draft_dir = tiny(arch=ARCH)
-    result = build(str(target_dir), str(draft_dir), tmp_path, limits=LIMITS, weights="int4", progress=False)
+    trt = importlib.util.find_spec("tensorrt_rtx") is not None
+    result = build(str(target_dir), str(draft_dir), tmp_path, limits=LIMITS, weights="int4", progress=False,
+                   **(dict(backend="trt-rtx", gpus=("sm89",)) if trt else {}))
     # per layer q, o, the MLP's three and the per-layer input gate (its 8-wide projection is
     # narrower than a block: float); k and v of the two sliding layers that own them, k of the two
     # full ones (V = K); the per-layer model projection; lm_head
     assert result.quantized_layers["target"] == 6 * (2 + 3 + 1) + (2 * 2 + 2) + 1 + 1
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    types = manifest["target"]["gemma4"]["layer_types"]
+    graph = onnx.load(tmp_path / "target.onnx", load_external_data=False).graph
+    windows = [next(a.i for a in n.attribute if a.name == "window") for n in graph.node
+               if n.op_type == "BlockAttention"]
+    assert windows == [4 if t == "sliding_attention" else 0 for t in types]
+    if trt:
+        assert manifest["trt-rtx"]["plugin_layers"]["target"] == {"BlockAttention": len(types)}
     for batch in (1, 3):
         prompts = PROMPTS[:batch]
         target_only = generate(OrtBackend(tmp_path), prompts, max_new_tokens=MAX_NEW,
@@ -136,27 +151,6 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
         assert result.token_ids == target_only
         if batch == 3:
             assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
-
-
-def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
-    """fp16; every layer's attention a BlockAttention plugin (a shared layer's too, over its
-    source's caches), the sliding ones with their window."""
-    pytest.importorskip("tensorrt_rtx")
-    import onnx
-
-    from export.build import build
-
-    build(*map(str, tiny(arch=ARCH)), tmp_path,
-          limits=Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8), dtype="fp16", backend="trt-rtx",
-          gpus=("sm89",), progress=False)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    layers = len(manifest["target"]["gemma4"]["layer_types"])
-    assert manifest["trt-rtx"]["plugin_layers"]["target"] == {"BlockAttention": layers}
-    graph = onnx.load(tmp_path / "target.onnx", load_external_data=False).graph
-    windows = [next(a.i for a in n.attribute if a.name == "window") for n in graph.node
-               if n.op_type == "BlockAttention"]
-    types = manifest["target"]["gemma4"]["layer_types"]
-    assert windows == [4 if t == "sliding_attention" else 0 for t in types]
 
 
 def _edited(tiny, tmp_path, arch=ARCH, draft=False, **fields):
