@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q "$@"
+# the slowest tests' times in the log: what to look at when the suite nears CI's time budget
+.venv/bin/python -m pytest -q --durations=25 "$@"
