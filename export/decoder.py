@@ -109,6 +109,10 @@ class DecoderConfig:
         inv_freq, scaling = rope_parameters(config, int(head_dim * factor) if partial_rotary else head_dim)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
+        kv_heads = config.num_key_value_heads or config.num_attention_heads
+        if config.num_attention_heads % kv_heads:
+            raise ValueError(f"field 'num_key_value_heads' = {kv_heads}: expected a divisor of "
+                             f"num_attention_heads ({config.num_attention_heads})")
         if not is_positive_number(config.rms_norm_eps):
             raise ValueError(f"field 'rms_norm_eps' = {config.rms_norm_eps!r}: expected a number > 0")
         return cls(

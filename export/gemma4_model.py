@@ -342,6 +342,11 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
     full = types.index(FULL) if FULL in types else None
     sliding_config = hf.per_layer_config[sliding if sliding is not None else full]
     full_config = hf.per_layer_config[full if full is not None else sliding]
+    for field, layer in (("num_key_value_heads", sliding_config),
+                         ("num_global_key_value_heads", full_config)):
+        if hf.num_attention_heads % layer.num_key_value_heads:
+            raise ValueError(f"field '{field}' = {layer.num_key_value_heads}: expected a divisor of "
+                             f"num_attention_heads ({hf.num_attention_heads})")
     sliding_freq, sliding_scaling = frequencies.get(SLIDING, ((), 1.0))
     full_freq, full_scaling = frequencies.get(FULL, ((), 1.0))
     decoder = DecoderConfig(

@@ -508,6 +508,16 @@ def test_target_field_of_the_wrong_type_or_range_is_named(tiny, tmp_path, field,
     one_line_naming(err)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4-multimodal"])
+def test_kv_heads_that_do_not_divide_the_heads_are_named(tiny, tmp_path, arch):
+    """4 query heads over 3 KV heads: attention would fail deep in a build (a Qwen3 of width 3840
+    with 30 heads over 8 did)."""
+    target, draft = copy_pair(tiny, tmp_path, arch=arch)
+    edit_config(target, lambda c: c.get("text_config", c).update(num_key_value_heads=3))
+    err = refused(lambda: load_pair(target, draft), target / "config.json", "field 'num_key_value_heads' = 3")
+    one_line_naming(err, "expected a divisor of num_attention_heads (4)")
+
+
 def test_target_missing_shape_field_is_named(tiny, tmp_path):
     target, draft = copy_pair(tiny, tmp_path)
     edit_config(target, drop("num_hidden_layers"))
