@@ -22,7 +22,7 @@ Parameters are named as ``transformers`` names them, so checkpoints load as they
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -223,9 +223,8 @@ class Gemma4TargetStep(nn.Module):
                         d.attention_bias, g.per_layer_input_size) for i in range(d.num_layers))
         self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
-        self.rotary = nn.ModuleDict({SLIDING: Rotary(d), FULL: Rotary(DecoderConfig(
-            **{**d.__dict__, "rope_inv_freq": g.full_rope_inv_freq,
-               "rope_attention_scaling": g.full_rope_attention_scaling}))})
+        self.rotary = nn.ModuleDict({SLIDING: Rotary(d), FULL: Rotary(replace(
+            d, rope_inv_freq=g.full_rope_inv_freq, rope_attention_scaling=g.full_rope_attention_scaling))})
         if g.per_layer_input_size:
             width = d.num_layers * g.per_layer_input_size
             self.embed_tokens_per_layer = ScaledEmbedding(g.per_layer_vocab_size, width,

@@ -198,6 +198,13 @@ def _write_hybrid_target(directory: Path, preset: Preset) -> dict:
     return _save(directory, shapes, config)["text_config"]
 
 
+def gemma4_layer_types(layers: int) -> list[str]:
+    """The release's 5:1 sliding:full pattern over ``layers``, ending on a full layer as
+    ``transformers`` makes every Gemma 4 end."""
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    return [*types[:-1], "full_attention"]
+
+
 def _write_gemma4_target(directory: Path, preset: Preset) -> dict:
     """The ``Gemma4UnifiedForConditionalGeneration`` layout, its vision and audio embedders
     beside the text model in their real shapes; a slice keeps the first layers of the 5:1
@@ -206,11 +213,9 @@ def _write_gemma4_target(directory: Path, preset: Preset) -> dict:
     import torch
     import transformers
 
-    layers = preset.num_hidden_layers
-    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-    types[-1] = "full_attention"
     text = transformers.Gemma4UnifiedTextConfig(
-        **preset.shape(), **preset.gemma4, layer_types=types, rms_norm_eps=1e-6, eos_token_id=1,
+        **preset.shape(), **preset.gemma4, layer_types=gemma4_layer_types(preset.num_hidden_layers),
+        rms_norm_eps=1e-6, eos_token_id=1,
         pad_token_id=0, bos_token_id=None, dtype="bfloat16")
     config = transformers.Gemma4UnifiedConfig(text_config=text.to_dict(), tie_word_embeddings=True,
                                               dtype="bfloat16",

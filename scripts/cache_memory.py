@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export import gemma4_model  # noqa: E402
 from export.manifest import call_rows  # noqa: E402
-from export.presets import PRESETS  # noqa: E402
+from export.presets import PRESETS, gemma4_layer_types  # noqa: E402
 from export.target_config import load_target_config  # noqa: E402
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -29,10 +29,8 @@ def preset_config(name: str):
     import transformers
 
     preset = PRESETS[name]
-    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-             for i in range(preset.num_hidden_layers)]
-    types[-1] = "full_attention"
-    text = transformers.Gemma4UnifiedTextConfig(**preset.shape(), **preset.gemma4, layer_types=types)
+    text = transformers.Gemma4UnifiedTextConfig(**preset.shape(), **preset.gemma4,
+                                                layer_types=gemma4_layer_types(preset.num_hidden_layers))
     outer = transformers.Gemma4UnifiedConfig(text_config=text.to_dict(),
                                              architectures=["Gemma4UnifiedForConditionalGeneration"])
     with tempfile.TemporaryDirectory() as directory:
