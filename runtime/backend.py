@@ -85,6 +85,15 @@ def capacity_needed(prompt_tokens: int, max_new_tokens: int, limits: BackendLimi
     return prompt_tokens + max_new_tokens + lookahead
 
 
+def check_whole_pool(slots: list[int] | None, pool: int, backend: str) -> None:
+    """A backend whose captured CUDA graphs hold the whole pool's caches runs every slot in order
+    (``slots`` None or ``0 .. pool - 1``)."""
+    if slots is not None and list(slots) != list(range(pool)):
+        raise ValueError(f"slots {list(slots)}: {backend} runs every slot of its pool of {pool} "
+                         f"together (its CUDA graphs hold their caches); steps on some of the slots "
+                         f"run on --backend ort or torch")
+
+
 class Backend(Protocol):
     """What ``Decoding`` drives. Tensors live on ``device``; ``host_threads`` is how many threads
     the loop's own torch work may use between calls (None: leave torch's setting);
@@ -95,19 +104,25 @@ class Backend(Protocol):
     default_batch: int | None
 
     def start(self, batch: int) -> None:
-        """Empty caches for ``batch`` sequences."""
+        """Empty caches for a pool of ``batch`` slots, one sequence each."""
+
+    def clear(self, slot: int) -> None:
+        """Empty caches for ``slot`` alone: a new sequence starts there, the others go on."""
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None,
-                    state_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    state_rows: torch.Tensor | None = None,
+                    slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [B, L]`` at positions ``start [B] ..`` -> ``(logits [B, R, V]`` at the
-        ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows). A hybrid target
-        (``limits.state_slots > 0``) starts each sequence's recurrent state from slot
-        ``state_slot [B]`` and keeps in slot ``j`` the state after row ``state_rows [B, J]``
-        (``-1``: before the call), and needs both; other targets ignore them."""
+        ``logit_rows [B, R]``, ``aux [B, L, T * H]`` the draft's context rows). Batch row ``b``
+        reads and writes the caches of slot ``slots[b]`` (None: slot ``b`` of every slot).
+        A hybrid target (``limits.state_slots > 0``) starts each sequence's recurrent state from
+        its state slot ``state_slot [B]`` and keeps in state slot ``j`` the state after row
+        ``state_rows [B, J]`` (``-1``: before the call), and needs both; other targets ignore
+        them."""
 
     def draft_step(self, ctx_aux: torch.Tensor, ctx_start: torch.Tensor, ctx_count: torch.Tensor,
-                   anchor: torch.Tensor, temperature: torch.Tensor,
-                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   anchor: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor,
+                   slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """New context rows and the anchors -> ``(drafts [B, k]`` (target ids), ``q [B, k, V_target]``
-        the distributions they were drawn from)."""
+        the distributions they were drawn from); ``slots`` as for ``target_step``."""

@@ -108,50 +108,60 @@ class OrtBackend(EngineBackend):
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
-        """Fresh zeroed caches for each of ``batch`` sequences, bound in place to both graphs:
-        ``bindings[b][graph]`` is sequence ``b``'s."""
-        import onnxruntime as ort
-
+        """Fresh zeroed caches for each of ``batch`` slots, bound in place to both graphs:
+        ``bindings[slot][graph]`` is that slot's."""
         self.limits.check_batch(batch)
-        self.bindings = []
-        for _ in range(batch):
-            bindings = {}
-            for name, session in self.sessions.items():
-                binding = session.io_binding()
-                for cache in self.manifest["graphs"][name]["inputs"]:
-                    if is_cache(cache["name"]):
-                        shape = [1 if s == "batch" else s for s in cache["shape"]]
-                        value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._numpy(cache)))
-                        binding.bind_ortvalue_input(cache["name"], value)
-                        binding.bind_ortvalue_output(cache_output(cache["name"]), value)
-                bindings[name] = binding
-            self.bindings.append(bindings)
+        self.bindings = [self._fresh_bindings() for _ in range(batch)]
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
 
+    def clear(self, slot: int) -> None:
+        """Fresh zeroed caches for ``slot`` alone (a new sequence there; the others keep theirs)."""
+        self.bindings[slot] = self._fresh_bindings()
+        self._bound.clear()
+
+    def _fresh_bindings(self) -> dict:
+        """One slot's ``IOBinding`` per graph, its caches zeroed ``OrtValue``s bound as both the
+        cache input and the cache output."""
+        import onnxruntime as ort
+
+        bindings = {}
+        for name, session in self.sessions.items():
+            binding = session.io_binding()
+            for cache in self.manifest["graphs"][name]["inputs"]:
+                if is_cache(cache["name"]):
+                    shape = [1 if s == "batch" else s for s in cache["shape"]]
+                    value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._numpy(cache)))
+                    binding.bind_ortvalue_input(cache["name"], value)
+                    binding.bind_ortvalue_output(cache_output(cache["name"]), value)
+            bindings[name] = binding
+        return bindings
+
     def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...],
-             sizes: dict[str, int]):
-        """Copy ``feeds [B, ...]`` into this shape's input buffers, run each sequence on its rows
-        of them, and return the output buffers as tensors. Buffers are made and bound once per
-        shape; a step that repeats the previous shape (every decode step) only copies its small
-        inputs."""
+             sizes: dict[str, int], slots: list[int] | None = None):
+        """Copy ``feeds [B, ...]`` into this shape's input buffers, run each batch row ``b`` on
+        the caches of slot ``slots[b]`` (default: slot ``b``) and its rows of the buffers, and
+        return the output buffers as tensors. Buffers are made once per shape and bound again only
+        when the shape or the slots change; a step that repeats the previous one (every decode
+        step) only copies its small inputs."""
+        slots = list(range(len(self.bindings))) if slots is None else list(slots)
         key = (graph, *sizes.values())
         if key not in self._buffers:
             self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
         inputs, results = self._buffers[key]
-        if self._bound.get(graph) != key:
-            for sequence, bindings in enumerate(self.bindings):
-                binding = bindings[graph]
+        if self._bound.get(graph) != (key, slots):
+            for row, slot in enumerate(slots):
+                binding = self.bindings[slot][graph]
                 for name, buffer in (*inputs.items(), *zip(outputs, results)):
                     bind = binding.bind_input if name in inputs else binding.bind_output
                     bind(name, "cpu", 0, buffer.dtype, [1, *buffer.shape[1:]],
-                         buffer.ctypes.data + sequence * buffer.strides[0])
-            self._bound[graph] = key
+                         buffer.ctypes.data + row * buffer.strides[0])
+            self._bound[graph] = (key, slots)
         for name, tensor in feeds.items():
             np.copyto(inputs[name], tensor.numpy(), casting="same_kind")
         session = self.sessions[graph]
-        for bindings in self.bindings:
-            session.run_with_iobinding(bindings[graph])
+        for slot in slots:
+            session.run_with_iobinding(self.bindings[slot][graph])
         return [torch.from_numpy(buffer) for buffer in results]
 
     def _make_buffers(self, graph, feeds, outputs, sizes):
@@ -169,7 +179,8 @@ class OrtBackend(EngineBackend):
         return {**NUMPY_DTYPES, "int64": np.int64}[tensor["dtype"]]
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
-                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
+                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
+                    slots: list[int] | None = None):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
         if int(start.max()) + 1 < self.limits.capacity:
@@ -183,11 +194,11 @@ class OrtBackend(EngineBackend):
             self.limits.check_states(state_rows)
             feeds |= {"state_slot": state_slot, "state_rows": state_rows}
             sizes["state_rows"] = state_rows.shape[1]
-        logits, aux = self._run("target", feeds, ("logits", "aux"), sizes)
+        logits, aux = self._run("target", feeds, ("logits", "aux"), sizes, slots)
         return logits[:, :wanted], aux[:, :rows]
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,
                      temperature=temperature, noise=noise)
         return self._run("draft", feeds, ("tokens", "q"),
-                         {"batch": anchor.shape[0], "ctx_rows": ctx_aux.shape[1]})
+                         {"batch": anchor.shape[0], "ctx_rows": ctx_aux.shape[1]}, slots)

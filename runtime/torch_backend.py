@@ -15,7 +15,7 @@ from export.draft_model import DraftStep
 from export.pair import load_pair
 from export.target_model import TargetStep
 
-from .backend import BackendLimits
+from .backend import BackendLimits, check_whole_pool
 
 
 class TorchBackend:
@@ -80,29 +80,53 @@ class TorchBackend:
             caches["draft"] = self.draft.empty_cache(batch, self.limits.capacity)
         return caches
 
+    def clear(self, slot: int) -> None:
+        """Zero ``slot``'s caches (a new sequence there; the others keep theirs)."""
+        if self.caches is None:
+            caches = [*self.target_cache, *self.draft_cache]
+        else:
+            caches = [*self.caches["target"], *(self.caches["draft"] if self.draft is not None else [])]
+        for cache in caches:
+            cache[slot].zero_()
+
     @torch.no_grad()
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
-                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None):
+                    state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
+                    slots: list[int] | None = None):
         inputs = [input_ids, start, logit_rows]
         if self.limits.state_slots:   # a hybrid target's recurrent-state slots
             self.limits.check_states(state_rows)
             inputs += [state_slot, state_rows]
         if self.graphs is not None:
+            check_whole_pool(slots, self.caches.batch, "torch-cuda")
             batch, rows = input_ids.shape
             return self.graphs("target", {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
                                inputs)
-        logits, aux, *self.target_cache = self.target(*inputs, *self.target_cache)
+        logits, aux = self._eager(self.target, self.target_cache, inputs, slots)
         return logits, aux
 
     @torch.no_grad()
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+        inputs = [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise]
         if self.graphs is not None:
+            check_whole_pool(slots, self.caches.batch, "torch-cuda")
             batch, rows = ctx_aux.shape[:2]
-            return self.graphs("draft", {"batch": batch, "ctx_rows": rows},
-                               [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise])
-        tokens, q, *self.draft_cache = self.draft(ctx_aux, ctx_start, ctx_count, anchor,
-                                                  temperature, noise, *self.draft_cache)
+            return self.graphs("draft", {"batch": batch, "ctx_rows": rows}, inputs)
+        tokens, q = self._eager(self.draft, self.draft_cache, inputs, slots)
         return tokens, q
+
+    @staticmethod
+    def _eager(module, caches: list[torch.Tensor], inputs: list, slots: list[int] | None):
+        """``module`` on ``inputs``, batch row ``b`` on the caches of slot ``slots[b]`` (default:
+        every slot in order): those slots' caches are gathered, and the new ones written back."""
+        if slots is None:
+            first, second, *caches[:] = module(*inputs, *caches)
+            return first, second
+        index = torch.tensor(slots, device=caches[0].device)
+        first, second, *new = module(*inputs, *[cache[index] for cache in caches])
+        for cache, value in zip(caches, new):
+            cache[index] = value
+        return first, second
 
     def _step_in_place(self, which: str, *inputs):
         """One step that writes its new caches back into the current ones (graph capture needs

@@ -19,6 +19,7 @@ from export.manifest import cache_output, is_cache
 from export.trt_build import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
+from .backend import check_whole_pool
 from .cuda_graphs import Caches, GraphCache, Sizes
 from .engine_backend import EngineBackend
 
@@ -103,7 +104,13 @@ class TrtBackend(EngineBackend):
         if self.caches.start(batch):   # graphs captured the old caches' addresses
             self.graphs.clear()
 
-    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None):
+    def clear(self, slot: int) -> None:
+        for tensors in self.caches.full.values():
+            for tensor in tensors:
+                tensor[slot].zero_()
+
+    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None, slots=None):
+        check_whole_pool(slots, self.caches.batch, "trt")
         batch, rows = input_ids.shape
         sizes = {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]}
         inputs = [input_ids, start, logit_rows]
@@ -113,7 +120,8 @@ class TrtBackend(EngineBackend):
             sizes["state_rows"] = state_rows.shape[1]
         return self._run("target", inputs, sizes)
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+        check_whole_pool(slots, self.caches.batch, "trt")
         batch, rows = ctx_aux.shape[:2]
         return self._run("draft", [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise],
                          {"batch": batch, "ctx_rows": rows})

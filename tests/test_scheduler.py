@@ -1,0 +1,140 @@
+"""Continuous batching (``runtime/scheduler.py``): requests that join and leave a running pool get
+exactly what they get alone, on ONNX Runtime (an engine's own slots) and on the PyTorch reference
+(slots gathered from its batched caches)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from export.onnx_export import Limits
+from export.pair import load_pair
+from runtime.ort_backend import OrtBackend
+from runtime.scheduler import Params, Scheduler
+from runtime.torch_backend import TorchBackend
+
+from conftest import PROMPTS, hf_greedy
+
+LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=5)
+MAX_NEW = 30
+# longer than a prefill chunk, and more of them than the pool has slots
+REQUESTS = [*PROMPTS, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [7, 9], [44, 45, 46, 47, 48, 49]]
+
+
+def oracle(backend_class):
+    """``backend_class`` whose draft proposes a random-length prefix of each slot's request's true
+    greedy continuation (after running the real draft), so that every acceptance length is taken."""
+
+    class SlotOracle(backend_class):
+        def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+            tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
+                                           slots=slots)
+            tokens = tokens.clone()
+            for b, (slot, pos) in enumerate(zip(slots, (ctx_start + ctx_count).tolist())):
+                request = self.scheduler.slots[slot]
+                truth = self.truth[tuple(request.prompt)][pos - len(request.prompt) + 1:]
+                right = min(self.rng.randint(0, self.limits.k), len(truth))
+                tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
+            return tokens, q
+
+    return SlotOracle
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tiny):
+    return tiny(arch="qwen3")
+
+
+@pytest.fixture(scope="module")
+def truth(pair_dirs):
+    return {"greedy": hf_greedy(pair_dirs[0], REQUESTS, MAX_NEW),
+            "continuation": hf_greedy(pair_dirs[0], REQUESTS, MAX_NEW, eos=None)}
+
+
+def _backend(kind, pair_dirs, engine_dir, oracle_drafts=False):
+    if kind == "ort":
+        cls = oracle(OrtBackend) if oracle_drafts else OrtBackend
+        return cls(engine_dir(LIMITS, arch="qwen3"))
+    cls = oracle(TorchBackend) if oracle_drafts else TorchBackend
+    return cls(*load_pair(*pair_dirs), capacity=LIMITS.max_seq_len, max_batch=LIMITS.max_batch,
+               max_prompt_chunk=LIMITS.max_prompt_chunk)
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_requests_joining_and_leaving_get_their_own_greedy_output(kind, pair_dirs, engine_dir, truth):
+    """Six requests through three slots: submitted at different steps, each with its own
+    ``max_new_tokens``, speculation on for most and off for two, one cancelled mid-run. Each
+    gets the target's own greedy output (``transformers``'), and the drafts are really accepted."""
+    backend = _backend(kind, pair_dirs, engine_dir, oracle_drafts=True)
+    backend.truth = {tuple(p): c for p, c in zip(REQUESTS, truth["continuation"])}
+    backend.rng = random.Random(0)
+    scheduler = backend.scheduler = Scheduler(backend)
+    budgets = [MAX_NEW, 12, MAX_NEW, 7, MAX_NEW, 20]
+    joins = [0, 0, 2, 3, 9, 9]                      # the step each request is submitted at
+    requests, cancelled, step = {}, None, 0
+    while len(requests) < len(REQUESTS) or scheduler.busy:
+        for i, at in enumerate(joins):
+            if at == step:
+                requests[i] = scheduler.submit(REQUESTS[i], Params(max_new_tokens=budgets[i],
+                                                                   speculative=i not in (1, 4)))
+        if step == 6:   # a request in the middle of its decoding
+            cancelled = requests[2]
+            scheduler.cancel(cancelled)
+        scheduler.step()
+        step += 1
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < MAX_NEW
+    for i, request in requests.items():
+        expected = truth["greedy"][i][:budgets[i]]
+        if request is not cancelled:
+            assert request.token_ids == expected, f"request {i}"
+            assert request.finish_reason == ("stop" if expected[-1] == 1 else "length")
+        else:
+            assert request.token_ids == expected[:len(request.token_ids)]
+    accepted = [requests[i].stats for i in (0, 3, 5)]
+    assert sum(s.accepted_tokens for s in accepted) > sum(s.steps for s in accepted)   # tau > 2
+    assert requests[1].stats.accepted_tokens == requests[4].stats.accepted_tokens == 0
+
+
+def test_a_seeded_request_samples_the_same_alone_and_among_others(pair_dirs, engine_dir):
+    """ONNX Runtime computes each slot on its own and each request draws from its own generator:
+    a sampled request's tokens do not depend on what else runs, and another seed changes them."""
+    backend = _backend("ort", pair_dirs, engine_dir)
+    sampled = Params(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=7)
+
+    def run(seed, neighbours):
+        scheduler = Scheduler(backend)
+        others = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW, temperature=0.7, seed=i))
+                  for i, p in enumerate(REQUESTS[:neighbours])]
+        scheduler.step()
+        mine = scheduler.submit(REQUESTS[3], Params(**{**vars(sampled), "seed": seed}))
+        scheduler.run()
+        assert all(o.finished for o in others)
+        return mine.token_ids
+
+    alone = run(7, 0)
+    assert run(7, 4) == alone
+    assert run(8, 0) != alone
+
+
+def test_a_request_that_cannot_fit_is_refused_by_name(pair_dirs, engine_dir):
+    scheduler = Scheduler(_backend("ort", pair_dirs, engine_dir))
+    with pytest.raises(ValueError, match=r"request 3 has 90 tokens: .* capacity is 96"):
+        scheduler.submit(list(range(5, 95)), Params(max_new_tokens=8), name="request 3")
+    with pytest.raises(ValueError, match="max_new_tokens 0: expected at least 1"):
+        scheduler.submit([5, 6], Params(max_new_tokens=0))
+    assert not scheduler.busy
+
+
+def test_a_slot_reused_by_a_hybrid_target_starts_from_a_clear_state(tiny):
+    """One slot, two requests in turn: the second's recurrent states start from zero, not from
+    where the first left them."""
+    target_dir, draft_dir = tiny(arch="qwen3_5")
+    prompts = [REQUESTS[0], REQUESTS[4]]   # a short second prompt: what it inherits has not decayed
+    expected = hf_greedy(target_dir, prompts, 12)
+    backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=LIMITS.max_seq_len, max_batch=1,
+                           max_prompt_chunk=LIMITS.max_prompt_chunk)
+    scheduler = Scheduler(backend)
+    requests = [scheduler.submit(p, Params(max_new_tokens=12)) for p in prompts]
+    scheduler.run()
+    assert [r.token_ids for r in requests] == expected
