@@ -16,43 +16,19 @@ one sequence per call) its sampled output is then the same too.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from .backend import Backend, capacity_needed
+from .backend import Backend
+from .params import Params
 from .sampling import gumbel_noise, next_token, probabilities
-from .speculative import prefill_chunks
+from .speculative import check_capacity, prefill_chunks
 from .stats import SpecStats
-from .stop_strings import StopStrings
 from .verify import greedy_verify, rejection_verify
-
-
-@dataclass
-class Params:
-    """What a request asks for (``Decoding``'s options of the same names)."""
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    speculative: bool = True
-    stop: StopStrings | None = None
-
-    def check(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens {self.max_new_tokens}: expected at least 1")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature {self.temperature}: expected a finite number, at least 0 "
-                             f"(0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p {self.top_p}: expected more than 0 and at most 1")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k {self.top_k}: expected a whole number, at least 0 (0: every token)")
 
 
 @dataclass
@@ -102,15 +78,8 @@ class Scheduler:
         params = params or Params()
         params.check()
         speculative = params.speculative and self.limits.k > 0
-        if not prompt:
-            raise ValueError(f"{name}: no tokens; expected at least one")
-        needed = capacity_needed(len(prompt), params.max_new_tokens, self.limits if speculative else None)
-        if needed > self.limits.capacity:
-            raise ValueError(f"{name} has {len(prompt)} tokens: with max_new_tokens {params.max_new_tokens} "
-                             f"it needs {needed} KV-cache rows; the capacity is {self.limits.capacity} "
-                             f"(build --max-seq-len)")
-        params.speculative = speculative
-        request = Request(next(self.ids), list(prompt), params,
+        check_capacity(self.backend, [prompt], params.max_new_tokens, speculative, [name])
+        request = Request(next(self.ids), list(prompt), replace(params, speculative=speculative),
                           stats=SpecStats(k=self.limits.k if speculative else 0),
                           generator=torch.Generator(self.device).manual_seed(params.seed))
         self.waiting.append(request)

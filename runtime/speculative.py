@@ -18,6 +18,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .backend import Backend, capacity_needed
+from .params import Params
 from .repetition import RepetitionPenalty
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import SpecStats
@@ -139,15 +140,7 @@ class Decoding:
                  repetition_penalty: float = 1.0):
         if not prompts:
             raise ValueError("no prompts: expected at least one")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens {max_new_tokens}: expected at least 1")
-        if not 0 <= temperature < math.inf:
-            raise ValueError(f"temperature {temperature}: expected a finite number, at least 0 "
-                             f"(0 is greedy)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p {top_p}: expected more than 0 and at most 1")
-        if not (isinstance(top_k, int) and top_k >= 0):
-            raise ValueError(f"top_k {top_k}: expected a whole number, at least 0 (0: every token)")
+        Params(max_new_tokens, temperature, top_p, top_k).check()
         if not 0 < repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty {repetition_penalty}: expected a finite number above 0 "
                              f"(1: off)")
@@ -158,7 +151,7 @@ class Decoding:
                              f"draft) .. 1")
         self.confidence_threshold = confidence_threshold
         self.speculative = speculative and backend.limits.k > 0
-        _check_capacity(backend, prompts, max_new_tokens, self.speculative,
+        check_capacity(backend, prompts, max_new_tokens, self.speculative,
                         names or [f"prompt {i + 1}" for i in range(len(prompts))])
         self.backend, self.prompts = backend, prompts
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = (max_new_tokens, temperature,
@@ -328,7 +321,7 @@ def _torch_threads(count: int | None):
         torch.set_num_threads(before)
 
 
-def _check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
+def check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
                     names: list[str]) -> None:
     """Refuse the first prompt that is empty or whose tokens, ``max_new_tokens`` and the rows a
     step may write past them do not fit the KV cache, naming it; every prompt is checked before
