@@ -12,6 +12,7 @@ from .engine_backend import damaged
 from .speculative import Decoding, PhaseTimes
 from .stats import SpecStats
 from .stop_strings import StopStrings
+from .text_stream import TextStream
 
 
 @dataclass
@@ -109,8 +110,7 @@ class Generator:
         return Generation(texts, token_ids, stats, times, trace)
 
     def _text(self, decoding: Decoding, ids: list[int]) -> str:
-        text = self.decode(ids)
-        return decoding.stop.cut(text) if decoding.stop else text
+        return TextStream(self.decode, decoding.stop).text(ids)
 
     def stream(self, prompt: str, **options) -> Iterator[str]:
         """The text of one prompt's continuation, piece by piece as drafts are accepted (options as
@@ -121,17 +121,14 @@ class Generator:
     def pieces(self, decoding: Decoding) -> Iterator[str]:
         """Run a one-prompt ``Decoding``, yielding its text piece by piece as drafts are accepted;
         ``decoding.result`` (or ``collect``) then holds its statistics, times and trace."""
-        shown = ""
+        stream = TextStream(self.decode, decoding.stop)
         for _ in decoding:
-            text = self.decode(decoding.result.token_ids[0])
-            if decoding.stop:   # what a stop string forming at the end may still take back waits
-                text = decoding.stop.settled(text)
-            if text.startswith(shown) and not text.endswith("\ufffd"):  # wait for whole characters
-                yield text[len(shown):]
-                shown = text
-        rest = self._text(decoding, decoding.result.token_ids[0])   # what was held back
-        if rest.startswith(shown) and len(rest) > len(shown):
-            yield rest[len(shown):]
+            piece = stream.piece(decoding.result.token_ids[0])
+            if piece:
+                yield piece
+        rest = stream.piece(decoding.result.token_ids[0], final=True)   # what was held back
+        if rest:
+            yield rest
 
 
 def _tokenizer(directory: Path):

@@ -1,0 +1,325 @@
+"""``python -m runtime.serve --engine DIR``: an OpenAI-compatible server over one engine directory.
+
+One thread owns the backend and the ``Scheduler`` and steps it while any request is in it; HTTP
+handlers (FastAPI on uvicorn) hand it requests through a queue and receive each step's tokens in
+an asyncio queue of their own, so requests join and leave the running batch as they come
+(``runtime/scheduler.py``). Bad requests get an OpenAI-style error object with the right status;
+a full queue gets 429 with ``Retry-After``; a client that goes away mid-stream cancels its
+request at the next step.
+"""
+# no ``from __future__ import annotations``: FastAPI reads the handlers' parameter types at run time
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .scheduler import Params, Request, Scheduler
+from .stop_strings import StopStrings
+from .text_stream import TextStream
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status, OpenAI error type and one-line message."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class Job:
+    """A request on its way through the scheduler thread, and where its tokens go."""
+    prompt: list[int]
+    params: Params
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request: Request | None = None
+
+    def send(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work."""
+
+    def __init__(self, backend, max_queue: int):
+        self.scheduler = Scheduler(backend)
+        self.inbox: queue.Queue = queue.Queue()
+        self.max_queue = max_queue
+        self.jobs: dict[int, Job] = {}
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if len(self.scheduler.waiting) + self.inbox.qsize() >= self.max_queue:
+            raise RequestError(429, f"the queue is full ({self.max_queue} requests waiting for a "
+                                    f"slot, --max-queue); retry later", kind="rate_limit_error")
+        self.inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        self.inbox.put(("cancel", job))
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            busy = self.scheduler.busy
+            try:
+                while True:
+                    self._handle(*self.inbox.get(block=not busy, timeout=None if not busy else 0))
+                    busy = True
+            except queue.Empty:
+                pass
+            if self.scheduler.busy:
+                try:
+                    changed = self.scheduler.step()
+                except Exception as err:   # the backend failed: every request in it ends with a 500
+                    self._fail(err)
+                    continue
+                for request in changed:
+                    self._report(self.jobs[request.id], request)
+
+    def _fail(self, err: Exception) -> None:
+        error = RequestError(500, f"the engine failed: {type(err).__name__}: {err}", kind="server_error")
+        for job in list(self.jobs.values()):
+            self.scheduler.cancel(job.request)
+            job.send(error)
+        self.jobs.clear()
+
+    def _handle(self, command: str, job: Job) -> None:
+        if command == "submit":
+            try:
+                job.request = self.scheduler.submit(job.prompt, job.params, name="prompt")
+            except ValueError as err:
+                job.send(RequestError(400, str(err), "messages"))
+                return
+            self.jobs[job.request.id] = job
+        elif job.request is not None and not job.request.finished:
+            self.scheduler.cancel(job.request)
+            self._report(job, job.request)
+
+    def _report(self, job: Job, request: Request) -> None:
+        job.send(list(request.token_ids))
+        if request.finished:
+            job.send(None)
+            self.jobs.pop(request.id, None)
+
+
+def _field(body: dict, name: str, kind, default, check=None, expected: str = ""):
+    """``body[name]`` of type ``kind`` (``default`` when absent or null), refused in one line."""
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    kinds = (int, float) if kind is float else kind
+    wrong = not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool)
+    if value is not default and wrong:
+        raise RequestError(400, f"'{name}': {value!r} is not {expected or kind.__name__}", name)
+    if check is not None and not check(value):
+        raise RequestError(400, f"'{name}': {value!r}; expected {expected}", name)
+    return value
+
+
+class Server:
+    """The FastAPI application over a ``Generator``'s backend and tokenizer."""
+
+    def __init__(self, generator, model: str, max_queue: int):
+        self.generator, self.model = generator, model
+        self.engine = Engine(generator.backend, max_queue)
+        self.created = int(time.time())
+
+    def params(self, body: dict, prompt: list[int]) -> Params:
+        """A request's options; ``max_tokens`` defaults to what the KV cache has left after the
+        prompt (as llama-server's ``n_predict = -1`` does, bounded)."""
+        limits = self.generator.backend.limits
+        if body.get("model") not in (None, self.model):
+            raise RequestError(404, f"model {body['model']!r} does not exist; this server serves "
+                                    f"{self.model!r}", "model", kind="not_found_error")
+        if _field(body, "n", int, 1) != 1:
+            raise RequestError(400, "'n': only 1 is supported", "n")
+        stop = _field(body, "stop", (str, list), [], expected="a string or a list of strings")
+        stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) and s for s in stop):
+            raise RequestError(400, f"'stop': {stop!r}; expected non-empty strings", "stop")
+        room = max(1, limits.capacity - len(prompt) - limits.lookahead)
+        max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v is None or v >= 1,
+                            "an integer of at least 1")
+        if max_tokens is None:
+            max_tokens = _field(body, "max_tokens", int, room, lambda v: v >= 1, "an integer of at least 1")
+        params = Params(
+            max_new_tokens=max_tokens,
+            temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "0 .. 2"),
+            top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "more than 0 and at most 1"),
+            seed=_field(body, "seed", int, 0),
+            stop=StopStrings(stop, self.generator.decode) if stop else None)
+        return params
+
+    def prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in messages)):
+                raise RequestError(400, "'messages': expected a non-empty list of {\"role\", \"content\"} "
+                                        "objects with string content", "messages")
+            from export.prompts import encode_conversation
+            try:
+                return encode_conversation(self.generator.tokenizer, messages)
+            except ValueError as err:
+                raise RequestError(400, str(err), "messages") from None
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(400, "'prompt': expected a non-empty string", "prompt")
+        return self.generator.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi import Request as HttpRequest
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        app = FastAPI(title="dspark-trt")
+
+        @app.exception_handler(RequestError)
+        async def refused(_, err: RequestError):
+            headers = {"Retry-After": "1"} if err.status == 429 else None
+            return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model, "object": "model",
+                                                "created": self.created, "owned_by": "dspark-trt"}]}
+
+        async def complete(http: HttpRequest, chat: bool):
+            try:
+                body = json.loads(await http.body())
+            except ValueError:
+                raise RequestError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise RequestError(400, "the request body must be a JSON object")
+            prompt = self.prompt(body, chat)
+            job = Job(prompt, self.params(body, prompt), asyncio.get_running_loop())
+            self.engine.submit(job)
+            stream = _field(body, "stream", bool, False)
+            usage = stream and bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+            if stream:
+                first = await job.events.get()   # a refusal is still an HTTP error, not a stream
+                if isinstance(first, RequestError):
+                    raise first
+                return StreamingResponse(self.events(http, job, chat, first, usage),
+                                         media_type="text/event-stream")
+            return JSONResponse(await self.whole(job, chat))
+
+        @app.post("/v1/completions")
+        async def completions(http: HttpRequest):
+            return await complete(http, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(http: HttpRequest):
+            return await complete(http, chat=True)
+
+        return app
+
+    def _reply(self, chat: bool, choice: dict, **extra) -> dict:
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                "object": ("chat.completion" if chat else "text_completion") + extra.pop("suffix", ""),
+                "created": int(time.time()), "model": self.model, "choices": [choice], **extra}
+
+    def _usage(self, job: Job) -> dict:
+        done = len(job.request.token_ids)
+        stats = job.request.stats
+        return {"prompt_tokens": len(job.prompt), "completion_tokens": done,
+                "total_tokens": len(job.prompt) + done}, {
+                "tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
+                "verify_steps": stats.steps}
+
+    async def whole(self, job: Job, chat: bool) -> dict:
+        ids = []
+        while (event := await job.events.get()) is not None:
+            if isinstance(event, RequestError):
+                raise event
+            ids = event
+        text = TextStream(self.generator.decode, job.params.stop).text(ids)
+        reason = job.request.finish_reason
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        usage, speculative = self._usage(job)
+        return self._reply(chat, choice, usage=usage, speculative=speculative)
+
+    async def events(self, http, job: Job, chat: bool, first, usage: bool):
+        stream = TextStream(self.generator.decode, job.params.stop)
+
+        suffix = ".chunk" if chat else ""
+
+        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
+            if chat:
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": reason,
+                          "logprobs": None}
+            return f"data: {json.dumps(self._reply(chat, choice, suffix=suffix, **extra))}\n\n"
+
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        event, ids = first, []
+        try:
+            while event is not None:
+                ids = event
+                if await http.is_disconnected():
+                    self.engine.cancel(job)
+                    return
+                piece = stream.piece(ids)
+                if piece:
+                    yield chunk({"content": piece})
+                event = await job.events.get()
+            rest = stream.piece(ids, final=True)
+            if rest:
+                yield chunk({"content": rest})
+            stats, speculative = self._usage(job)
+            yield chunk({}, job.request.finish_reason, speculative=speculative)
+            if usage:
+                reply = self._reply(chat, {}, suffix=suffix, usage=stats)
+                reply["choices"] = []
+                yield f"data: {json.dumps(reply)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not (job.request and job.request.finished):
+                self.engine.cancel(job)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from export.cli_parser import Parser
+
+    p = Parser(prog="python -m runtime.serve",
+               description="Serve an engine directory over an OpenAI-compatible HTTP API "
+                           "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
+    p.add_argument("--engine", required=True, help="engine directory")
+    p.add_argument("--backend", default="ort", choices=["ort", "torch"],
+                   help="ort: ONNX Runtime on the CPU; torch: the PyTorch reference [ort]")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads [all cores]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="the model name clients use [the engine directory's name]")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; more get 429 [64]")
+    args = p.parse_args(argv)
+    import uvicorn
+
+    from .generator import Generator
+
+    generator = Generator.from_engine(args.engine, args.backend, args.threads)
+    server = Server(generator, args.model or Path(args.engine).resolve().name, args.max_queue)
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

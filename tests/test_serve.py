@@ -1,0 +1,155 @@
+"""``python -m runtime.serve`` on 127.0.0.1, driven by the official ``openai`` client: what it
+answers equals what ``Generator`` generates, streamed or not, alone or among concurrent
+requests; stop strings end the text before them; bad requests get OpenAI error objects and the
+server goes on serving."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from export.onnx_export import Limits
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=5)
+MAX_QUEUE = 3     # with the 3 slots, the 6 concurrent requests below fit and 24 do not
+PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    engine = engine_dir(LIMITS, arch="qwen3")
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
+                                "--port", str(port), "--model", "tiny", "--threads", "1",
+                                "--max-queue", str(MAX_QUEUE)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if process.poll() is not None or time.time() > deadline:
+                process.kill()
+                pytest.fail(f"the server did not start:\n{process.stdout.read()}")
+            time.sleep(0.3)
+    yield url, engine
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def generator(server):
+    from runtime import Generator
+
+    return Generator.from_engine(server[1])
+
+
+def test_chat_and_completions_equal_the_generator(client, generator):
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=20, temperature=0)
+    expected = generator.generate(PROMPTS[0], max_new_tokens=20)
+    assert reply.choices[0].message.content == expected.texts[0]
+    assert reply.choices[0].finish_reason == ("stop" if len(expected.token_ids[0]) < 20 else "length")
+    assert reply.usage.completion_tokens == len(expected.token_ids[0])
+    assert reply.model_extra["speculative"]["verify_steps"] > 0
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=25, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    plain = generator.generate(PROMPTS[2], max_new_tokens=25, chat_template=False)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.texts[0]
+    assert chunks[-1].usage.completion_tokens == len(plain.token_ids[0])
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_concurrent_requests_get_their_single_request_output(client, generator):
+    def ask(prompt):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=30, temperature=0)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(ask, PROMPTS))
+    assert together == generator.generate(PROMPTS, max_new_tokens=30).texts
+
+
+def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
+    full = generator.generate(PROMPTS[1], max_new_tokens=30, chat_template=False).texts[0]
+    stop = full[6:9]
+    before = full[:full.index(stop)]
+    reply = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                      stop=stop)
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == (before, "stop")
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                            stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == before
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("request_, status, message", [
+    (dict(max_tokens=0), 400, "'max_tokens': 0; expected an integer of at least 1"),
+    (dict(max_tokens="ten"), 400, "'max_tokens': 'ten' is not an integer of at least 1"),
+    (dict(model="other"), 404, "model 'other' does not exist"),
+    (dict(temperature=3), 400, "'temperature': 3; expected 0 .. 2"),
+    (dict(prompt="q" * 200), 400, "needs .* KV-cache rows; the capacity is 96"),
+    (dict(prompt=""), 400, "'prompt': expected a non-empty string"),
+])
+def test_a_bad_request_gets_an_error_object_and_the_server_goes_on(client, request_, status, message):
+    body = dict(model="tiny", prompt="abc", max_tokens=5) | request_
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**body)
+    assert err.value.status_code == status
+    assert err.value.body["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert re.search(message, err.value.body["message"]), err.value.body
+    assert client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0).choices
+
+
+def test_malformed_json_is_a_400(server):
+    request = urllib.request.Request(f"{server[0]}/v1/chat/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["message"] == "the request body is not valid JSON"
+
+
+def test_a_full_queue_answers_429_with_retry_after_at_once(client):
+    """Twenty-four requests at once: three take the slots, three wait, and what arrives while
+    both are full is refused with 429 and ``Retry-After``; every other request completes."""
+    def ask(_):
+        try:
+            reply = client.completions.create(model="tiny", prompt="ab", max_tokens=80, temperature=0)
+            return reply.choices[0].finish_reason
+        except openai.RateLimitError as err:
+            assert err.response.headers["retry-after"] == "1"
+            return 429
+
+    with ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(ask, range(24)))
+    assert 1 <= outcomes.count(429) <= 24 - 3 - MAX_QUEUE
+    assert all(o in ("stop", "length") for o in outcomes if o != 429)
