@@ -41,6 +41,7 @@ class Request:
     params: Params
     token_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=lambda: SpecStats(k=0))
+    proposed: int = 0             # drafts it verified (after the confidence cut), summed over steps
     finish_reason: str | None = None
     slot: int | None = None
     # between steps, on the backend's device: the draft context rows (from ``ctx_start``, the
@@ -164,6 +165,7 @@ class Scheduler:
                                                   p.top_k).tolist()
             else:   # its own drafts only, so that its random draws do not depend on the group's
                 n = int(limit[b])
+                request.proposed += n
                 mine, rows_logits = drafts[b:b + 1, :n], logits[b:b + 1, :n + 1]
                 if p.temperature == 0:
                     a, e = greedy_verify(mine, rows_logits)

@@ -9,8 +9,11 @@ request at the next step.
 """
 # no ``from __future__ import annotations``: FastAPI reads the handlers' parameter types at run time
 import asyncio
+import contextlib
+import itertools
 import json
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -55,6 +58,7 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
+        self.totals = Totals(k=backend.limits.k)
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
@@ -110,6 +114,66 @@ class Engine:
         if request.finished:
             job.send(None)
             self.jobs.pop(request.id, None)
+            self.totals.add(request)
+
+    def metrics(self) -> str:
+        """Prometheus text: the counters of ended requests, and the requests running and waiting
+        now (vLLM's names and meanings, under ``dspark:``)."""
+        running = sum(r is not None for r in self.scheduler.slots)
+        waiting = len(self.scheduler.waiting) + self.inbox.qsize()
+        return self.totals.prometheus(running, waiting)
+
+
+@dataclass
+class Totals:
+    """What the ended requests add up to (a request is counted when it ends)."""
+    k: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    drafts: int = 0                    # verify steps of requests with speculation
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def add(self, request: Request) -> None:
+        stats = request.stats
+        self.prompt_tokens += len(request.prompt)
+        self.generation_tokens += len(request.token_ids)
+        self.finished[request.finish_reason] = self.finished.get(request.finish_reason, 0) + 1
+        if stats.k:
+            self.drafts += stats.steps
+            self.draft_tokens += request.proposed
+            self.accepted_tokens += stats.accepted_tokens
+            self.accepted_per_pos = [a + b for a, b in itertools.zip_longest(
+                self.accepted_per_pos, stats.accepted_at, fillvalue=0)]
+
+    def prometheus(self, running: int, waiting: int) -> str:
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+            return [f"# HELP dspark:{name} {help_}", f"# TYPE dspark:{name} {kind}",
+                    *(f"dspark:{name}{labels} {value}" for labels, value in samples)]
+
+        lines = [
+            *metric("num_requests_running", "gauge", "Requests in a slot (prefilling or decoding).",
+                    [("", running)]),
+            *metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", waiting)]),
+            *metric("prompt_tokens_total", "counter", "Prompt tokens of ended requests.",
+                    [("", self.prompt_tokens)]),
+            *metric("generation_tokens_total", "counter", "Generated tokens of ended requests.",
+                    [("", self.generation_tokens)]),
+            *metric("request_success_total", "counter", "Ended requests by finish reason.",
+                    [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())]),
+            *metric("spec_decode_num_drafts_total", "counter", "Verify steps with drafts.",
+                    [("", self.drafts)]),
+            *metric("spec_decode_num_draft_tokens_total", "counter", "Drafts verified.",
+                    [("", self.draft_tokens)]),
+            *metric("spec_decode_num_accepted_tokens_total", "counter", "Drafts accepted.",
+                    [("", self.accepted_tokens)]),
+            *metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                    "Drafts accepted at each position of the block.",
+                    [(f'{{position="{i}"}}', n) for i, n in enumerate(self.accepted_per_pos)]),
+        ]
+        return "\n".join(lines) + "\n"
 
 
 def _field(body: dict, name: str, kind, default, check=None, expected: str = ""):
@@ -181,7 +245,7 @@ class Server:
     def app(self):
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
         app = FastAPI(title="dspark-trt")
 
@@ -193,6 +257,10 @@ class Server:
         @app.get("/health")
         async def health():
             return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(self.engine.metrics(), media_type="text/plain; version=0.0.4")
 
         @app.get("/v1/models")
         async def models():
@@ -318,7 +386,30 @@ def main(argv: list[str] | None = None) -> None:
 
     generator = Generator.from_engine(args.engine, args.backend, args.threads)
     server = Server(generator, args.model or Path(args.engine).resolve().name, args.max_queue)
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    # SIGINT / SIGTERM: stop accepting, let running requests finish for up to 10 s, exit 0
+    config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=10)
+    _clean_exit_class()(config).run()
+
+
+def _clean_exit_class():
+    import uvicorn
+
+    class CleanExit(uvicorn.Server):
+        """uvicorn's server, except that a stop asked for by SIGINT / SIGTERM ends with status 0
+        (uvicorn raises the signal again once it has shut down)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            signals = (signal.SIGINT, signal.SIGTERM)
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+    return CleanExit
 
 
 if __name__ == "__main__":

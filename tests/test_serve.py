@@ -54,8 +54,8 @@ def server(engine_dir):
                 pytest.fail(f"the server did not start:\n{process.stdout.read()}")
             time.sleep(0.3)
     yield url, engine
-    process.terminate()
-    process.wait(timeout=30)
+    process.terminate()      # SIGTERM: a clean exit
+    assert process.wait(timeout=30) == 0, process.stdout.read()
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,34 @@ def test_a_full_queue_answers_429_with_retry_after_at_once(client):
         outcomes = list(pool.map(ask, range(24)))
     assert 1 <= outcomes.count(429) <= 24 - 3 - MAX_QUEUE
     assert all(o in ("stop", "length") for o in outcomes if o != 429)
+
+
+def _metrics(url) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_metrics_count_what_was_served(client, server):
+    before = _metrics(server[0])
+    reply = client.completions.create(model="tiny", prompt="xyz", max_tokens=12, temperature=0)
+    after = _metrics(server[0])
+    gained = {name[len("dspark:"):]: after[name] - before.get(name, 0) for name in after}
+    assert gained["generation_tokens_total"] == 12
+    assert gained["prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert gained["spec_decode_num_drafts_total"] == reply.model_extra["speculative"]["verify_steps"] > 0
+    assert after["dspark:num_requests_running"] == after["dspark:num_requests_waiting"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_slot(client, server):
+    """A stream closed after its first chunk is cancelled at the next step (its greedy output has
+    no EOS for 80 tokens, so it would otherwise run on)."""
+    cancelled = 'dspark:request_success_total{finished_reason="cancelled"}'
+    before = _metrics(server[0]).get(cancelled, 0)
+    stream = client.completions.create(model="tiny", prompt="q", max_tokens=80, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 20
+    while (now := _metrics(server[0])).get(cancelled, 0) == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert now.get(cancelled, 0) == before + 1 and now["dspark:num_requests_running"] == 0
