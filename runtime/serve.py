@@ -59,7 +59,6 @@ class Engine:
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
         self.totals = Totals(k=backend.limits.k)
-        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
@@ -73,7 +72,7 @@ class Engine:
         self.inbox.put(("cancel", job))
 
     def _loop(self) -> None:
-        while not self.stopping:
+        while True:
             busy = self.scheduler.busy
             try:
                 while True:
@@ -102,7 +101,7 @@ class Engine:
             try:
                 job.request = self.scheduler.submit(job.prompt, job.params, name="prompt")
             except ValueError as err:
-                job.send(RequestError(400, str(err), "messages"))
+                job.send(RequestError(400, str(err)))
                 return
             self.jobs[job.request.id] = job
         elif job.request is not None and not job.request.finished:
@@ -341,6 +340,9 @@ class Server:
         event, ids = first, []
         try:
             while event is not None:
+                if isinstance(event, RequestError):   # the engine failed mid-stream
+                    yield f"data: {json.dumps(event.body())}\n\n"
+                    return
                 ids = event
                 if await http.is_disconnected():
                     self.engine.cancel(job)
