@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .backend import Backend
 from .params import Params
 from .sampling import gumbel_noise, next_token, probabilities
-from .speculative import check_capacity, prefill_chunks
+from .speculative import check_capacity, prefill_chunks, torch_threads
 from .stats import SpecStats
 from .verify import greedy_verify, rejection_verify
 
@@ -106,6 +106,10 @@ class Scheduler:
 
     def step(self) -> list[Request]:
         """One step boundary: admit, decode the running requests, prefill a chunk of the others."""
+        with torch_threads(self.backend.host_threads):
+            return self._step()
+
+    def _step(self) -> list[Request]:
         for slot, occupant in enumerate(self.slots):
             if occupant is None and self.waiting:
                 self._admit(self.waiting.popleft(), slot)

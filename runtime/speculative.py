@@ -184,7 +184,7 @@ class Decoding:
     def __iter__(self) -> Iterator[list[Emission]]:
         steps = self._steps()
         while True:
-            with _torch_threads(self.backend.host_threads):
+            with torch_threads(self.backend.host_threads):
                 emissions = next(steps, None)
             if emissions is None:
                 return
@@ -307,7 +307,7 @@ class Decoding:
 
 
 @contextmanager
-def _torch_threads(count: int | None):
+def torch_threads(count: int | None):
     """Run the loop's own torch work on ``count`` threads (``None``: as configured), and restore
     the setting whenever the loop hands control back to its consumer."""
     if count is None:
