@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .backend import Backend
 from .params import Params
 from .sampling import gumbel_noise, next_token, probabilities
-from .speculative import check_capacity, prefill_chunks, torch_threads
+from .speculative import check_capacity, confident_drafts, extend, prefill_chunks, torch_threads
 from .stats import SpecStats
 from .verify import greedy_verify, rejection_verify
 
@@ -200,24 +200,18 @@ class Scheduler:
                                             slots=slots)
         limit = torch.full((len(group),), limits.k, device=self.device)
         if self.threshold > 0:
-            limit = (q.amax(-1) >= self.threshold).cumprod(dim=1).sum(dim=1)
+            limit = confident_drafts(q, self.threshold)
         cut = int(limit.max())
         return drafts[:, :cut], q[:, :cut], limit
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Append ``tokens`` up to the first EOS, stop string or the budget; end the request there."""
-        out, p = request.token_ids, request.params
-        for token in tokens[: p.max_new_tokens - len(out)]:
-            out.append(token)
-            if token in self.eos or (p.stop is not None and p.stop.reached(out)):
-                request.finish_reason = "stop"
-                break
-        if request.finish_reason is None and len(out) >= p.max_new_tokens:
-            request.finish_reason = "length"
+        p = request.params
+        request.finish_reason = extend(request.token_ids, tokens, p.max_new_tokens, self.eos, p.stop)
         if request.finished:
             self._release(request)
         else:
-            request.anchor = out[-1]
+            request.anchor = request.token_ids[-1]
 
     def _release(self, request: Request) -> None:
         if request.slot is not None and self.slots[request.slot] is request:

@@ -239,7 +239,7 @@ class Server:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise RequestError(400, "'prompt': expected a non-empty string", "prompt")
-        return self.generator.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generator.encode(prompt, chat_template=False)
 
     def app(self):
         from fastapi import FastAPI

@@ -169,13 +169,8 @@ class Decoding:
     def _emit(self, b: int, tokens: list[int], record: dict) -> Emission:
         """Append ``tokens`` to sequence ``b`` up to its first EOS, stop string or its budget."""
         out = self.result.token_ids[b]
-        before, stopped = len(out), False
-        for token in tokens[: self.max_new_tokens - before]:
-            out.append(token)
-            stopped = self.stop is not None and self.stop.reached(out)
-            if token in self.eos or stopped:
-                break
-        finished = len(out) >= self.max_new_tokens or out[-1] in self.eos or stopped
+        before = len(out)
+        finished = extend(out, tokens, self.max_new_tokens, self.eos, self.stop) is not None
         if self.penalty is not None:
             self.penalty.record(b, out[before:])
         self.result.trace.append({"sequence": b, **record, "emitted": out[before:]})
@@ -301,9 +296,27 @@ class Decoding:
         ``confidence_threshold`` (``limit [B]`` of them); the batch verifies the widest live one.
         The rule reads the draft's distributions, never the token drawn from them, so sampling
         stays exact, and greedy output is the target's whatever is cut."""
-        limit = (q.amax(-1) >= self.confidence_threshold).cumprod(dim=1).sum(dim=1)
+        limit = confident_drafts(q, self.confidence_threshold)
         width = int(limit[live].max())
         return Proposal(drafts[:, :width], q[:, :width], limit)
+
+
+def extend(out: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],
+           stop: StopStrings | None) -> str | None:
+    """Append ``tokens`` to ``out`` up to the first EOS (kept), the token that completes a stop
+    string, or ``max_new_tokens`` in all; the reason the sequence ended there (``"stop"`` or
+    ``"length"``), or None while it goes on."""
+    for token in tokens[: max_new_tokens - len(out)]:
+        out.append(token)
+        if token in eos or (stop is not None and stop.reached(out)):
+            return "stop"
+    return "length" if len(out) >= max_new_tokens else None
+
+
+def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[B]``: how many of each sequence's drafts come before the first whose distribution's top
+    probability (``q [B, k, V]``) is below ``threshold``."""
+    return (q.amax(-1) >= threshold).cumprod(dim=1).sum(dim=1)
 
 
 @contextmanager
