@@ -7,11 +7,13 @@ stalls the running requests for long), samples its first token and joins the dec
 the next step. A finished or cancelled request frees its slot at once. Each request has its own
 ``max_new_tokens``, temperature, top-p, top-k, seed (its own ``torch.Generator``), stop strings and
 speculation on or off; requests with speculation verify their drafts in one target call, those
-without decode in another.
+without decode in another. How many drafts a step verifies follows the number of requests with
+speculation decoding (``draft_schedule.py``), below the confidence cut.
 
 Greedy output is the target's own greedy output whatever else runs, and a seeded request draws
-the same numbers as alone: on a backend whose rows do not depend on their neighbours (ONNX Runtime:
-one sequence per call) its sampled output is then the same too.
+the same numbers as alone while the schedule gives it the same cap: on a backend whose rows do
+not depend on their neighbours (ONNX Runtime: one sequence per call) its sampled output is then
+the same too.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import Backend
+from .draft_schedule import DraftSchedule
 from .params import Params
 from .sampling import gumbel_noise, next_token, probabilities
 from .speculative import check_capacity, confident_drafts, extend, prefill_chunks, torch_threads
@@ -63,8 +66,13 @@ class Scheduler:
     runs one decode step of the running ones and one prefill chunk of each prefilling one, and
     returns the requests that gained tokens (or ended) in it."""
 
-    def __init__(self, backend: Backend, eos_token_ids=None, confidence_threshold: float | None = None):
+    def __init__(self, backend: Backend, eos_token_ids=None, confidence_threshold: float | None = None,
+                 draft_schedule: DraftSchedule | None = None):
         self.backend, self.limits = backend, backend.limits
+        self.schedule = draft_schedule or DraftSchedule.constant(self.limits.k)
+        if any(d > self.limits.k for _, d in self.schedule.steps):
+            raise ValueError(f"draft schedule {self.schedule}: the engine proposes {self.limits.k} "
+                             f"drafts per step (k)")
         self.eos = set(self.limits.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.threshold = (self.limits.confidence_threshold if confidence_threshold is None
                           else confidence_threshold)
@@ -149,13 +157,18 @@ class Scheduler:
         return True
 
     def _decode(self, group: list[Request]) -> list[Request]:
-        """One propose / verify step of ``group`` (all with speculation, or all without)."""
+        """One propose / verify step of ``group`` (all with speculation, or all without). A
+        speculative group verifies at most the schedule's cap of drafts; at a cap of 0 it skips
+        the draft and keeps the verified rows for the draft's next call, which comes when the
+        rows fill one call (``limits.call_rows``) if not sooner."""
         slots = [r.slot for r in group]
         anchor = torch.tensor([r.anchor for r in group], device=self.device)
         anchor_pos = torch.tensor([r.anchor_pos for r in group], device=self.device)
-        speculative = group[0].params.speculative
-        if speculative:
-            drafts, q, limit = self._propose(group, anchor, slots)
+        cap = self.schedule.drafts(len(group)) if group[0].params.speculative else 0
+        drafting = group[0].params.speculative and (
+            cap > 0 or any(r.ctx[2] >= self.limits.call_rows for r in group))
+        if drafting:
+            drafts, q, limit = self._propose(group, anchor, slots, cap)
         else:
             drafts = torch.zeros(len(group), 0, dtype=torch.long, device=self.device)
         block = torch.cat([anchor[:, None], drafts], 1)
@@ -164,7 +177,7 @@ class Scheduler:
         logits, aux = self.backend.target_step(block, anchor_pos, rows, state_slot, rows, slots=slots)
         for b, request in enumerate(group):
             p = request.params
-            if not speculative:
+            if cap == 0:
                 accepted, emitted = 0, next_token(logits[b], p.temperature, p.top_p, request.generator,
                                                   p.top_k).tolist()
             else:   # its own drafts only, so that its random draws do not depend on the group's
@@ -177,16 +190,21 @@ class Scheduler:
                     probs = probabilities(rows_logits, p.temperature, p.top_p, p.top_k)
                     a, e = rejection_verify(mine, q[b:b + 1, :n], probs, request.generator)
                 accepted, emitted = int(a[0]), e[0].tolist()
-            request.stats.record(accepted)
-            request.ctx = (aux[b].clone(), request.anchor_pos, accepted + 1)
+                request.stats.record(accepted)
+            if drafting or not p.speculative:
+                request.ctx = (aux[b].clone(), request.anchor_pos, accepted + 1)
+            else:   # the draft has not read the rows before: they go in with this one
+                before, start, count = request.ctx
+                request.ctx = (torch.cat([before[:count], aux[b][:1]]), start, count + 1)
             request.anchor_pos += accepted + 1
             request.state_slot = accepted
             self._emit(request, emitted[:accepted + 1])
         return group
 
-    def _propose(self, group: list[Request], anchor: torch.Tensor, slots: list[int]):
-        """Each request's drafts (its own noise: none when greedy), ``limit [B]`` of them before
-        the first below the confidence threshold; the group verifies the widest cut."""
+    def _propose(self, group: list[Request], anchor: torch.Tensor, slots: list[int], cap: int):
+        """Each request's drafts (its own noise: none when greedy), ``limit [B]`` of them: at most
+        ``cap``, and none from the first below the confidence threshold on; the group verifies the
+        widest."""
         limits = self.limits
         width = max(r.ctx[0].shape[0] for r in group)
         ctx_aux = torch.stack([F.pad(r.ctx[0], (0, 0, 0, width - r.ctx[0].shape[0])) for r in group])
@@ -201,6 +219,7 @@ class Scheduler:
         limit = torch.full((len(group),), limits.k, device=self.device)
         if self.threshold > 0:
             limit = confident_drafts(q, self.threshold)
+        limit = limit.clamp(max=cap)
         cut = int(limit.max())
         return drafts[:, :cut], q[:, :cut], limit
 

@@ -10,17 +10,21 @@ request at the next step.
 # no ``from __future__ import annotations``: FastAPI reads the handlers' parameter types at run time
 import asyncio
 import contextlib
-import itertools
 import json
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from .draft_schedule import CALIBRATION_PROMPTS, DraftSchedule, measure
+from .generator import Generator
 from .scheduler import Params, Request, Scheduler
+from .serve_metrics import Metrics
 from .stop_strings import StopStrings
 from .text_stream import TextStream
 
@@ -45,6 +49,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None    # when its first token came
+    sent: int = 0                       # tokens reported so far
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -53,12 +60,13 @@ class Job:
 class Engine:
     """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work."""
 
-    def __init__(self, backend, max_queue: int):
-        self.scheduler = Scheduler(backend)
+    def __init__(self, backend, max_queue: int, draft_schedule: DraftSchedule | None = None):
+        self.scheduler = Scheduler(backend, draft_schedule=draft_schedule)
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
-        self.totals = Totals(k=backend.limits.k)
+        self.metrics = Metrics(running=lambda: sum(r is not None for r in self.scheduler.slots),
+                               waiting=lambda: len(self.scheduler.waiting) + self.inbox.qsize())
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
@@ -81,11 +89,13 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.busy:
+                begin = time.perf_counter()
                 try:
                     changed = self.scheduler.step()
                 except Exception as err:   # the backend failed: every request in it ends with a 500
                     self._fail(err)
                     continue
+                self.metrics.step.observe(time.perf_counter() - begin)
                 for request in changed:
                     self._report(self.jobs[request.id], request)
 
@@ -109,70 +119,19 @@ class Engine:
             self._report(job, job.request)
 
     def _report(self, job: Job, request: Request) -> None:
+        now = time.perf_counter()
+        self.metrics.generation_tokens.inc(len(request.token_ids) - job.sent)
+        job.sent = len(request.token_ids)
+        if job.first_token is None and request.token_ids:
+            job.first_token = now
+            self.metrics.first_token(len(request.prompt), now - job.arrived)
+        if request.finished:   # counted before the reply, which a client may follow with /metrics
+            self.jobs.pop(request.id, None)
+            self.metrics.ended(request, now - job.arrived,
+                               None if job.first_token is None else now - job.first_token)
         job.send(list(request.token_ids))
         if request.finished:
             job.send(None)
-            self.jobs.pop(request.id, None)
-            self.totals.add(request)
-
-    def metrics(self) -> str:
-        """Prometheus text: the counters of ended requests, and the requests running and waiting
-        now (vLLM's names and meanings, under ``dspark:``)."""
-        running = sum(r is not None for r in self.scheduler.slots)
-        waiting = len(self.scheduler.waiting) + self.inbox.qsize()
-        return self.totals.prometheus(running, waiting)
-
-
-@dataclass
-class Totals:
-    """What the ended requests add up to (a request is counted when it ends)."""
-    k: int
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    drafts: int = 0                    # verify steps of requests with speculation
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    finished: dict[str, int] = field(default_factory=dict)
-
-    def add(self, request: Request) -> None:
-        stats = request.stats
-        self.prompt_tokens += len(request.prompt)
-        self.generation_tokens += len(request.token_ids)
-        self.finished[request.finish_reason] = self.finished.get(request.finish_reason, 0) + 1
-        if stats.k:
-            self.drafts += stats.steps
-            self.draft_tokens += request.proposed
-            self.accepted_tokens += stats.accepted_tokens
-            self.accepted_per_pos = [a + b for a, b in itertools.zip_longest(
-                self.accepted_per_pos, stats.accepted_at, fillvalue=0)]
-
-    def prometheus(self, running: int, waiting: int) -> str:
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
-            return [f"# HELP dspark:{name} {help_}", f"# TYPE dspark:{name} {kind}",
-                    *(f"dspark:{name}{labels} {value}" for labels, value in samples)]
-
-        lines = [
-            *metric("num_requests_running", "gauge", "Requests in a slot (prefilling or decoding).",
-                    [("", running)]),
-            *metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", waiting)]),
-            *metric("prompt_tokens_total", "counter", "Prompt tokens of ended requests.",
-                    [("", self.prompt_tokens)]),
-            *metric("generation_tokens_total", "counter", "Generated tokens of ended requests.",
-                    [("", self.generation_tokens)]),
-            *metric("request_success_total", "counter", "Ended requests by finish reason.",
-                    [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())]),
-            *metric("spec_decode_num_drafts_total", "counter", "Verify steps with drafts.",
-                    [("", self.drafts)]),
-            *metric("spec_decode_num_draft_tokens_total", "counter", "Drafts verified.",
-                    [("", self.draft_tokens)]),
-            *metric("spec_decode_num_accepted_tokens_total", "counter", "Drafts accepted.",
-                    [("", self.accepted_tokens)]),
-            *metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                    "Drafts accepted at each position of the block.",
-                    [(f'{{position="{i}"}}', n) for i, n in enumerate(self.accepted_per_pos)]),
-        ]
-        return "\n".join(lines) + "\n"
 
 
 def _field(body: dict, name: str, kind, default, check=None, expected: str = ""):
@@ -190,12 +149,47 @@ def _field(body: dict, name: str, kind, default, check=None, expected: str = "")
 
 
 class Server:
-    """The FastAPI application over a ``Generator``'s backend and tokenizer."""
+    """The FastAPI application over one engine. ``start_loading`` opens the engine on a thread of
+    its own (``load`` gives the ``Generator``) and measures the draft schedule unless one is
+    given; until it is done ``/health`` and requests answer 503 with ``Retry-After``, as
+    llama-server's do while its model loads."""
 
-    def __init__(self, generator, model: str, max_queue: int):
-        self.generator, self.model = generator, model
-        self.engine = Engine(generator.backend, max_queue)
+    def __init__(self, load: Callable[[], Generator], model: str, max_queue: int,
+                 draft_schedule: DraftSchedule | None = None):
+        self.load, self.model, self.max_queue, self.draft_schedule = load, model, max_queue, draft_schedule
+        self.generator: Generator | None = None
+        self.engine: Engine | None = None
         self.created = int(time.time())
+
+    def start_loading(self, failed: Callable[[str], None]) -> threading.Thread:
+        """Load in the background; ``failed`` gets one line if that goes wrong."""
+        def run():
+            try:
+                self._open()
+            except Exception as err:   # a damaged engine is a ValueError; any other is named too
+                failed(f"error: {err}" if isinstance(err, ValueError) else
+                       f"error: loading the engine failed: {type(err).__name__}: {err}")
+
+        thread = threading.Thread(target=run, name="loading", daemon=True)
+        thread.start()
+        return thread
+
+    def _open(self) -> None:
+        generator = self.load()
+        schedule, limits = self.draft_schedule, generator.backend.limits
+        if schedule is None and limits.k:
+            begin = time.perf_counter()
+            schedule = measure(generator.backend, [generator.encode(p) for p in CALIBRATION_PROMPTS])[0]
+            print(f"draft schedule {schedule} (busy requests:drafts, measured in "
+                  f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
+                  flush=True)
+        self.engine = Engine(generator.backend, self.max_queue, schedule)
+        self.generator = generator      # last: from here on the server is ready
+
+    def ready(self) -> Engine:
+        if self.generator is None:
+            raise RequestError(503, "the model is loading; retry shortly", kind="unavailable_error")
+        return self.engine
 
     def params(self, body: dict, prompt: list[int]) -> Params:
         """A request's options; ``max_tokens`` defaults to what the KV cache has left after the
@@ -250,16 +244,17 @@ class Server:
 
         @app.exception_handler(RequestError)
         async def refused(_, err: RequestError):
-            headers = {"Retry-After": "1"} if err.status == 429 else None
+            headers = {"Retry-After": "1"} if err.status in (429, 503) else None
             return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
         @app.get("/health")
         async def health():
+            self.ready()
             return {"status": "ok"}
 
         @app.get("/metrics")
         async def metrics():
-            return PlainTextResponse(self.engine.metrics(), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(self.ready().metrics.text(), media_type="text/plain; version=0.0.4")
 
         @app.get("/v1/models")
         async def models():
@@ -273,9 +268,10 @@ class Server:
                 raise RequestError(400, "the request body is not valid JSON") from None
             if not isinstance(body, dict):
                 raise RequestError(400, "the request body must be a JSON object")
+            engine = self.ready()
             prompt = self.prompt(body, chat)
             job = Job(prompt, self.params(body, prompt), asyncio.get_running_loop())
-            self.engine.submit(job)
+            engine.submit(job)
             stream = _field(body, "stream", bool, False)
             usage = stream and bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
             if stream:
@@ -381,22 +377,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="the model name clients use [the engine directory's name]")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more get 429 [64]")
+    p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
+                   help="drafts verified per step as requests fill the slots, e.g. 1:7,4:3,8:0 "
+                        "(from 1 busy request 7, from 4 on 3, from 8 on none), or one number "
+                        "[measured at start on this machine]")
     args = p.parse_args(argv)
+    from export import manifest as manifest_file
+
+    try:   # what can be checked before listening gets one line and status 1 now
+        manifest = manifest_file.read(Path(args.engine))
+        schedule = args.draft_schedule and DraftSchedule.parse(args.draft_schedule, manifest["draft"]["k"])
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     import uvicorn
 
-    from .generator import Generator
-
-    generator = Generator.from_engine(args.engine, args.backend, args.threads)
-    server = Server(generator, args.model or Path(args.engine).resolve().name, args.max_queue)
+    server = Server(lambda: Generator.from_engine(args.engine, args.backend, args.threads),
+                    args.model or Path(args.engine).resolve().name, args.max_queue, schedule or None)
     # SIGINT / SIGTERM: stop accepting, let running requests finish for up to 10 s, exit 0
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=10)
-    _clean_exit_class()(config).run()
+    http = _clean_exit_class()(config)
+    failures = []
+
+    def failed(message: str) -> None:
+        failures.append(message)
+        print(message, file=sys.stderr, flush=True)
+        http.should_exit = True
+
+    server.start_loading(failed)
+    http.run()
+    if failures:
+        raise SystemExit(1)
 
 
 def _clean_exit_class():
     import uvicorn
-
     class CleanExit(uvicorn.Server):
         """uvicorn's server, except that a stop asked for by SIGINT / SIGTERM ends with status 0
         (uvicorn raises the signal again once it has shut down)."""

@@ -10,6 +10,7 @@ import torch
 
 from export.onnx_export import Limits
 from export.pair import load_pair
+from runtime.draft_schedule import DraftSchedule, measure
 from runtime.ort_backend import OrtBackend
 from runtime.scheduler import Params, Scheduler
 from runtime.torch_backend import TorchBackend
@@ -94,6 +95,76 @@ def test_requests_joining_and_leaving_get_their_own_greedy_output(kind, pair_dir
     accepted = [requests[i].stats for i in (0, 3, 5)]
     assert sum(s.accepted_tokens for s in accepted) > sum(s.steps for s in accepted)   # tau > 2
     assert requests[1].stats.accepted_tokens == requests[4].stats.accepted_tokens == 0
+
+
+def test_the_draft_schedule_turns_drafts_off_while_slots_are_full(pair_dirs, engine_dir, truth):
+    """``1:k,2:0``: a request drafts while alone, decodes target-only while two others share the
+    pool, and drafts again once they leave; every output is still the target's greedy one."""
+    backend = _backend("ort", pair_dirs, engine_dir, oracle_drafts=True)
+    backend.truth = {tuple(p): c for p, c in zip(REQUESTS, truth["continuation"])}
+    backend.rng = random.Random(1)
+    k = backend.limits.k
+    scheduler = backend.scheduler = Scheduler(backend, eos_token_ids=(),
+                                              draft_schedule=DraftSchedule.parse(f"1:{k},2:0", k))
+    alone = scheduler.submit(REQUESTS[0], Params(max_new_tokens=MAX_NEW))
+    for _ in range(4):
+        scheduler.step()
+    joined = [scheduler.submit(REQUESTS[i], Params(max_new_tokens=8)) for i in (1, 4)]
+    scheduler.run()
+    for request in (alone, *joined):
+        i = REQUESTS.index(request.prompt)
+        assert request.token_ids == truth["continuation"][i][:request.params.max_new_tokens]
+    assert all(r.stats.steps == r.proposed == 0 for r in joined)
+    stats = alone.stats
+    assert stats.accepted_tokens > stats.steps > 0
+    undrafted = MAX_NEW - 1 - stats.steps - stats.accepted_tokens
+    assert undrafted >= 6, "target-only steps while the others decoded"
+
+
+def test_drafts_after_target_only_steps_read_every_verified_row(pair_dirs, engine_dir):
+    """At a cap of 0 the draft is called only when the verified rows fill a call; the drafts it
+    then proposes (discarded) are those of a run that drafted at every step, position by
+    position: no row of context was lost or doubled."""
+    class Recording(OrtBackend):
+        def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+            tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
+                                           slots=slots)
+            self.drafts[int(ctx_start[0] + ctx_count[0])] = tokens[0].tolist()
+            return tokens, q
+
+    prompt = REQUESTS[3]
+    runs = {}
+    for schedule in ("1:0", None):
+        backend = Recording(engine_dir(LIMITS, arch="qwen3"))
+        backend.drafts = {}
+        scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
+                              draft_schedule=schedule and DraftSchedule.parse(schedule, backend.limits.k))
+        request = scheduler.submit(prompt, Params(max_new_tokens=MAX_NEW))
+        scheduler.run()
+        decoding = {p: d for p, d in backend.drafts.items() if p > len(prompt)}
+        runs[schedule] = request.token_ids, decoding
+    (capped_ids, capped), (full_ids, full) = runs["1:0"], runs[None]
+    assert capped_ids == full_ids
+    assert 3 <= len(capped) < MAX_NEW // 2, "the draft called only when a call's rows are full"
+    assert set(capped) <= set(full), "the random draft is rarely accepted: every position is an anchor"
+    assert {p: full[p] for p in capped} == capped
+
+
+def test_a_measured_schedule_plans_with_this_backend_and_leaves_it_clean(pair_dirs, engine_dir, truth):
+    """``measure`` times every batch size and reads the draft's acceptance off a greedy run; a
+    scheduler on the same backend afterwards (its caches full of the timing calls' junk) still
+    gives the target's greedy output."""
+    backend = _backend("ort", pair_dirs, engine_dir)
+    limits = backend.limits
+    schedule, costs, trace = measure(backend, REQUESTS[:2], max_new_tokens=12, repeats=1)
+    assert len(costs.draft) == len(costs.target_one) == len(costs.target_full) == limits.max_batch
+    assert min(costs.draft + costs.target_one + costs.target_full) > 0
+    assert len(trace) >= 8 and all(0 <= a <= n <= limits.k for n, a in trace)
+    assert schedule.steps[0][0] == 1 and all(0 <= d <= limits.k for _, d in schedule.steps)
+    scheduler = Scheduler(backend, draft_schedule=schedule)
+    requests = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW)) for p in REQUESTS[:4]]
+    scheduler.run()
+    assert [r.token_ids for r in requests] == truth["greedy"][:4]
 
 
 def test_a_seeded_request_samples_the_same_alone_and_among_others(pair_dirs, engine_dir):

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,9 +39,11 @@ def _free_port() -> int:
 def server(engine_dir):
     engine = engine_dir(LIMITS, arch="qwen3")
     port = _free_port()
+    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
+    # every draft at every load: the tiny random draft would measure as not worth verifying
     process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
                                 "--port", str(port), "--model", "tiny", "--threads", "1",
-                                "--max-queue", str(MAX_QUEUE)],
+                                "--max-queue", str(MAX_QUEUE), "--draft-schedule", str(k)],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -170,6 +173,13 @@ def test_metrics_count_what_was_served(client, server):
     assert gained["prompt_tokens_total"] == reply.usage.prompt_tokens
     assert gained["spec_decode_num_drafts_total"] == reply.model_extra["speculative"]["verify_steps"] > 0
     assert after["dspark:num_requests_running"] == after["dspark:num_requests_waiting"] == 0
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds"):
+        assert gained[f"{histogram}_count"] == 1, histogram
+        assert gained[f'{histogram}_bucket{{le="+Inf"}}'] == 1
+    assert 0 < gained["time_to_first_token_seconds_sum"] < gained["e2e_request_latency_seconds_sum"]
+    steps = reply.model_extra["speculative"]["verify_steps"]
+    assert gained["iteration_seconds_count"] >= steps + 1     # its prefill and its decode steps
 
 
 def test_a_client_that_goes_away_frees_its_slot(client, server):
@@ -184,3 +194,65 @@ def test_a_client_that_goes_away_frees_its_slot(client, server):
     while (now := _metrics(server[0])).get(cancelled, 0) == before and time.time() < deadline:
         time.sleep(0.1)
     assert now.get(cancelled, 0) == before + 1 and now["dspark:num_requests_running"] == 0
+
+
+def test_health_is_503_until_the_engine_has_loaded(engine_dir):
+    """A server listens at once and loads on a thread of its own: until the engine is open,
+    ``/health`` and requests answer 503 with ``Retry-After``; then it serves."""
+    import uvicorn
+
+    from runtime import Generator
+    from runtime.draft_schedule import DraftSchedule
+    from runtime.serve import Server
+
+    engine = engine_dir(LIMITS, arch="qwen3")
+    release, failures = threading.Event(), []
+
+    def load():
+        release.wait(60)
+        return Generator.from_engine(engine)
+
+    server = Server(load, "tiny", MAX_QUEUE, DraftSchedule.constant(0))
+    port = _free_port()
+    http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    server.start_loading(failures.append)
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    try:
+        deadline = time.time() + 30
+        while not http.started and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{url}/health", timeout=10)
+        assert (err.value.code, err.value.headers["Retry-After"]) == (503, "1")
+        assert json.loads(err.value.read())["error"]["message"] == "the model is loading; retry shortly"
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="abc", max_tokens=3)
+        assert refused.value.status_code == 503
+        release.set()
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=10)
+                break
+            except urllib.error.HTTPError:
+                time.sleep(0.1)
+        reply = client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
+        assert reply.usage.completion_tokens == 3 and not failures
+    finally:
+        release.set()
+        http.should_exit = True
+        thread.join(30)
+
+
+def test_a_bad_draft_schedule_is_one_line_before_loading(engine_dir):
+    engine = engine_dir(LIMITS, arch="qwen3")
+    done = subprocess.run([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
+                           "--draft-schedule", "1:3,1:0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: --draft-schedule '1:3,1:0': expected BUSY:DRAFTS pairs with BUSY "
+                           f"rising from 1 and DRAFTS 0 .. {k} (the engine's k)"), line
