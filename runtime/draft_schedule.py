@@ -99,9 +99,12 @@ def measure(backend: Backend, prompts: list[list[int]], max_new_tokens: int = 48
     from .speculative import generate
 
     limits = backend.limits
+    room = limits.capacity - limits.lookahead       # a small engine's cache: shorter runs
+    max_new_tokens = min(max_new_tokens, room // 2)
     trace = []
     for prompt in prompts:
-        result = generate(backend, [prompt], max_new_tokens=max_new_tokens, eos_token_ids=())
+        result = generate(backend, [prompt[-(room - max_new_tokens):]], max_new_tokens=max_new_tokens,
+                          eos_token_ids=())
         trace += [(len(r["drafts"]), r["accepted"]) for r in result.trace if r["step"]]
     backend.start(limits.max_batch)
     k, device = limits.k, backend.device

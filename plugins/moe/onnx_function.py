@@ -136,13 +136,20 @@ def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.Grap
         node("CastLike", ["e_hit", "weights"], ["e_hit_weights"]),
         node("Mul", ["weights", "e_hit_weights"], ["e_weights_kept"]),
         node("ReduceSum", ["e_weights_kept", "e_axis1"], ["e_weight"], keepdims=0),  # [T]
-        node("Gather", ["x", "e_rows"], ["e_x"], axis=0),                     # [n, H]
-        *product("gate_up", "e_x", "e_h"),                                    # [n, 2I]
+        # the products run on n + 1 rows, the first repeated, and the copy is dropped: ONNX Runtime
+        # multiplies one row with another kernel than several, which rounds it differently, and
+        # an expert's n varies with the call (runtime/ort_backend.py)
+        node("Slice", ["e_rows", "e_first", "e_axis1"], ["e_first_row"]),
+        node("Concat", ["e_rows", "e_first_row"], ["e_rows_padded"], axis=0),
+        node("Gather", ["x", "e_rows_padded"], ["e_x"], axis=0),              # [n + 1, H]
+        *product("gate_up", "e_x", "e_h"),                                    # [n + 1, 2I]
         node("Split", ["e_h"], ["e_gate", "e_up"], axis=-1, num_outputs=2),
         node("Sigmoid", ["e_gate"], ["e_sigmoid"]),
         node("Mul", ["e_gate", "e_sigmoid"], ["e_silu"]),
         node("Mul", ["e_silu", "e_up"], ["e_a"]),
-        *product("down", "e_a", "e_y"),                                       # [n, H]
+        *product("down", "e_a", "e_y_padded"),                                # [n + 1, H]
+        node("Shape", ["e_rows"], ["e_count"]),
+        node("Slice", ["e_y_padded", "e_first", "e_count"], ["e_y"]),         # [n, H]
         node("Gather", ["e_weight", "e_rows"], ["e_row_weight"], axis=0),
         node("Unsqueeze", ["e_row_weight", "e_last"], ["e_row_weight_2d"]),
         node("Mul", ["e_y", "e_row_weight_2d"], ["e_weighted"]),
