@@ -158,7 +158,8 @@ def main() -> None:
     if args.llama_cpp:
         commands["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.llama_cpp),
                                  "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                                 "--n_ctx", "2048", "--model_alias", "m"]
+                                 "--n_ctx", "2048", "--model_alias", "m",
+                                 "--interrupt_requests", "False"]   # its default drops a stream for a newer request
     runs: dict = {name: {n: [] for n in clients} for name in commands}
     runs["generate"] = []
     with ExitStack() as stack:

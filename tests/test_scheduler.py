@@ -17,7 +17,7 @@ from runtime.torch_backend import TorchBackend
 
 from conftest import PROMPTS, hf_greedy
 
-LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=5)
+LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
 MAX_NEW = 30
 # longer than a prefill chunk, and more of them than the pool has slots
 REQUESTS = [*PROMPTS, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [7, 9], [44, 45, 46, 47, 48, 49]]
@@ -64,7 +64,7 @@ def _backend(kind, pair_dirs, engine_dir, oracle_drafts=False):
 
 @pytest.mark.parametrize("kind", ["ort", "torch"])
 def test_requests_joining_and_leaving_get_their_own_greedy_output(kind, pair_dirs, engine_dir, truth):
-    """Six requests through three slots: submitted at different steps, each with its own
+    """Six requests through four slots: submitted at different steps, each with its own
     ``max_new_tokens``, speculation on for most and off for two, one cancelled mid-run. Each
     gets the target's own greedy output (``transformers``'), and the drafts are really accepted."""
     backend = _backend(kind, pair_dirs, engine_dir, oracle_drafts=True)
