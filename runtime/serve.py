@@ -214,6 +214,9 @@ class Server:
             temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "0 .. 2"),
             top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "more than 0 and at most 1"),
             seed=_field(body, "seed", int, 0),
+            # an extension (llama-server has its per-request ``speculative.n_max``): false decodes
+            # this request with the target alone
+            speculative=_field(body, "speculative", bool, True),
             stop=StopStrings(stop, self.generator.decode) if stop else None)
         return params
 

@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
-MAX_QUEUE = 3     # with the 4 slots, the 6 concurrent requests below fit and 24 do not
+MAX_QUEUE = 4     # with the 4 slots, the 8 concurrent requests below fit and 24 do not
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz"]
 
 
@@ -91,14 +91,19 @@ def test_chat_and_completions_equal_the_generator(client, generator):
 
 
 def test_concurrent_requests_get_their_single_request_output(client, generator):
-    def ask(prompt):
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=30, temperature=0)
-        return reply.choices[0].message.content
+    """Eight clients at once, every other one with speculation off (``"speculative": false``)."""
+    prompts = PROMPTS + PROMPTS[:2]
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        together = list(pool.map(ask, PROMPTS))
-    assert together == generator.generate(PROMPTS, max_new_tokens=30).texts
+    def ask(i):
+        messages = [{"role": "user", "content": prompts[i]}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
+                                               extra_body={"speculative": i % 2 == 0})
+        return reply.choices[0].message.content, reply.model_extra["speculative"]["verify_steps"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, range(len(prompts))))
+    assert [text for text, _ in together] == generator.generate(prompts, max_new_tokens=30).texts
+    assert all((steps > 0) == (i % 2 == 0) for i, (_, steps) in enumerate(together))
 
 
 def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
@@ -142,7 +147,7 @@ def test_malformed_json_is_a_400(server):
 
 
 def test_a_full_queue_answers_429_with_retry_after_at_once(client):
-    """Twenty-four requests at once: four take the slots, three wait, and what arrives while
+    """Twenty-four requests at once: four take the slots, four wait, and what arrives while
     both are full is refused with 429 and ``Retry-After``; every other request completes."""
     def ask(_):
         try:
