@@ -1,6 +1,6 @@
 """How many drafts a step verifies as the batch fills (vLLM's and TensorRT-LLM's draft-length
-schedule): ``1:4,3:2,6:0`` verifies at most 4 drafts per request while 1 or 2 requests with
-speculation decode together, 2 from 3 on, none (target-only steps) from 6 on.
+schedule): ``1:4,3:2,6:0`` verifies at most 4 drafts per request while 1 or 2 of the pool's
+slots are busy, 2 from 3 on, none (target-only steps) from 6 on.
 
 A verify row is nearly free while the target is bound by reading its weights, and costs its full
 compute once the batch's rows make it compute-bound; so the rows worth verifying shrink as slots
@@ -26,8 +26,8 @@ CALIBRATION_PROMPTS = ("Explain step by step how a bicycle stays upright while i
 
 @dataclass(frozen=True)
 class DraftSchedule:
-    """``steps``: ``(busy, drafts)`` pairs, ``busy`` ascending from 1: from ``busy`` requests with
-    speculation on, at most ``drafts`` drafts per request per step."""
+    """``steps``: ``(busy, drafts)`` pairs, ``busy`` ascending from 1: from ``busy`` occupied
+    slots on, at most ``drafts`` drafts per request per step."""
     steps: tuple[tuple[int, int], ...]
 
     @classmethod
@@ -51,7 +51,7 @@ class DraftSchedule:
         return cls(tuple(pairs))
 
     def drafts(self, busy: int) -> int:
-        """The cap while ``busy`` requests with speculation decode together."""
+        """The cap while ``busy`` slots are occupied."""
         return next(d for b, d in reversed(self.steps) if b <= busy)
 
     def __str__(self) -> str:

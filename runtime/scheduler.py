@@ -7,8 +7,8 @@ stalls the running requests for long), samples its first token and joins the dec
 the next step. A finished or cancelled request frees its slot at once. Each request has its own
 ``max_new_tokens``, temperature, top-p, top-k, seed (its own ``torch.Generator``), stop strings and
 speculation on or off; requests with speculation verify their drafts in one target call, those
-without decode in another. How many drafts a step verifies follows the number of requests with
-speculation decoding (``draft_schedule.py``), below the confidence cut.
+without decode in another. How many drafts a step verifies follows the number of busy slots
+(``draft_schedule.py``), below the confidence cut.
 
 Greedy output is the target's own greedy output whatever else runs, and a seeded request draws
 the same numbers as alone while the schedule gives it the same cap: on a backend whose rows do
@@ -123,11 +123,11 @@ class Scheduler:
                 self._admit(self.waiting.popleft(), slot)
         running = [r for r in self.slots if r is not None and r.prefill is None]
         prefilling = [r for r in self.slots if r is not None and r.prefill is not None]
-        changed = []
+        changed, busy = [], len(running) + len(prefilling)
         for group in ([r for r in running if r.params.speculative],
                       [r for r in running if not r.params.speculative]):
             if group:
-                changed += self._decode(group)
+                changed += self._decode(group, busy)
         for request in prefilling:
             if self._prefill_chunk(request):
                 changed.append(request)
@@ -156,15 +156,17 @@ class Scheduler:
         self._emit(request, [token])
         return True
 
-    def _decode(self, group: list[Request]) -> list[Request]:
+    def _decode(self, group: list[Request], busy: int) -> list[Request]:
         """One propose / verify step of ``group`` (all with speculation, or all without). A
-        speculative group verifies at most the schedule's cap of drafts; at a cap of 0 it skips
-        the draft and keeps the verified rows for the draft's next call, which comes when the
-        rows fill one call (``limits.call_rows``) if not sooner."""
+        speculative group verifies at most the schedule's cap for ``busy`` occupied slots (a
+        prefilling request's takes the machine's time too, and a request that ends and one that
+        joins leave the cap as it was); at a cap of 0 it skips the draft and keeps the verified
+        rows for the draft's next call, which comes when the rows fill one call
+        (``limits.call_rows``) if not sooner."""
         slots = [r.slot for r in group]
         anchor = torch.tensor([r.anchor for r in group], device=self.device)
         anchor_pos = torch.tensor([r.anchor_pos for r in group], device=self.device)
-        cap = self.schedule.drafts(len(group)) if group[0].params.speculative else 0
+        cap = self.schedule.drafts(busy) if group[0].params.speculative else 0
         drafting = group[0].params.speculative and (
             cap > 0 or any(r.ctx[2] >= self.limits.call_rows for r in group))
         if drafting:

@@ -180,7 +180,7 @@ class Server:
         if schedule is None and limits.k:
             begin = time.perf_counter()
             schedule = measure(generator.backend, [generator.encode(p) for p in CALIBRATION_PROMPTS])[0]
-            print(f"draft schedule {schedule} (busy requests:drafts, measured in "
+            print(f"draft schedule {schedule} (busy slots:drafts, measured in "
                   f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
                   flush=True)
         self.engine = Engine(generator.backend, self.max_queue, schedule)
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests that may wait for a slot; more get 429 [64]")
     p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
                    help="drafts verified per step as requests fill the slots, e.g. 1:7,4:3,8:0 "
-                        "(from 1 busy request 7, from 4 on 3, from 8 on none), or one number "
+                        "(from 1 busy slot 7, from 4 on 3, from 8 on none), or one number "
                         "[measured at start on this machine]")
     args = p.parse_args(argv)
     from export import manifest as manifest_file

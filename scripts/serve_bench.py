@@ -136,7 +136,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--draft-schedule", help="the speculative server's (default: measured at its start)")
+    p.add_argument("--draft-schedule", action="append", default=[],
+                   help="a speculative server with this schedule (repeatable) [one, measured at its start]")
     p.add_argument("--out", type=Path, default=Path("serve_bench.json"))
     p.add_argument("--plot", type=Path, default=Path("serve_bench.png"))
     args = p.parse_args()
@@ -153,8 +154,9 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     ours = [sys.executable, "-m", "runtime.serve", "--engine", str(args.engine), "--threads",
             str(args.threads), "--model", "m", "--max-queue", "1024"]
-    schedule = ["--draft-schedule", args.draft_schedule] if args.draft_schedule else []
-    commands = {"speculative": ours + schedule, "target-only": ours + ["--draft-schedule", "0"]}
+    commands = {f"speculative {schedule}": ours + ["--draft-schedule", schedule]
+                for schedule in args.draft_schedule} or {"speculative": ours}
+    commands["target-only"] = ours + ["--draft-schedule", "0"]
     if args.llama_cpp:
         commands["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.llama_cpp),
                                  "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
