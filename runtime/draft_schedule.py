@@ -4,10 +4,12 @@ slots are busy, 2 from 3 on, none (target-only steps) from 6 on.
 
 A verify row is nearly free while the target is bound by reading its weights, and costs its full
 compute once the batch's rows make it compute-bound; so the rows worth verifying shrink as slots
-fill. ``measure`` picks the schedule for the machine it runs on: it times the backend's calls at
-every batch size and runs a short greedy generation for the draft's acceptance, then chooses per
-batch size the cap with the most expected tokens per second. The confidence cut still applies
-below the cap.
+fill. ``measure`` times the backend's calls at every batch size on the machine it runs on, and
+``choose`` keeps the engine's ``k`` (with the confidence threshold it was built with: the choice for
+one sequence) while a verify row costs, relative to its step, what it costs for one sequence, and
+cuts the cap in proportion as it gets dearer. (Planning with the draft's acceptance instead would
+need acceptance like the traffic's: measured on any fixed prompts it is another domain's.) The
+confidence cut still applies below the cap.
 """
 from __future__ import annotations
 
@@ -17,11 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from .backend import Backend
-
-# the acceptance the schedule plans with is measured on these (chat-templated by the caller): not
-# the benchmarks' held-out prompts, and shipped in the package rather than read from data/
-CALIBRATION_PROMPTS = ("Explain step by step how a bicycle stays upright while it moves.",
-                       "Tom has 3 boxes of 12 pencils and gives away 7 pencils. How many are left?")
 
 
 @dataclass(frozen=True)
@@ -60,52 +57,36 @@ class DraftSchedule:
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds per call at each batch size ``b`` (index ``b - 1``): the draft step, and the target
-    step on one row and on ``k + 1`` rows per sequence (in between: linear in the rows)."""
-    draft: list[float]
+    """Seconds per target call at each batch size ``b`` (index ``b - 1``), on one row and on
+    ``k + 1`` rows per sequence."""
     target_one: list[float]
     target_full: list[float]
 
-    def target(self, batch: int, rows: float, k: int) -> float:
-        one, full = self.target_one[batch - 1], self.target_full[batch - 1]
-        return one + (full - one) * (rows - 1) / k if k else one
 
+def choose(costs: Costs, k: int) -> DraftSchedule:
+    """``k`` drafts for one busy slot; for ``b``, ``k * m(1) / m(b)`` (rounded; ``k`` while within
+    25%; never rising with ``b``), where ``m(b) = (t(b, k + 1) - t(b, 1)) / (k * t(b, 1))`` is what a
+    verify row adds to a step of ``b`` sequences, relative to the step."""
+    def row_cost(b: int) -> float:
+        one = costs.target_one[b - 1]
+        return max(costs.target_full[b - 1] - one, 0.0) / (k * one) if k else 0.0
 
-def choose(costs: Costs, trace: list[tuple[int, int]], k: int) -> DraftSchedule:
-    """Per batch size, the cap with the most expected tokens per second (the smaller on a tie).
-
-    ``trace``: ``(proposed, accepted)`` per verify step of one sequence, proposed after the
-    confidence cut. Capped at ``c``, a step emits ``1 + min(c, accepted)`` tokens, and a batch of
-    ``b`` verifies its widest request's ``min(c, proposed)`` drafts: for independent requests,
-    ``sum over m = 1 .. c of P(some request proposes at least m)``."""
-    steps = len(trace)
+    alone = max(row_cost(1), 1e-9)
     caps = []
-    for batch in range(1, len(costs.draft) + 1):
-        def rate(cap: int) -> float:
-            tokens = batch * sum(1 + min(cap, a) for _, a in trace) / steps
-            width = sum(1 - (sum(n < m for n, _ in trace) / steps) ** batch for m in range(1, cap + 1))
-            seconds = (costs.draft[batch - 1] if cap else 0.0) + costs.target(batch, 1 + width, k)
-            return tokens / seconds
-        caps.append(max(range(k + 1), key=lambda cap: (rate(cap), -cap)))
-    steps_ = [(1, caps[0])] + [(b + 1, c) for b, c in enumerate(caps) if b and c != caps[b - 1]]
-    return DraftSchedule(tuple(steps_))
+    for batch in range(1, len(costs.target_one) + 1):
+        dearer = row_cost(batch) / alone
+        # a difference of two timings is noisy (10-20% on a shared machine): within that, no change
+        cap = k if dearer <= 1.25 else round(k / dearer)
+        caps.append(min([cap, *caps[-1:]]))
+    steps = [(1, caps[0])] + [(b + 1, c) for b, c in enumerate(caps) if b and c != caps[b - 1]]
+    return DraftSchedule(tuple(steps))
 
 
-def measure(backend: Backend, prompts: list[list[int]], max_new_tokens: int = 48,
-            repeats: int = 3) -> tuple[DraftSchedule, Costs, list[tuple[int, int]]]:
-    """The schedule for this machine: each call's time (the fastest of ``repeats``, after one
-    untimed call) at every batch size, and the acceptance of a greedy generation from each of
-    ``prompts`` alone. The backend's caches hold junk afterwards: start or clear them."""
-    from .speculative import generate
-
+def measure(backend: Backend, repeats: int = 3) -> tuple[DraftSchedule, Costs]:
+    """The schedule for this machine from each call's time (the fastest of ``repeats``, after one
+    untimed call) at every batch size. The backend's caches hold junk afterwards: start or clear
+    them."""
     limits = backend.limits
-    room = limits.capacity - limits.lookahead       # a small engine's cache: shorter runs
-    max_new_tokens = min(max_new_tokens, room // 2)
-    trace = []
-    for prompt in prompts:
-        result = generate(backend, [prompt[-(room - max_new_tokens):]], max_new_tokens=max_new_tokens,
-                          eos_token_ids=())
-        trace += [(len(r["drafts"]), r["accepted"]) for r in result.trace if r["step"]]
     backend.start(limits.max_batch)
     k, device = limits.k, backend.device
     position = min(256, limits.capacity - limits.lookahead - 1)
@@ -119,7 +100,7 @@ def measure(backend: Backend, prompts: list[list[int]], max_new_tokens: int = 48
             times.append(time.perf_counter() - begin)
         return min(times)
 
-    draft, one, full = [], [], []
+    one, full = [], []
     with torch.inference_mode():
         for batch in range(1, limits.max_batch + 1):
             slots = list(range(batch))
@@ -132,10 +113,5 @@ def measure(backend: Backend, prompts: list[list[int]], max_new_tokens: int = 48
 
             one.append(fastest(lambda: target(1)))
             full.append(fastest(lambda: target(k + 1)))
-            aux = target(k + 1)[1].clone()
-            count = torch.full((batch,), k + 1, device=device)
-            noise = torch.zeros(batch, k, limits.draft_vocab_size, device=device)
-            draft.append(fastest(lambda: backend.draft_step(
-                aux, start, count, start * 0, torch.ones(batch, device=device), noise, slots=slots)))
-    costs = Costs(draft, one, full)
-    return choose(costs, trace, k), costs, trace
+    costs = Costs(one, full)
+    return choose(costs, k), costs

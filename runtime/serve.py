@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .draft_schedule import CALIBRATION_PROMPTS, DraftSchedule, measure
+from .draft_schedule import DraftSchedule, measure
 from .generator import Generator
 from .scheduler import Params, Request, Scheduler
 from .serve_metrics import Metrics
@@ -179,7 +179,7 @@ class Server:
         schedule, limits = self.draft_schedule, generator.backend.limits
         if schedule is None and limits.k:
             begin = time.perf_counter()
-            schedule = measure(generator.backend, [generator.encode(p) for p in CALIBRATION_PROMPTS])[0]
+            schedule = measure(generator.backend)[0]
             print(f"draft schedule {schedule} (busy slots:drafts, measured in "
                   f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
                   flush=True)

@@ -158,10 +158,11 @@ def main() -> None:
                 for schedule in args.draft_schedule} or {"speculative": ours}
     commands["target-only"] = ours + ["--draft-schedule", "0"]
     if args.llama_cpp:
+        # --interrupt_requests False: by default it drops a running stream for a newer request
         commands["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.llama_cpp),
                                  "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
                                  "--n_ctx", "2048", "--model_alias", "m",
-                                 "--interrupt_requests", "False"]   # its default drops a stream for a newer request
+                                 "--interrupt_requests", "False"]
     runs: dict = {name: {n: [] for n in clients} for name in commands}
     runs["generate"] = []
     with ExitStack() as stack:
