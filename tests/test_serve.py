@@ -106,6 +106,14 @@ def test_concurrent_requests_get_their_single_request_output(client, generator):
     assert all((steps > 0) == (i % 2 == 0) for i, (_, steps) in enumerate(together))
 
 
+def test_a_seeded_sampled_request_is_reproducible(client):
+    def ask(seed):
+        return client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=25, temperature=1.0,
+                                         top_p=0.9, seed=seed).choices[0].text
+
+    assert ask(3) == ask(3) != ask(4)
+
+
 def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
     full = generator.generate(PROMPTS[1], max_new_tokens=30, chat_template=False).texts[0]
     stop = full[6:9]
