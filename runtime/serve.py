@@ -71,7 +71,9 @@ class Engine:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
-        if len(self.scheduler.waiting) + self.inbox.qsize() >= self.max_queue:
+        # what the inbox holds is waiting too, less what the free slots will take at the next step
+        free = sum(r is None for r in self.scheduler.slots)
+        if len(self.scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
             raise RequestError(429, f"the queue is full ({self.max_queue} requests waiting for a "
                                     f"slot, --max-queue); retry later", kind="rate_limit_error")
         self.inbox.put(("submit", job))
