@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -150,8 +151,8 @@ def main() -> None:
     prompts = [generator.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                        add_generation_prompt=True) for t in texts]
     clients = [int(n) for n in args.clients.split(",")]
-    logs = Path(args.out).with_suffix("")
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="serve_bench_"))   # each server's output, for when one fails
+    print(f"server logs: {logs}", flush=True)
     ours = [sys.executable, "-m", "runtime.serve", "--engine", str(args.engine), "--threads",
             str(args.threads), "--model", "m", "--max-queue", "1024"]
     commands = {f"speculative {schedule}": ours + ["--draft-schedule", schedule]
@@ -251,6 +252,8 @@ def plot(report: dict, clients: list[int], path: Path) -> None:
              xticklabels=clients, title="throughput")
     right.set(xlabel="concurrent clients", ylabel="seconds", xscale="log", xticks=clients,
               xticklabels=clients, title="time to first token, p95")
+    for ax in (left, right):
+        ax.minorticks_off()
     left.legend(fontsize=8)
     fig.suptitle(f"{Path(report['engine']).name}, {report['threads']} threads, {report['date']}")
     fig.tight_layout()
