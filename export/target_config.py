@@ -1,6 +1,8 @@
 """The target LLM's configuration, read through ``transformers.AutoConfig``."""
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +57,21 @@ class TargetConfig:
     gemma4: Gemma4Layout | None = None              # a Gemma 4 target's layers beyond decoder's
 
 
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(path: Path, stamp: tuple[int, int]):
+    """A GGUF file's config as ``transformers`` reads it, once per process and version of the file
+    (it parses the file's metadata: seconds, and a build asks four times); each caller gets a copy."""
+    from transformers import AutoConfig
+
+    location, options = hf_location(path)
+    return AutoConfig.from_pretrained(location, **options)
+
+
 def load_target_config(directory: Path) -> TargetConfig:
     """``directory`` is a checkpoint directory or a ``.gguf`` file."""
     from transformers import AutoConfig
@@ -69,8 +86,8 @@ def load_target_config(directory: Path) -> TargetConfig:
             architectures = [by_type] if by_type else []
         _check_raw(raw, _supported(architectures, path), path)
     try:
-        location, options = hf_location(directory)
-        hf = AutoConfig.from_pretrained(location, **options)
+        hf = (copy.deepcopy(_gguf_config(directory, _stamp(directory))) if gguf
+              else AutoConfig.from_pretrained(directory))
     except ImportError as err:
         raise CheckpointError(f"{path}: reading a GGUF target needs the gguf extra "
                               f"(pip install -e '.[gguf]'): {err}") from None

@@ -148,3 +148,14 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
         with torch.no_grad():
             logits[dtype] = target(*verify.values())[0].float().numpy()
     assert _relative_difference(logits[torch.float16], logits[torch.float32]) < TOLERANCE["float16"] / 4
+
+
+def test_a_draft_reads_only_the_embeddings_of_a_gguf_target(smollm2):
+    """A draft that shares its target's embeddings reads them alone from the GGUF file, with
+    ``gguf``'s de-quantization: the tensor ``transformers`` makes of the whole file."""
+    from export.target_model import load_embeddings
+
+    _, hf, *_ = smollm2
+    shared = load_embeddings(demo_pair.target())
+    assert torch.equal(shared["embed_tokens.weight"], hf.model.embed_tokens.weight)
+    assert shared["lm_head.weight"] is shared["embed_tokens.weight"]    # tied in SmolLM2
