@@ -302,12 +302,17 @@ class Server:
                 "object": ("chat.completion" if chat else "text_completion") + extra.pop("suffix", ""),
                 "created": int(time.time()), "model": self.model, "choices": [choice], **extra}
 
-    def _usage(self, job: Job) -> dict:
+    @staticmethod
+    def _usage(job: Job) -> dict:
         done = len(job.request.token_ids)
-        stats = job.request.stats
         return {"prompt_tokens": len(job.prompt), "completion_tokens": done,
-                "total_tokens": len(job.prompt) + done}, {
-                "tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
+                "total_tokens": len(job.prompt) + done}
+
+    @staticmethod
+    def _speculative(job: Job) -> dict:
+        """The response's extra field: its speculation statistics."""
+        stats = job.request.stats
+        return {"tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
                 "verify_steps": stats.steps}
 
     async def whole(self, job: Job, chat: bool) -> dict:
@@ -320,8 +325,7 @@ class Server:
         reason = job.request.finish_reason
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        usage, speculative = self._usage(job)
-        return self._reply(chat, choice, usage=usage, speculative=speculative)
+        return self._reply(chat, choice, usage=self._usage(job), speculative=self._speculative(job))
 
     async def events(self, http, job: Job, chat: bool, first, usage: bool):
         stream = TextStream(self.generator.decode, job.params.stop)
@@ -355,10 +359,9 @@ class Server:
             rest = stream.piece(ids, final=True)
             if rest:
                 yield chunk({"content": rest})
-            stats, speculative = self._usage(job)
-            yield chunk({}, job.request.finish_reason, speculative=speculative)
+            yield chunk({}, job.request.finish_reason, speculative=self._speculative(job))
             if usage:
-                reply = self._reply(chat, {}, suffix=suffix, usage=stats)
+                reply = self._reply(chat, {}, suffix=suffix, usage=self._usage(job))
                 reply["choices"] = []
                 yield f"data: {json.dumps(reply)}\n\n"
             yield "data: [DONE]\n\n"
