@@ -104,6 +104,11 @@ class Scheduler:
         self._release(request)
 
     @property
+    def occupied(self) -> int:
+        """Slots holding a request, prefilling or decoding: the load the draft schedule reads."""
+        return sum(r is not None for r in self.slots)
+
+    @property
     def busy(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
@@ -123,7 +128,7 @@ class Scheduler:
                 self._admit(self.waiting.popleft(), slot)
         running = [r for r in self.slots if r is not None and r.prefill is None]
         prefilling = [r for r in self.slots if r is not None and r.prefill is not None]
-        changed, busy = [], len(running) + len(prefilling)
+        changed, busy = [], self.occupied
         for group in ([r for r in running if r.params.speculative],
                       [r for r in running if not r.params.speculative]):
             if group:
@@ -166,9 +171,9 @@ class Scheduler:
         slots = [r.slot for r in group]
         anchor = torch.tensor([r.anchor for r in group], device=self.device)
         anchor_pos = torch.tensor([r.anchor_pos for r in group], device=self.device)
-        cap = self.schedule.drafts(busy) if group[0].params.speculative else 0
-        drafting = group[0].params.speculative and (
-            cap > 0 or any(r.ctx[2] >= self.limits.call_rows for r in group))
+        speculative = group[0].params.speculative
+        cap = self.schedule.drafts(busy) if speculative else 0
+        drafting = speculative and (cap > 0 or any(r.ctx[2] >= self.limits.call_rows for r in group))
         if drafting:
             drafts, q, limit = self._propose(group, anchor, slots, cap)
         else:
@@ -193,7 +198,7 @@ class Scheduler:
                     a, e = rejection_verify(mine, q[b:b + 1, :n], probs, request.generator)
                 accepted, emitted = int(a[0]), e[0].tolist()
                 request.stats.record(accepted)
-            if drafting or not p.speculative:
+            if drafting or not speculative:
                 request.ctx = (aux[b].clone(), request.anchor_pos, accepted + 1)
             else:   # the draft has not read the rows before: they go in with this one
                 before, start, count = request.ctx

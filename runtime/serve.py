@@ -65,14 +65,14 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
-        self.metrics = Metrics(running=lambda: sum(r is not None for r in self.scheduler.slots),
+        self.metrics = Metrics(running=lambda: self.scheduler.occupied,
                                waiting=lambda: len(self.scheduler.waiting) + self.inbox.qsize())
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
         # what the inbox holds is waiting too, less what the free slots will take at the next step
-        free = sum(r is None for r in self.scheduler.slots)
+        free = len(self.scheduler.slots) - self.scheduler.occupied
         if len(self.scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
             raise RequestError(429, f"the queue is full ({self.max_queue} requests waiting for a "
                                     f"slot, --max-queue); retry later", kind="rate_limit_error")
@@ -394,13 +394,14 @@ def main(argv: list[str] | None = None) -> None:
 
     try:   # what can be checked before listening gets one line and status 1 now
         manifest = manifest_file.read(Path(args.engine))
-        schedule = args.draft_schedule and DraftSchedule.parse(args.draft_schedule, manifest["draft"]["k"])
+        schedule = (DraftSchedule.parse(args.draft_schedule, manifest["draft"]["k"]) if args.draft_schedule
+                    else None)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     import uvicorn
 
     server = Server(lambda: Generator.from_engine(args.engine, args.backend, args.threads),
-                    args.model or Path(args.engine).resolve().name, args.max_queue, schedule or None)
+                    args.model or Path(args.engine).resolve().name, args.max_queue, schedule)
     # SIGINT / SIGTERM: stop accepting, let running requests finish for up to 10 s, exit 0
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=10)
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _clean_exit_class():
     import uvicorn
+
     class CleanExit(uvicorn.Server):
         """uvicorn's server, except that a stop asked for by SIGINT / SIGTERM ends with status 0
         (uvicorn raises the signal again once it has shut down)."""
