@@ -1,4 +1,4 @@
-"""The backend contract: what the loop in ``speculative.py`` needs of whatever runs the two steps.
+"""The backend contract: what the loop in ``scheduler.py`` needs of whatever runs the two steps.
 
 A backend (ONNX Runtime, PyTorch, TensorRT) owns the caches and runs the target and draft steps;
 ``BackendLimits`` holds the facts the loop plans with, read from an engine's manifest or from the modules,
@@ -85,23 +85,30 @@ def capacity_needed(prompt_tokens: int, max_new_tokens: int, limits: BackendLimi
     return prompt_tokens + max_new_tokens + lookahead
 
 
-def check_whole_pool(slots: list[int] | None, pool: int, backend: str) -> None:
-    """A backend whose captured CUDA graphs hold the whole pool's caches runs every slot in order
-    (``slots`` None or ``0 .. pool - 1``)."""
-    if slots is not None and list(slots) != list(range(pool)):
-        raise ValueError(f"slots {list(slots)}: {backend} runs every slot of its pool of {pool} "
-                         f"together (its CUDA graphs hold their caches); steps on some of the slots "
-                         f"run on --backend ort or torch")
+def slot_block(slots: list[int] | None, pool: int, backend: str) -> slice:
+    """The slots a step of a ``pooled`` backend runs on, as the block of its caches they are: its
+    CUDA graphs hold the whole pool's caches, so a step on fewer slots (a prefill, which runs
+    eagerly anyway) takes consecutive ones (``slots`` None: the whole pool)."""
+    if slots is None:
+        return slice(0, pool)
+    first = slots[0] if slots else 0
+    if list(slots) != list(range(first, first + len(slots))) or first + len(slots) > pool:
+        raise ValueError(f"slots {list(slots)}: {backend} runs a step on consecutive slots of its pool "
+                         f"of {pool} (its CUDA graphs hold their caches as one block)")
+    return slice(first, first + len(slots))
 
 
 class Backend(Protocol):
-    """What ``Decoding`` drives. Tensors live on ``device``; ``host_threads`` is how many threads
+    """What the scheduler drives. Tensors live on ``device``; ``host_threads`` is how many threads
     the loop's own torch work may use between calls (None: leave torch's setting);
-    ``default_batch`` how many prompts a ``Generator`` batches unless told (None: ``max_batch``)."""
+    ``default_batch`` how many prompts a ``Generator`` batches unless told (None: ``max_batch``);
+    ``pooled``: every decode step runs the whole pool of slots in order (CUDA graphs captured on
+    its caches), and a prefill a block of consecutive slots (``slot_block``)."""
     limits: BackendLimits
     device: torch.device
     host_threads: int | None
     default_batch: int | None
+    pooled: bool
 
     def start(self, batch: int) -> None:
         """Empty caches for a pool of ``batch`` slots, one sequence each."""

@@ -57,8 +57,9 @@ class DraftSchedule:
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds per target call at each batch size ``b`` (index ``b - 1``), on one row and on
-    ``k + 1`` rows per sequence."""
+    """Seconds per target call with ``b`` busy slots (index ``b - 1``), on one row and on
+    ``k + 1`` rows per sequence: a call of ``b`` sequences, or of the whole pool on a pooled
+    backend."""
     target_one: list[float]
     target_full: list[float]
 
@@ -101,17 +102,21 @@ def measure(backend: Backend, repeats: int = 3) -> tuple[DraftSchedule, Costs]:
         return min(times)
 
     one, full = [], []
+    # a pooled backend's step runs the whole pool whatever the load: one call to time
+    sizes = [limits.max_batch] if backend.pooled else range(1, limits.max_batch + 1)
     with torch.inference_mode():
-        for batch in range(1, limits.max_batch + 1):
-            slots = list(range(batch))
+        for batch in sizes:
+            at = {} if backend.pooled else {"slots": list(range(batch))}
             start = torch.full((batch,), position, device=device)
 
             def target(rows: int):
                 ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
-                at = torch.arange(rows, device=device).expand(batch, rows)
-                return backend.target_step(ids, start, at, torch.zeros_like(start), at, slots=slots)
+                positions = torch.arange(rows, device=device).expand(batch, rows)
+                return backend.target_step(ids, start, positions, torch.zeros_like(start), positions, **at)
 
             one.append(fastest(lambda: target(1)))
             full.append(fastest(lambda: target(k + 1)))
+    if backend.pooled:
+        one, full = one * limits.max_batch, full * limits.max_batch
     costs = Costs(one, full)
     return choose(costs, k), costs

@@ -1,5 +1,5 @@
 """What every backend over an engine directory shares: its manifest, read once, and the limits the
-loop in ``speculative.py`` plans with (``backend.BackendLimits``)."""
+loop in ``scheduler.py`` plans with (``backend.BackendLimits``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +15,7 @@ class EngineBackend:
     device = torch.device("cpu")       # where the loop's tensors live (a GPU backend sets its own)
     host_threads: int | None = None    # torch threads for the loop's own work (None: as configured)
     default_batch: int | None = None   # prompts per batch unless told (None: the engine's max_batch)
+    pooled = False                     # steps on any slots (``backend.Backend``)
 
     def __init__(self, engine: str | Path):
         self.directory = Path(engine)

@@ -9,8 +9,8 @@ from export.prompts import encode_conversation, encode_prompt
 
 from .backends import open_backend
 from .engine_backend import damaged
-from .speculative import Decoding, PhaseTimes
-from .stats import SpecStats
+from .speculative import Decoding
+from .stats import PhaseTimes, SpecStats
 from .stop_strings import StopStrings
 from .text_stream import TextStream
 

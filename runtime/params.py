@@ -1,4 +1,4 @@
-"""What one generation asks for, checked in one place for the batch loop and the scheduler."""
+"""What one request asks for, checked in one place."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,7 @@ class Params:
     seed: int = 0
     speculative: bool = True
     stop: StopStrings | None = None
+    repetition_penalty: float = 1.0
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -29,3 +30,6 @@ class Params:
             raise ValueError(f"top_p {self.top_p}: expected more than 0 and at most 1")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k {self.top_k}: expected a whole number, at least 0 (0: every token)")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty}: expected a finite number "
+                             f"above 0 (1: off)")

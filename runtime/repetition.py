@@ -14,22 +14,23 @@ import torch.nn.functional as F
 
 
 class RepetitionPenalty:
-    def __init__(self, penalty: float, prompts: list[list[int]], vocab_size: int, device: torch.device):
-        self.penalty = penalty
-        self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
-        for b, prompt in enumerate(prompts):
-            self.record(b, prompt)
+    """One sequence's penalty and the tokens it holds."""
 
-    def record(self, sequence: int, tokens: list[int]) -> None:
-        """Tokens that sequence ``sequence`` now holds."""
+    def __init__(self, penalty: float, prompt: list[int], vocab_size: int, device: torch.device):
+        self.penalty = penalty
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.record(prompt)
+
+    def record(self, tokens: list[int]) -> None:
+        """Tokens that the sequence now holds."""
         if tokens:
-            self.seen[sequence, torch.tensor(tokens, device=self.seen.device)] = True
+            self.seen[torch.tensor(tokens, device=self.seen.device)] = True
 
     def __call__(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits [B, R, V]`` penalized, row ``j`` also for ``drafts [B, R - 1]``'s first ``j``."""
-        seen = self.seen[:, None, :].expand(logits.shape)
-        if drafts is not None and drafts.shape[1]:
-            written = F.one_hot(drafts, logits.shape[-1]).cumsum(1) > 0           # [B, R - 1, V]
+        """``logits [R, V]`` penalized, row ``j`` also for ``drafts [>= R - 1]``'s first ``j``."""
+        seen = self.seen.expand(logits.shape)
+        if logits.shape[0] > 1:
+            written = F.one_hot(drafts[: logits.shape[0] - 1], logits.shape[-1]).cumsum(0) > 0
             seen = seen | F.pad(written, (0, 0, 1, 0))
         penalized = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
         return torch.where(seen, penalized, logits)

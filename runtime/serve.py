@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .backends import BACKENDS
 from .draft_schedule import DraftSchedule, measure
 from .generator import Generator
 from .scheduler import Params, Request, Scheduler
@@ -285,7 +286,7 @@ class Server:
                     raise first
                 return StreamingResponse(self.events(http, job, chat, first, usage),
                                          media_type="text/event-stream")
-            return JSONResponse(await self.whole(job, chat))
+            return JSONResponse(await self.whole(http, job, chat))
 
         @app.post("/v1/completions")
         async def completions(http: HttpRequest):
@@ -310,22 +311,36 @@ class Server:
 
     @staticmethod
     def _speculative(job: Job) -> dict:
-        """The response's extra field: its speculation statistics."""
+        """The response's extra field: its speculation statistics (no verify steps without
+        speculation: its steps decoded one token each)."""
         stats = job.request.stats
         return {"tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
-                "verify_steps": stats.steps}
+                "verify_steps": stats.steps if stats.k else 0}
 
-    async def whole(self, job: Job, chat: bool) -> dict:
+    async def whole(self, http, job: Job, chat: bool) -> dict:
+        """The reply once the request has ended; a client that goes away before is cancelled at the
+        next step, as a streamed one is."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, job))
         ids = []
-        while (event := await job.events.get()) is not None:
-            if isinstance(event, RequestError):
-                raise event
-            ids = event
+        try:
+            while (event := await job.events.get()) is not None:
+                if isinstance(event, RequestError):
+                    raise event
+                ids = event
+        finally:
+            watcher.cancel()
         text = TextStream(self.generator.decode, job.params.stop).text(ids)
         reason = job.request.finish_reason
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         return self._reply(chat, choice, usage=self._usage(job), speculative=self._speculative(job))
+
+    async def _cancel_on_disconnect(self, http, job: Job) -> None:
+        """Once the body is read, a request's receive channel has one more message: the client's
+        disconnect."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.cancel(job)
 
     async def events(self, http, job: Job, chat: bool, first, usage: bool):
         stream = TextStream(self.generator.decode, job.params.stop)
@@ -377,8 +392,10 @@ def main(argv: list[str] | None = None) -> None:
                description="Serve an engine directory over an OpenAI-compatible HTTP API "
                            "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
     p.add_argument("--engine", required=True, help="engine directory")
-    p.add_argument("--backend", default="ort", choices=["ort", "torch"],
-                   help="ort: ONNX Runtime on the CPU; torch: the PyTorch reference [ort]")
+    p.add_argument("--backend", default="ort", choices=BACKENDS,
+                   help="ort: ONNX Runtime on the CPU; torch: the PyTorch reference; torch-cuda, trt, "
+                        "trt-rtx: on a CUDA GPU with CUDA graphs, every step on the whole pool of "
+                        "slots [ort]")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads [all cores]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

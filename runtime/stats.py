@@ -1,7 +1,10 @@
-"""Speculation statistics: tau and per-position acceptance."""
+"""Speculation statistics (tau and per-position acceptance) and the wall time of each phase."""
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass
@@ -35,3 +38,25 @@ class SpecStats:
         self.steps += other.steps
         self.accepted_tokens += other.accepted_tokens
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time per phase, seconds. ``host`` is everything outside the backend calls."""
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    total: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return max(0.0, self.total - self.prefill - self.draft - self.verify)
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to ``phase``."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - begin)

@@ -15,12 +15,14 @@ from export.draft_model import DraftStep
 from export.pair import load_pair
 from export.target_model import TargetStep
 
-from .backend import BackendLimits, check_whole_pool
+from .backend import BackendLimits, slot_block
 
 
 class TorchBackend:
     """``device="cuda"`` with ``cuda_graphs=True`` captures the decode steps and replays them, the
     same way the TensorRT backend does (``cuda_graphs.py``); prefill runs eagerly."""
+    pooled = True    # batched steps: a decode step runs the whole pool, a frozen row costs no call
+
 
     def __init__(self, target: TargetStep, draft: DraftStep | None, capacity: int,
                  max_batch: int = 1 << 16, max_prompt_chunk: int | None = None,
@@ -36,9 +38,8 @@ class TorchBackend:
             from .cuda_graphs import Caches, GraphCache
 
             # prefill too writes the caches in place: the graphs hold their addresses
-            self.graphs = GraphCache(self.limits.k,
-                                     eager=lambda step, _, inputs: self._step_in_place(step, *inputs),
-                                     bind=lambda step, _, inputs: partial(self._step_in_place, step, *inputs))
+            self.graphs = GraphCache(self.limits.k, eager=lambda step, _, inputs: self._eager(step, inputs),
+                                     bind=lambda step, _, inputs: partial(self._eager, step, inputs))
             self.caches = Caches(self._empty_caches)
 
     @classmethod
@@ -97,43 +98,39 @@ class TorchBackend:
         if self.limits.state_slots:   # a hybrid target's recurrent-state slots
             self.limits.check_states(state_rows)
             inputs += [state_slot, state_rows]
-        if self.graphs is not None:
-            check_whole_pool(slots, self.caches.batch, "torch-cuda")
-            batch, rows = input_ids.shape
-            return self.graphs("target", {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
-                               inputs)
-        logits, aux = self._eager(self.target, self.target_cache, inputs, slots)
-        return logits, aux
+        batch, rows = input_ids.shape
+        return self._run("target", inputs, {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
+                         slots)
 
     @torch.no_grad()
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
-        inputs = [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise]
-        if self.graphs is not None:
-            check_whole_pool(slots, self.caches.batch, "torch-cuda")
-            batch, rows = ctx_aux.shape[:2]
-            return self.graphs("draft", {"batch": batch, "ctx_rows": rows}, inputs)
-        tokens, q = self._eager(self.draft, self.draft_cache, inputs, slots)
-        return tokens, q
+        batch, rows = ctx_aux.shape[:2]
+        return self._run("draft", [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise],
+                         {"batch": batch, "ctx_rows": rows}, slots)
 
-    @staticmethod
-    def _eager(module, caches: list[torch.Tensor], inputs: list, slots: list[int] | None):
-        """``module`` on ``inputs``, batch row ``b`` on the caches of slot ``slots[b]`` (default:
-        every slot in order): those slots' caches are gathered, and the new ones written back."""
-        if slots is None:
-            first, second, *caches[:] = module(*inputs, *caches)
-            return first, second
-        index = torch.tensor(slots, device=caches[0].device)
-        first, second, *new = module(*inputs, *[cache[index] for cache in caches])
-        for cache, value in zip(caches, new):
-            cache[index] = value
-        return first, second
+    def _pool_caches(self, which: str) -> list[torch.Tensor]:
+        if self.caches is not None:
+            return self.caches[which]
+        return self.target_cache if which == "target" else self.draft_cache
 
-    def _step_in_place(self, which: str, *inputs):
-        """One step that writes its new caches back into the current ones (graph capture needs
-        fixed addresses)."""
+    def _run(self, which: str, inputs: list, sizes: dict[str, int], slots: list[int] | None):
+        """A step of the whole pool (through the CUDA graphs, where there are any), or of a block
+        of its slots eagerly."""
+        pool = self._pool_caches("target")[0].shape[0]
+        block = slot_block(slots, pool, "the torch backend")
+        if self.graphs is not None and block == slice(0, pool):
+            return self.graphs(which, sizes, inputs)
+        return self._eager(which, inputs, block)
+
+    def _eager(self, which: str, inputs: list, block: slice = slice(None)):
+        """``which`` on the ``block`` of slots. The step's new caches replace the current ones; with
+        CUDA graphs, which hold the caches' addresses, or on part of the pool they are copied in."""
         module = self.target if which == "target" else self.draft
-        caches = self.caches[which]
-        first, second, *new = module(*inputs, *caches)
-        for cache, value in zip(caches, new):
-            cache.copy_(value)
+        caches = self._pool_caches(which)
+        first, second, *new = module(*inputs, *[cache[block] for cache in caches])
+        if self.graphs is None and block == slice(0, caches[0].shape[0]):
+            caches[:] = new
+        else:
+            for cache, value in zip(caches, new):
+                cache[block].copy_(value)
         return [first, second]

@@ -19,7 +19,7 @@ from export.manifest import cache_output, is_cache
 from export.trt_build import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
-from .backend import check_whole_pool
+from .backend import slot_block
 from .cuda_graphs import Caches, GraphCache, Sizes
 from .engine_backend import EngineBackend
 
@@ -61,6 +61,8 @@ def stream_capturable(context, stream: int) -> bool:
 
 
 class TrtBackend(EngineBackend):
+    pooled = True    # decode steps replay CUDA graphs captured on the whole pool's caches
+
     def __init__(self, engine: str | Path, backend: str = "trt-rtx", gpu: str | None = None):
         super().__init__(engine)
         m = self.manifest
@@ -110,7 +112,6 @@ class TrtBackend(EngineBackend):
                 tensor[slot].zero_()
 
     def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None, slots=None):
-        check_whole_pool(slots, self.caches.batch, "trt")
         batch, rows = input_ids.shape
         sizes = {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]}
         inputs = [input_ids, start, logit_rows]
@@ -118,22 +119,27 @@ class TrtBackend(EngineBackend):
             self.limits.check_states(state_rows)
             inputs += [state_slot, state_rows]
             sizes["state_rows"] = state_rows.shape[1]
-        return self._run("target", inputs, sizes)
+        return self._run("target", inputs, sizes, slots)
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
-        check_whole_pool(slots, self.caches.batch, "trt")
         batch, rows = ctx_aux.shape[:2]
         return self._run("draft", [ctx_aux, ctx_start, ctx_count, anchor, temperature, noise],
-                         {"batch": batch, "ctx_rows": rows})
+                         {"batch": batch, "ctx_rows": rows}, slots)
 
-    def _run(self, graph: str, inputs: list[torch.Tensor], sizes: Sizes) -> list[torch.Tensor]:
-        """One step on the backend's stream, ordered after the caller's work and before its next.
-        Memory the caller freed is reused here only after this wait, so after its last reads."""
+    def _run(self, graph: str, inputs: list[torch.Tensor], sizes: Sizes,
+             slots: list[int] | None) -> list[torch.Tensor]:
+        """One step on the backend's stream, ordered after the caller's work and before its next:
+        the whole pool through the CUDA graphs, a block of its slots eagerly. Memory the caller
+        freed is reused here only after this wait, so after its last reads."""
+        block = slot_block(slots, self.caches.batch, "trt")
         inputs = [t.to(self.device).contiguous() for t in inputs]   # bound by address
         caller = torch.cuda.current_stream()
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
-            outputs = self.graphs(graph, sizes, inputs)
+            if block == slice(0, self.caches.batch):
+                outputs = self.graphs(graph, sizes, inputs)
+            else:
+                outputs = self._eager(graph, sizes, inputs, block)
         caller.wait_stream(self.stream)
         return outputs
 
@@ -151,10 +157,12 @@ class TrtBackend(EngineBackend):
         rows = sizes["rows"] if "rows" in sizes else sizes["ctx_rows"]
         return "decode" if rows <= self.limits.k + 1 else "prefill"
 
-    def _eager(self, graph: str, sizes: Sizes, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Prefill and any step that cannot be captured: the profile's shared context, reshaped."""
+    def _eager(self, graph: str, sizes: Sizes, inputs: list[torch.Tensor],
+               block: slice = slice(None)) -> list[torch.Tensor]:
+        """Prefill and any step that cannot be captured, on the ``block`` of slots: the profile's
+        shared context, reshaped."""
         context = self.eager_contexts[graph, self._profile(sizes)]
-        outputs = self._bind_tensors(context, graph, sizes, inputs)
+        outputs = self._bind_tensors(context, graph, sizes, inputs, block)
         self._execute(context, graph)
         return outputs
 
@@ -172,16 +180,19 @@ class TrtBackend(EngineBackend):
 
         return run
 
-    def _bind_tensors(self, context, graph: str, sizes: Sizes, inputs: list[torch.Tensor]):
-        """Set the context's input shapes and every tensor's address; returns new output buffers."""
+    def _bind_tensors(self, context, graph: str, sizes: Sizes, inputs: list[torch.Tensor],
+                      block: slice = slice(None)):
+        """Set the context's input shapes and every tensor's address (the caches of the ``block``
+        of slots: a view of consecutive ones is contiguous); returns new output buffers."""
         spec = self.specs[graph]
-        bound = [*zip(spec["inputs"], inputs), *zip(spec["caches"], self.caches[graph])]
+        caches = [cache[block] for cache in self.caches[graph]]
+        bound = [*zip(spec["inputs"], inputs), *zip(spec["caches"], caches)]
         for tensor_spec, value in bound:
             if not context.set_input_shape(tensor_spec["name"], tuple(value.shape)):
                 raise RuntimeError(f"{graph}: TensorRT refused shape {tuple(value.shape)} for "
                                    f"{tensor_spec['name']}")
             context.set_tensor_address(tensor_spec["name"], value.data_ptr())
-        for tensor_spec, cache in zip(spec["caches"], self.caches[graph]):
+        for tensor_spec, cache in zip(spec["caches"], caches):
             context.set_tensor_address(cache_output(tensor_spec["name"]), cache.data_ptr())
         outputs = [torch.empty([sizes.get(d, d) for d in t["shape"]], dtype=TORCH_DTYPES[t["dtype"]],
                                device=self.device)

@@ -5,6 +5,7 @@ import torch
 
 from export.onnx_export import Limits
 from runtime.ort_backend import OrtBackend
+from runtime.scheduler import Params, Scheduler
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
@@ -39,3 +40,24 @@ def test_torch_on_cuda_with_graphs_equals_onnx_runtime(engine_dir, case):
     assert all(graph is not None and rows <= backend.limits.k + 1 for (_, _, rows), graph in kept.items())
     assert {batch for _, batch, _ in kept} == {1, len(PROMPTS)}
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("case", ["qwen3-native", "qwen3_5-multimodal", "gemma4-multimodal"])
+def test_requests_joining_a_pool_on_cuda_graphs_get_their_own_output(engine_dir, case):
+    """Continuous batching on torch-cuda: every decode step replays the whole pool's graphs (an
+    empty or prefilling slot is a frozen row) while requests join, one of them prefilled in two
+    chunks eagerly on its own slot; each gets what ONNX Runtime gives it alone."""
+    engine = engine_dir(LIMITS, **CASES[case])
+    prompts = [*PROMPTS, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42]]
+    ort = OrtBackend(engine)
+    expected = [generate(ort, [p], max_new_tokens=24).token_ids[0] for p in prompts]
+    backend = TorchBackend.from_engine(engine, device="cuda", cuda_graphs=True)
+    scheduler = Scheduler(backend, eos_token_ids=())
+    requests = [scheduler.submit(prompts[0], Params(max_new_tokens=24))]
+    for _ in range(3):
+        scheduler.step()
+    requests += [scheduler.submit(p, Params(max_new_tokens=24, speculative=i != 1))
+                 for i, p in enumerate(prompts[1:])]
+    scheduler.run()
+    assert [r.token_ids for r in requests] == expected
+    assert {batch for _, batch, _ in backend.graphs.graphs} == {LIMITS.max_batch}

@@ -162,11 +162,13 @@ class OrtOracle(OrtBackend):
         self.prompt_lengths, self.continuations = [len(p) for p in prompts], continuations
         self.rng = random.Random(seed)
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
+                                       slots=slots)
         tokens = tokens.clone()
-        for b, pos in enumerate((ctx_start + ctx_count).tolist()):
-            truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]
+        sequences = range(len(anchor)) if slots is None else slots   # a batch's prompt i is in slot i
+        for b, (i, pos) in enumerate(zip(sequences, (ctx_start + ctx_count).tolist())):
+            truth = self.continuations[i][pos - self.prompt_lengths[i] + 1:]
             right = min(self.rng.randint(0, self.limits.k), len(truth))
             tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
         return tokens, q

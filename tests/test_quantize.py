@@ -281,10 +281,12 @@ class OracleDrafts(OrtBackend):
         self.continuations = continuations
         self.rng = random.Random(0)
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
-        for b, position in enumerate((ctx_start + ctx_count).tolist()):
-            truth = self.continuations[b][position - self.prompt_lengths[b] + 1:]
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
+                                       slots=slots)
+        sequences = range(len(anchor)) if slots is None else slots   # a batch's prompt i is in slot i
+        for b, (i, position) in enumerate(zip(sequences, (ctx_start + ctx_count).tolist())):
+            truth = self.continuations[i][position - self.prompt_lengths[i] + 1:]
             right = min(self.rng.randint(0, self.limits.k), len(truth))
             tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
         return tokens, q

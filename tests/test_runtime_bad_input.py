@@ -339,7 +339,7 @@ def test_ctrl_c_while_importing_bench_exits_cleanly(engine, prompts_file, tmp_pa
 
 
 @pytest.mark.parametrize("cli", ["generate", "bench"])
-@pytest.mark.parametrize("stage", ["ort_backend.OrtBackend.__init__", "speculative._prefill"])
+@pytest.mark.parametrize("stage", ["ort_backend.OrtBackend.__init__", "scheduler.prefill_chunks"])
 def test_ctrl_c_while_loading_or_running_exits_130(engine, prompts_file, tmp_path, capsys, monkeypatch,
                                                    cli, stage):
     module, name = stage.rsplit(".", 1)

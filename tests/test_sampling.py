@@ -3,12 +3,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import runtime.speculative
+import runtime.scheduler
 from export.onnx_export import Limits
 from export.pair import load_pair
 from export.target_model import from_start
 from runtime.ort_backend import OrtBackend
-from runtime.sampling import draw, probabilities
+from runtime.sampling import draw, pick, probabilities
 from runtime.scheduler import Params, Scheduler
 from runtime.speculative import generate
 from runtime.stats import SpecStats
@@ -72,11 +72,11 @@ def _sample(pair, temperature, backend=None, top_k=0):
     return tokens, result.stats
 
 
-def _wrong_rule_resample_from_p(drafts, q, p, generator, limit=None):
+def _wrong_rule_resample_from_p(drafts, q, p, uniform, limit=None):
     """A classic bug: on rejection, draw from p instead of the residual max(p - q, 0)."""
-    accepted, emitted = rejection_verify(drafts, q, p, generator, limit)
+    accepted, emitted = rejection_verify(drafts, q, p, uniform, limit)
     rows = torch.arange(len(drafts))
-    emitted[rows, accepted] = draw(p[rows, accepted], generator)
+    emitted[rows, accepted] = pick(p[rows, accepted], uniform[:, -1])
     return accepted, emitted
 
 
@@ -124,7 +124,7 @@ def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
 
 
 def test_a_wrong_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(runtime.speculative, "rejection_verify", _wrong_rule_resample_from_p)
+    monkeypatch.setattr(runtime.scheduler, "rejection_verify", _wrong_rule_resample_from_p)
     tokens, _ = _sample(pair, 1.0)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6
@@ -137,7 +137,7 @@ def test_rejection_verify_output_is_p_for_any_q():
     p = torch.softmax(torch.randn(1, k + 1, vocab, generator=g), -1).expand(n, -1, -1)
     q = torch.softmax(2 * torch.randn(1, k, vocab, generator=g), -1).expand(n, -1, -1)
     drafts = draw(q, g)
-    accepted, emitted = rejection_verify(drafts, q, p, g)
+    accepted, emitted = rejection_verify(drafts, q, p, torch.rand(n, k + 1, generator=g))
     assert 0 < accepted.float().mean() < k
     assert _chi_square_p(emitted[:, 0], p[0, 0]) > 1e-3
 
@@ -166,21 +166,21 @@ def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair, 
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
 
 
-def _wrong_rule_residual_at_the_limit(drafts, q, p, generator, limit=None):
+def _wrong_rule_residual_at_the_limit(drafts, q, p, uniform, limit=None):
     """A bug the limit invites: cap the accepted count, but draw the token after the last proposed
     draft from the residual of the draft that was never proposed, instead of from p."""
-    accepted, emitted = rejection_verify(drafts, q, p, generator)
+    accepted, emitted = rejection_verify(drafts, q, p, uniform)
     capped = torch.minimum(accepted, limit)
     rows = torch.arange(len(drafts))
     residual = torch.cat([(p[:, :-1] - q).clamp_min(0), p[:, -1:]], 1)[rows, capped]
     cut = (capped == limit) & (limit < drafts.shape[1])
-    emitted[rows, capped] = torch.where(cut, draw(residual, generator), emitted[rows, capped])
+    emitted[rows, capped] = torch.where(cut, pick(residual, uniform[:, -1]), emitted[rows, capped])
     return capped, emitted
 
 
 def test_a_wrong_rule_at_the_confidence_limit_is_detected(pair, monkeypatch):
     threshold = median_confidence(pair, [PROMPT] * 64, 3, 1.0)
-    monkeypatch.setattr(runtime.speculative, "rejection_verify", _wrong_rule_residual_at_the_limit)
+    monkeypatch.setattr(runtime.scheduler, "rejection_verify", _wrong_rule_residual_at_the_limit)
     tokens, _, _ = _sample_with_threshold(pair, threshold)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6

@@ -32,8 +32,11 @@ def oracle(backend_class):
             tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
                                            slots=slots)
             tokens = tokens.clone()
+            slots = range(len(anchor)) if slots is None else slots
             for b, (slot, pos) in enumerate(zip(slots, (ctx_start + ctx_count).tolist())):
                 request = self.scheduler.slots[slot]
+                if request is None or request.prefill is not None:   # a frozen row
+                    continue
                 truth = self.truth[tuple(request.prompt)][pos - len(request.prompt) + 1:]
                 right = min(self.rng.randint(0, self.limits.k), len(truth))
                 tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
@@ -195,15 +198,20 @@ def test_a_request_that_cannot_fit_is_refused_by_name(pair_dirs, engine_dir):
     assert not scheduler.busy
 
 
-def test_a_slot_reused_by_a_hybrid_target_starts_from_a_clear_state(tiny):
-    """One slot, two requests in turn: the second's recurrent states start from zero, not from
-    where the first left them."""
+def test_a_hybrid_target_keeps_a_prefilling_slots_state_in_pooled_steps(tiny):
+    """The PyTorch backend steps the whole pool: while a long prompt is prefilled chunk by chunk
+    into one slot, the other slot decodes, and the prefilling slot's row in those steps is frozen
+    (its recurrent state kept where it is). A request that reuses a slot starts from a clear state,
+    not from where the last one left it (a short prompt: what it would inherit has not decayed)."""
     target_dir, draft_dir = tiny(arch="qwen3_5")
-    prompts = [REQUESTS[0], REQUESTS[4]]   # a short second prompt: what it inherits has not decayed
+    prompts = [REQUESTS[0], REQUESTS[3], REQUESTS[4]]   # 7, 13 (two chunks) and 2 tokens
     expected = hf_greedy(target_dir, prompts, 12)
-    backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=LIMITS.max_seq_len, max_batch=1,
+    backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=LIMITS.max_seq_len, max_batch=2,
                            max_prompt_chunk=LIMITS.max_prompt_chunk)
     scheduler = Scheduler(backend)
-    requests = [scheduler.submit(p, Params(max_new_tokens=12)) for p in prompts]
+    requests = [scheduler.submit(prompts[0], Params(max_new_tokens=12))]
+    scheduler.step()
+    scheduler.step()
+    requests += [scheduler.submit(p, Params(max_new_tokens=12)) for p in prompts[1:]]
     scheduler.run()
     assert [r.token_ids for r in requests] == expected

@@ -51,7 +51,7 @@ def server(engine_dir):
         try:
             urllib.request.urlopen(f"{url}/health", timeout=1)
             break
-        except (urllib.error.URLError, ConnectionError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):   # a busy machine: slow to answer
             if process.poll() is not None or time.time() > deadline:
                 process.kill()
                 pytest.fail(f"the server did not start:\n{process.stdout.read()}")
@@ -207,6 +207,25 @@ def test_a_client_that_goes_away_frees_its_slot(client, server):
     while (now := _metrics(server[0])).get(cancelled, 0) == before and time.time() < deadline:
         time.sleep(0.1)
     assert now.get(cancelled, 0) == before + 1 and now["dspark:num_requests_running"] == 0
+
+
+def test_a_client_that_goes_away_before_a_whole_reply_frees_its_slot(server):
+    """A non-streamed request whose client closes the connection right after sending it is
+    cancelled (target-only, 80 tokens without EOS: it would run on for 80 steps)."""
+    cancelled = 'dspark:request_success_total{finished_reason="cancelled"}'
+    before = _metrics(server[0])
+    body = json.dumps({"model": "tiny", "prompt": "q", "max_tokens": 80, "temperature": 0,
+                       "speculative": False}).encode()
+    port = int(server[0].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.time() + 20
+    while (now := _metrics(server[0])).get(cancelled, 0) == before.get(cancelled, 0) and time.time() < deadline:
+        time.sleep(0.05)
+    assert now.get(cancelled, 0) == before.get(cancelled, 0) + 1 and now["dspark:num_requests_running"] == 0
+    tokens = "dspark:generation_tokens_total"
+    assert now[tokens] - before[tokens] < 80
 
 
 def test_health_is_503_until_the_engine_has_loaded(engine_dir):
