@@ -110,6 +110,15 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(manifest.describe(manifest.read(Path(args.engine))))
 
 
+def cmd_triton_repo(args: argparse.Namespace) -> None:
+    from .triton_repo import write_model
+
+    model = write_model(Path(args.engine), Path(args.out), args.name, args.backend, args.instances,
+                        args.threads, args.max_queue, args.draft_schedule, args.force)
+    print(f"wrote the Triton model {model.name} to {model} (engine {Path(args.engine).resolve()}); serve it "
+          f"with `tritonserver --model-repository {args.out}`")
+
+
 def parser() -> argparse.ArgumentParser:
     root = Parser(prog="python -m export",
                                    description="Export DSpark speculative decoding pairs.")
@@ -197,6 +206,30 @@ def parser() -> argparse.ArgumentParser:
                                   description="Print an engine directory's manifest in human terms.")
     inspect.add_argument("engine", metavar="DIR", help="engine directory")
     inspect.set_defaults(run=cmd_inspect, interrupted="nothing was written")
+
+    triton = commands.add_parser("triton-repo", help="an engine directory as a Triton Inference Server model",
+                                 description="Write OUT/NAME/config.pbtxt and OUT/NAME/1/model.py: a "
+                                             "decoupled Python-backend model over ENGINE (referenced, "
+                                             "not copied) with the inputs and outputs of Triton's "
+                                             "generate extension (text_input, max_tokens, temperature, "
+                                             "top_p, random_seed, stop_words, stream -> text_output), "
+                                             "continuous batching inside each instance. Other models "
+                                             "in OUT are left as they are.")
+    triton.add_argument("engine", metavar="ENGINE", help="engine directory")
+    triton.add_argument("out", metavar="OUT", help="model repository directory")
+    triton.add_argument("--name", help="model name [the engine directory's name]")
+    triton.add_argument("--backend", default="ort",
+                        help="runtime backend of each instance: ort, torch, or on a GPU (KIND_GPU "
+                             "instances) torch-cuda, trt, trt-rtx [ort]")
+    triton.add_argument("--instances", type=int, default=1, help="model instances, one backend each [1]")
+    triton.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads per instance [all cores]")
+    triton.add_argument("--max-queue", type=int, default=64,
+                        help="requests an instance holds beyond its slots; more are refused [64]")
+    triton.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
+                        help="drafts verified per step by busy slots, as runtime.serve's [measured "
+                             "when the instance loads]")
+    triton.add_argument("--force", action="store_true", help="replace an existing OUT/NAME")
+    triton.set_defaults(run=cmd_triton_repo, interrupted="nothing was written")
     return root
 
 

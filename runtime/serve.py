@@ -1,154 +1,29 @@
 """``python -m runtime.serve --engine DIR``: an OpenAI-compatible server over one engine directory.
 
-One thread owns the backend and the ``Scheduler`` and steps it while any request is in it; HTTP
-handlers (FastAPI on uvicorn) hand it requests through a queue and receive each step's tokens in
-an asyncio queue of their own, so requests join and leave the running batch as they come
-(``runtime/scheduler.py``). Bad requests get an OpenAI-style error object with the right status;
-a full queue gets 429 with ``Retry-After``; a client that goes away mid-stream cancels its
-request at the next step.
+HTTP handlers (FastAPI on uvicorn) hand requests to the scheduler thread (``request_loop.Engine``)
+and receive each step's tokens in an asyncio queue of their own, so requests join and leave the
+running batch as they come (``runtime/scheduler.py``). Bad requests get an OpenAI-style error
+object with the right status; a full queue gets 429 with ``Retry-After``; a client that goes away
+cancels its request at the next step.
 """
 # no ``from __future__ import annotations``: FastAPI reads the handlers' parameter types at run time
 import asyncio
 import contextlib
 import json
-import queue
 import signal
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .backends import BACKENDS
 from .draft_schedule import DraftSchedule, measure
 from .generator import Generator
-from .scheduler import Params, Request, Scheduler
-from .serve_metrics import Metrics
-from .stop_strings import StopStrings
+from .params import Params
+from .request_loop import Engine, Job, RequestError, body_field, request_params
 from .text_stream import TextStream
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status, OpenAI error type and one-line message."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-
-
-@dataclass
-class Job:
-    """A request on its way through the scheduler thread, and where its tokens go."""
-    prompt: list[int]
-    params: Params
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: Request | None = None
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None    # when its first token came
-    sent: int = 0                       # tokens reported so far
-
-    def send(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-
-class Engine:
-    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work."""
-
-    def __init__(self, backend, max_queue: int, draft_schedule: DraftSchedule | None = None):
-        self.scheduler = Scheduler(backend, draft_schedule=draft_schedule)
-        self.inbox: queue.Queue = queue.Queue()
-        self.max_queue = max_queue
-        self.jobs: dict[int, Job] = {}
-        self.metrics = Metrics(running=lambda: self.scheduler.occupied,
-                               waiting=lambda: len(self.scheduler.waiting) + self.inbox.qsize())
-        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        # what the inbox holds is waiting too, less what the free slots will take at the next step
-        free = len(self.scheduler.slots) - self.scheduler.occupied
-        if len(self.scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
-            raise RequestError(429, f"the queue is full ({self.max_queue} requests waiting for a "
-                                    f"slot, --max-queue); retry later", kind="rate_limit_error")
-        self.inbox.put(("submit", job))
-
-    def cancel(self, job: Job) -> None:
-        self.inbox.put(("cancel", job))
-
-    def _loop(self) -> None:
-        while True:
-            busy = self.scheduler.busy
-            try:
-                while True:
-                    self._handle(*self.inbox.get(block=not busy, timeout=None if not busy else 0))
-                    busy = True
-            except queue.Empty:
-                pass
-            if self.scheduler.busy:
-                begin = time.perf_counter()
-                try:
-                    changed = self.scheduler.step()
-                except Exception as err:   # the backend failed: every request in it ends with a 500
-                    self._fail(err)
-                    continue
-                self.metrics.step.observe(time.perf_counter() - begin)
-                for request in changed:
-                    self._report(self.jobs[request.id], request)
-
-    def _fail(self, err: Exception) -> None:
-        error = RequestError(500, f"the engine failed: {type(err).__name__}: {err}", kind="server_error")
-        for job in list(self.jobs.values()):
-            self.scheduler.cancel(job.request)
-            job.send(error)
-        self.jobs.clear()
-
-    def _handle(self, command: str, job: Job) -> None:
-        if command == "submit":
-            try:
-                job.request = self.scheduler.submit(job.prompt, job.params, name="prompt")
-            except ValueError as err:
-                job.send(RequestError(400, str(err)))
-                return
-            self.jobs[job.request.id] = job
-        elif job.request is not None and not job.request.finished:
-            self.scheduler.cancel(job.request)
-            self._report(job, job.request)
-
-    def _report(self, job: Job, request: Request) -> None:
-        now = time.perf_counter()
-        self.metrics.generation_tokens.inc(len(request.token_ids) - job.sent)
-        job.sent = len(request.token_ids)
-        if job.first_token is None and request.token_ids:
-            job.first_token = now
-            self.metrics.first_token(len(request.prompt), now - job.arrived)
-        if request.finished:   # counted before the reply, which a client may follow with /metrics
-            self.jobs.pop(request.id, None)
-            self.metrics.ended(request, now - job.arrived,
-                               None if job.first_token is None else now - job.first_token)
-        job.send(list(request.token_ids))
-        if request.finished:
-            job.send(None)
-
-
-def _field(body: dict, name: str, kind, default, check=None, expected: str = ""):
-    """``body[name]`` of type ``kind`` (``default`` when absent or null), refused in one line."""
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    kinds = (int, float) if kind is float else kind
-    wrong = not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool)
-    if value is not default and wrong:
-        raise RequestError(400, f"'{name}': {value!r} is not {expected or kind.__name__}", name)
-    if check is not None and not check(value):
-        raise RequestError(400, f"'{name}': {value!r}; expected {expected}", name)
-    return value
 
 
 class Server:
@@ -195,33 +70,15 @@ class Server:
         return self.engine
 
     def params(self, body: dict, prompt: list[int]) -> Params:
-        """A request's options; ``max_tokens`` defaults to what the KV cache has left after the
-        prompt (as llama-server's ``n_predict = -1`` does, bounded)."""
-        limits = self.generator.backend.limits
         if body.get("model") not in (None, self.model):
             raise RequestError(404, f"model {body['model']!r} does not exist; this server serves "
                                     f"{self.model!r}", "model", kind="not_found_error")
-        if _field(body, "n", int, 1) != 1:
+        if body_field(body, "n", int, 1) != 1:
             raise RequestError(400, "'n': only 1 is supported", "n")
-        stop = _field(body, "stop", (str, list), [], expected="a string or a list of strings")
-        stop = [stop] if isinstance(stop, str) else stop
-        if not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(400, f"'stop': {stop!r}; expected non-empty strings", "stop")
-        room = max(1, limits.capacity - len(prompt) - limits.lookahead)
-        max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v is None or v >= 1,
-                            "an integer of at least 1")
-        if max_tokens is None:
-            max_tokens = _field(body, "max_tokens", int, room, lambda v: v >= 1, "an integer of at least 1")
-        params = Params(
-            max_new_tokens=max_tokens,
-            temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "0 .. 2"),
-            top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "more than 0 and at most 1"),
-            seed=_field(body, "seed", int, 0),
-            # an extension (llama-server has its per-request ``speculative.n_max``): false decodes
-            # this request with the target alone
-            speculative=_field(body, "speculative", bool, True),
-            stop=StopStrings(stop, self.generator.decode) if stop else None)
-        return params
+        if body.get("max_completion_tokens") is not None:
+            body = {**body, "max_tokens": body_field(body, "max_completion_tokens", int, None,
+                                                     lambda v: v >= 1, "an integer of at least 1")}
+        return request_params(body, prompt, self.generator)
 
     def prompt(self, body: dict, chat: bool) -> list[int]:
         if chat:
@@ -276,17 +133,19 @@ class Server:
                 raise RequestError(400, "the request body must be a JSON object")
             engine = self.ready()
             prompt = self.prompt(body, chat)
-            job = Job(prompt, self.params(body, prompt), asyncio.get_running_loop())
+            loop, events = asyncio.get_running_loop(), asyncio.Queue()
+            job = Job(prompt, self.params(body, prompt),
+                      lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             engine.submit(job)
-            stream = _field(body, "stream", bool, False)
-            usage = stream and bool((_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+            stream = body_field(body, "stream", bool, False)
+            usage = stream and bool((body_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
             if stream:
-                first = await job.events.get()   # a refusal is still an HTTP error, not a stream
+                first = await events.get()   # a refusal is still an HTTP error, not a stream
                 if isinstance(first, RequestError):
                     raise first
-                return StreamingResponse(self.events(http, job, chat, first, usage),
+                return StreamingResponse(self.sse(http, job, events, chat, first, usage),
                                          media_type="text/event-stream")
-            return JSONResponse(await self.whole(http, job, chat))
+            return JSONResponse(await self.whole(http, job, events, chat))
 
         @app.post("/v1/completions")
         async def completions(http: HttpRequest):
@@ -317,13 +176,13 @@ class Server:
         return {"tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
                 "verify_steps": stats.steps if stats.k else 0}
 
-    async def whole(self, http, job: Job, chat: bool) -> dict:
+    async def whole(self, http, job: Job, events: asyncio.Queue, chat: bool) -> dict:
         """The reply once the request has ended; a client that goes away before is cancelled at the
         next step, as a streamed one is."""
         watcher = asyncio.create_task(self._cancel_on_disconnect(http, job))
         ids = []
         try:
-            while (event := await job.events.get()) is not None:
+            while (event := await events.get()) is not None:
                 if isinstance(event, RequestError):
                     raise event
                 ids = event
@@ -342,7 +201,8 @@ class Server:
             pass
         self.engine.cancel(job)
 
-    async def events(self, http, job: Job, chat: bool, first, usage: bool):
+    async def sse(self, http, job: Job, events: asyncio.Queue, chat: bool, first, usage: bool):
+        """The server-sent events of a streamed reply, from the job's ``events``."""
         stream = TextStream(self.generator.decode, job.params.stop)
 
         suffix = ".chunk" if chat else ""
@@ -370,7 +230,7 @@ class Server:
                 piece = stream.piece(ids)
                 if piece:
                     yield chunk({"content": piece})
-                event = await job.events.get()
+                event = await events.get()
             rest = stream.piece(ids, final=True)
             if rest:
                 yield chunk({"content": rest})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,13 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
                              eos_token_id=eos, pad_token_id=0)
         outputs.append(ids[0, len(prompt):].tolist())
     return outputs
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> float:

@@ -20,6 +20,8 @@ import pytest
 
 from export.onnx_export import Limits
 
+from conftest import free_port
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
@@ -29,16 +31,10 @@ MAX_QUEUE = 4     # with the 4 slots, the 8 concurrent requests below fit and 24
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(engine_dir):
     engine = engine_dir(LIMITS, arch="qwen3")
-    port = _free_port()
+    port = free_port()
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     # every draft at every load: the tiny random draft would measure as not worth verifying
     process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
@@ -213,6 +209,7 @@ def test_a_client_that_goes_away_before_a_whole_reply_frees_its_slot(server):
     """A non-streamed request whose client closes the connection right after sending it is
     cancelled (target-only, 80 tokens without EOS: it would run on for 80 steps)."""
     cancelled = 'dspark:request_success_total{finished_reason="cancelled"}'
+    tokens = "dspark:generation_tokens_total"
     before = _metrics(server[0])
     body = json.dumps({"model": "tiny", "prompt": "q", "max_tokens": 80, "temperature": 0,
                        "speculative": False}).encode()
@@ -221,10 +218,10 @@ def test_a_client_that_goes_away_before_a_whole_reply_frees_its_slot(server):
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.time() + 20
-    while (now := _metrics(server[0])).get(cancelled, 0) == before.get(cancelled, 0) and time.time() < deadline:
+    was = before.get(cancelled, 0)
+    while (now := _metrics(server[0])).get(cancelled, 0) == was and time.time() < deadline:
         time.sleep(0.05)
-    assert now.get(cancelled, 0) == before.get(cancelled, 0) + 1 and now["dspark:num_requests_running"] == 0
-    tokens = "dspark:generation_tokens_total"
+    assert now.get(cancelled, 0) == was + 1 and now["dspark:num_requests_running"] == 0
     assert now[tokens] - before[tokens] < 80
 
 
@@ -245,7 +242,7 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
         return Generator.from_engine(engine)
 
     server = Server(load, "tiny", MAX_QUEUE, DraftSchedule.constant(0))
-    port = _free_port()
+    port = free_port()
     http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()

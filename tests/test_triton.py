@@ -1,0 +1,168 @@
+"""An engine directory served by Triton Inference Server for real: ``python -m export triton-repo``
+writes the model, the ``tritonserver`` binary of ``nvidia-pytriton`` (``scripts/setup_triton.sh``,
+``scripts/tritonserver.sh``) serves it on 127.0.0.1, and Triton's own endpoints answer what
+``Generator`` generates: the generate extension over HTTP, streamed or not, and gRPC streaming
+through ``tritonclient``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from export.onnx_export import Limits
+
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
+PROMPTS = ["abc def", "hello", "the quick brown fox", "zz"]
+MAX_TOKENS = 24
+
+pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no .venv-triton (Triton Inference "
+                                                                  "Server): run scripts/setup_triton.sh")
+
+
+@pytest.fixture(scope="module")
+def triton(engine_dir, tmp_path_factory):
+    engine = engine_dir(LIMITS, arch="qwen3")
+    repository = tmp_path_factory.mktemp("models")
+    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
+    subprocess.run([sys.executable, "-m", "export", "triton-repo", str(engine), str(repository),
+                    "--name", "tiny", "--threads", "1", "--draft-schedule", str(k)], cwd=ROOT, check=True)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    process = subprocess.Popen(["bash", "scripts/tritonserver.sh", "--model-repository", str(repository),
+                                "--http-address", "127.0.0.1", "--http-port", str(http),
+                                "--grpc-address", "127.0.0.1", "--grpc-port", str(grpc),
+                                "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics),
+                                "--allow-gpu-metrics", "false", "--exit-on-error", "true",
+                                "--pinned-memory-pool-byte-size", "0"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/v2/models/tiny/ready", timeout=2)
+            break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if process.poll() is not None or time.time() > deadline:
+                process.kill()
+                pytest.fail(f"tritonserver did not start:\n{process.stdout.read()}")
+            time.sleep(0.5)
+    yield {"http": url, "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
+           "engine": engine}
+    process.terminate()
+    assert process.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def expected(triton):
+    from runtime import Generator
+
+    return Generator.from_engine(triton["engine"]).generate(PROMPTS, chat_template=False,
+                                                            max_new_tokens=MAX_TOKENS).texts
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _stream(triton, prompt: str) -> list[dict]:
+    status, body = _post(f"{triton['http']}/v2/models/tiny/generate_stream",
+                         {"text_input": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True})
+    assert status == 200, body
+    return [json.loads(line[len(b"data: "):]) for line in body.splitlines() if line.startswith(b"data: ")]
+
+
+def test_generate_and_generate_stream_equal_the_generator(triton, expected):
+    status, body = _post(f"{triton['http']}/v2/models/tiny/generate",
+                         {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
+    reply = json.loads(body)
+    assert status == 200 and reply["text_output"] == expected[0], reply
+    assert reply["finish_reason"] in ("stop", "length") and 0 < reply["completion_tokens"] <= MAX_TOKENS
+    events = _stream(triton, PROMPTS[0])
+    assert len(events) > 2 and "".join(e["text_output"] for e in events) == expected[0]
+    assert [e["finish_reason"] for e in events[:-1]] == [""] * (len(events) - 1)
+    assert events[-1]["finish_reason"] == reply["finish_reason"]
+    assert events[-1]["completion_tokens"] == reply["completion_tokens"]
+
+
+def test_four_concurrent_streams_get_their_single_request_output(triton, expected):
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = list(pool.map(lambda p: _stream(triton, p), PROMPTS))
+    assert ["".join(e["text_output"] for e in events) for events in streams] == expected
+
+
+GRPC_CLIENT = """
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as grpc
+
+url, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+results = queue.Queue()
+client = grpc.InferenceServerClient(url)
+client.start_stream(callback=lambda result, error: results.put((result, error)))
+inputs = [grpc.InferInput("text_input", [1], "BYTES"), grpc.InferInput("max_tokens", [1], "INT32"),
+          grpc.InferInput("temperature", [1], "FP32"), grpc.InferInput("stream", [1], "BOOL")]
+values = [np.array([prompt.encode()], dtype=np.object_), np.array([max_tokens], np.int32),
+          np.array([0.0], np.float32), np.array([True])]
+for tensor, value in zip(inputs, values):
+    tensor.set_data_from_numpy(value)
+client.async_stream_infer("tiny", inputs, enable_empty_final_response=True)
+pieces = []
+while True:
+    result, error = results.get(timeout=60)
+    if error is not None:
+        raise SystemExit(f"error: {error}")
+    response = result.get_response()
+    if response.outputs:
+        pieces.append([result.as_numpy(name)[0].decode() for name in ("text_output", "finish_reason")])
+    if response.parameters["triton_final_response"].bool_param:
+        break
+client.stop_stream()
+print(json.dumps(pieces))
+"""
+
+
+def test_grpc_streaming_through_tritonclient(triton, expected):
+    """``tritonclient``'s gRPC stream, run in the Triton environment (it pins a protobuf of its own)."""
+    run = subprocess.run([str(TRITON_PYTHON), "-c", GRPC_CLIENT, triton["grpc"], PROMPTS[2],
+                          str(MAX_TOKENS)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    pieces = json.loads(run.stdout)
+    assert len(pieces) > 2 and "".join(text for text, _ in pieces) == expected[2]
+    assert pieces[-1][1] in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 4}, "'text_input': expected a non-empty string"),
+    ({"text_input": "abc", "max_tokens": 0}, "'max_tokens': 0; expected an integer of at least 1"),
+    ({"text_input": "abc", "temperature": 3.0}, "'temperature': 3.0; expected 0 .. 2"),
+    ({"text_input": "abc" * 40, "max_tokens": 8}, "has 120 tokens"),
+])
+def test_a_bad_request_gets_tritons_error_and_the_server_goes_on(triton, expected, body, message):
+    status, reply = _post(f"{triton['http']}/v2/models/tiny/generate", body)
+    assert message in json.loads(reply)["error"], reply
+    status, reply = _post(f"{triton['http']}/v2/models/tiny/generate",
+                          {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200 and json.loads(reply)["text_output"] == expected[1]
+
+
+def test_tritons_model_ready_and_metrics_count_the_requests(triton):
+    assert urllib.request.urlopen(f"{triton['http']}/v2/models/tiny/ready", timeout=10).status == 200
+    text = urllib.request.urlopen(triton["metrics"], timeout=10).read().decode()
+    counted = [line for line in text.splitlines() if line.startswith("nv_inference_request_success")
+               and 'model="tiny"' in line]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
