@@ -265,9 +265,9 @@ def _report(result, args) -> None:
         with args.trace.open("w") as f:
             for record in result.trace:
                 f.write(json.dumps(record) + "\n")
-    if args.stats and result.times.total > 0:   # nothing to report when stopped in the first prefill
+    tokens = sum(map(len, result.token_ids))
+    if args.stats and tokens:   # nothing to report when stopped in the first prefill
         s, t = result.stats, result.times
-        tokens = sum(map(len, result.token_ids))
         lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s"]
         if s.k:
             per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)

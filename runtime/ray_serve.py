@@ -1,0 +1,109 @@
+"""``python -m runtime.ray_serve --engine DIR --replicas N``: ``runtime.serve``'s OpenAI-compatible
+routes on N Ray Serve replicas, each owning one backend (one GPU each on a GPU backend, else
+``--threads`` CPUs).
+
+Each replica serves at most ``max_batch`` requests at once (``max_ongoing_requests``: every one
+has a slot), Ray's router queues up to ``--max-queue`` more per replica, and answers 503 beyond
+that (Ray's backpressure). A replica that dies is replaced by Ray; the requests it was serving
+fail, the other replicas' go on. Every response names the replica that served it (Ray's replica
+id and its process) in its ``x-replica`` header. ``application(...)`` is the application, for
+``serve.run`` or a ``serve run`` config.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .backends import BACKENDS
+
+GPU_BACKENDS = ("torch-cuda", "trt", "trt-rtx")
+
+
+def application(engine: str, replicas: int = 1, backend: str = "ort", threads: int | None = None,
+                max_queue: int = 64, draft_schedule: str | None = None, model: str | None = None):
+    """The Ray Serve application (``serve.run`` it); the engine is checked here, in one line."""
+    from ray import serve
+
+    from export import manifest as manifest_file
+
+    from .draft_schedule import DraftSchedule
+
+    manifest = manifest_file.read(Path(engine))
+    schedule = DraftSchedule.parse(draft_schedule, manifest["draft"]["k"]) if draft_schedule else None
+    engine, model = str(Path(engine).resolve()), model or Path(engine).resolve().name
+
+    def build():
+        """The replica's app, made where it runs: its own backend, opened before it takes traffic."""
+        from .generator import Generator
+        from .serve import Server
+
+        server = Server(lambda: Generator.from_engine(engine, backend, threads), model, max_queue, schedule)
+        server.open()
+        app = server.app()
+        replica = f"{serve.get_replica_context().replica_id.unique_id} (pid {os.getpid()})"
+
+        @app.middleware("http")
+        async def named(request, call_next):
+            response = await call_next(request)
+            response.headers["x-replica"] = replica
+            return response
+
+        return app
+
+    gpu = backend in GPU_BACKENDS
+    deployment = serve.deployment(
+        serve.ingress(build)(), name="dspark", num_replicas=replicas,
+        max_ongoing_requests=manifest["limits"]["max_batch"], max_queued_requests=max_queue,
+        ray_actor_options={"num_gpus": 1 if gpu else 0, "num_cpus": 0 if gpu else threads or 1})
+    return deployment.bind()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from export.cli_parser import Parser
+
+    p = Parser(prog="python -m runtime.ray_serve",
+               description="Serve an engine directory's OpenAI-compatible routes on Ray Serve replicas "
+                           "(a local Ray cluster unless RAY_ADDRESS names one).")
+    p.add_argument("--engine", required=True, help="engine directory")
+    p.add_argument("--replicas", type=int, default=1, help="replicas, one backend each [1]")
+    p.add_argument("--backend", default="ort", choices=BACKENDS,
+                   help="ort / torch on CPUs; torch-cuda, trt, trt-rtx: one GPU per replica [ort]")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads and CPUs per replica [1]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="the model name clients use [the engine directory's name]")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests Ray queues per replica beyond its slots; more get 503 [64]")
+    p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
+                   help="drafts verified per step by busy slots, as runtime.serve's [measured when "
+                        "each replica starts]")
+    args = p.parse_args(argv)
+    if args.replicas < 1:
+        raise SystemExit(f"error: --replicas {args.replicas}: expected at least 1")
+    try:
+        app = application(args.engine, args.replicas, args.backend, args.threads, args.max_queue,
+                          args.draft_schedule, args.model)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    import ray
+    from ray import serve
+
+    ray.init(log_to_driver=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(app, route_prefix="/")
+    print(f"serving {args.engine} on http://{args.host}:{args.port} ({args.replicas} replicas)", flush=True)
+    # SIGINT / SIGTERM: Ray Serve drains its replicas, then the cluster stops; exit 0
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    while not stop:
+        signal.pause()
+    serve.shutdown()
+    ray.shutdown()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``python -m runtime.ray_serve`` with 2 replicas on a local Ray cluster: requests reach both and
+get what ``Generator`` gives them alone; a replica killed mid-run is replaced, the requests it was
+serving fail cleanly and the other replica's complete."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from export.onnx_export import Limits
+
+from conftest import free_port
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = Limits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
+PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz", "mn", "qrs tuv"]
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_dir):
+    engine = engine_dir(LIMITS, arch="qwen3")
+    port = free_port()
+    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
+    process = subprocess.Popen([sys.executable, "-m", "runtime.ray_serve", "--engine", str(engine),
+                                "--replicas", "2", "--port", str(port), "--model", "tiny",
+                                "--draft-schedule", str(k)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # ready once every replica is: the command says so after Ray Serve's deployment is running
+    output, ready = [], threading.Event()
+
+    def read():
+        for line in process.stdout:
+            output.append(line)
+            if line.startswith("serving "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout=240) or process.poll() is not None:
+        process.kill()
+        pytest.fail("Ray Serve did not start:\n" + "".join(output))
+    url = f"http://127.0.0.1:{port}"
+    yield url, engine
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0
+
+
+def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False):
+    """A greedy completion; streamed ones decode target-only, a token per step: slow enough to be
+    killed mid-run."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "speculative": not stream}
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=120)
+
+
+def test_requests_reach_both_replicas_and_get_their_single_request_output(cluster):
+    from runtime import Generator
+
+    url, engine = cluster
+    expected = Generator.from_engine(engine).generate(PROMPTS, chat_template=False, max_new_tokens=24).texts
+
+    def ask(prompt):
+        with _complete(url, prompt, 24) as reply:
+            return json.loads(reply.read())["choices"][0]["text"], reply.headers["x-replica"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        replies = list(pool.map(ask, PROMPTS))
+    assert [text for text, _ in replies] == expected
+    assert len({replica for _, replica in replies}) == 2
+
+
+def _replica_pid(header: str) -> int:
+    return int(header.rsplit("pid ", 1)[1].rstrip(")"))
+
+
+def test_a_killed_replica_is_replaced_and_only_its_requests_fail(cluster):
+    """Eight long streams over both replicas; once each has its first chunk, one replica is killed:
+    its streams break off, the other's run to their end."""
+    url, _ = cluster
+    streams = [_complete(url, "q", 400, stream=True) for _ in range(len(PROMPTS))]
+    for stream in streams:
+        stream.readline()
+    replicas = [stream.headers["x-replica"] for stream in streams]
+    assert len(set(replicas)) == 2
+    killed = replicas[0]
+    os.kill(_replica_pid(killed), signal.SIGKILL)
+
+    def finished(stream) -> bool:
+        try:
+            return stream.read().endswith(b"data: [DONE]\n\n")
+        except (OSError, http.client.HTTPException):   # the connection broke mid-stream
+            return False
+
+    outcomes = [finished(stream) for stream in streams]
+    assert outcomes == [replica != killed for replica in replicas]
+
+    def served_by(_) -> str | None:
+        try:
+            with _complete(url, "hi", 4) as reply:
+                return reply.headers["x-replica"]
+        except urllib.error.HTTPError:   # routed to the dead replica before Ray noticed
+            return None
+
+    deadline = time.time() + 120
+    while time.time() < deadline:   # Ray starts a replica in its place
+        with ThreadPoolExecutor(4) as pool:
+            serving = set(pool.map(served_by, range(8))) - {None}
+        if len(serving) == 2 and killed not in serving:
+            break
+        time.sleep(1)
+    assert len(serving) == 2 and killed not in serving
