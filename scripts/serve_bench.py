@@ -94,11 +94,16 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
             "ttft": (first or end) - begin, "seconds": end - begin}
 
 
-def load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
-    """``clients`` threads, each sending requests one after another until ``prompts`` is used up."""
+def load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int, request=None) -> dict:
+    """``clients`` threads, each sending requests one after another until ``prompts`` is used up;
+    ``request(prompt)`` sends one (default: a streamed OpenAI completion to ``url``)."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    if request is None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+        def request(prompt):
+            return one_request(client, model, prompt, max_tokens)
     results: list[dict | None] = [None] * len(prompts)
     cursor = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -109,7 +114,7 @@ def load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int
                 index = next(cursor, None)
             if index is None:
                 return
-            results[index] = one_request(client, model, prompts[index], max_tokens)
+            results[index] = request(prompts[index])
 
     begin = time.perf_counter()
     threads = [threading.Thread(target=work) for _ in range(clients)]
@@ -246,8 +251,9 @@ def plot(report: dict, clients: list[int], path: Path) -> None:
         left.errorbar(clients, [t["median"] for t in total], marker="o", label=name,
                       yerr=[[t["median"] - t["min"] for t in total], [t["max"] - t["median"] for t in total]])
         right.plot(clients, [rows[n]["ttft_p95"]["median"] for n in clients], marker="o", label=name)
-    left.axhline(report["generate_tok_s"]["median"], color="gray", ls=":",
-                 label="runtime.generate (1 at a time)")
+    if report["generate_tok_s"]["median"]:
+        left.axhline(report["generate_tok_s"]["median"], color="gray", ls=":",
+                     label="runtime.generate (1 at a time)")
     left.set(xlabel="concurrent clients", ylabel="total tokens/s", xscale="log", xticks=clients,
              xticklabels=clients, title="throughput")
     right.set(xlabel="concurrent clients", ylabel="seconds", xscale="log", xticks=clients,
