@@ -87,8 +87,8 @@ def main() -> None:
         port = free_port()
         url = stack.enter_context(server("runtime.serve", [
             sys.executable, "-m", "runtime.serve", "--engine", str(args.engine),
-            "--threads", str(args.threads), "--model", "m", "--max-queue", "1024", "--port", str(port), *schedule], "/health", port,
-            logs / "serve.log"))
+            "--threads", str(args.threads), "--model", "m", "--max-queue", "1024", "--port", str(port),
+            *schedule], "/health", port, logs / "serve.log"))
         requests["runtime.serve"] = (url, None)
         http, grpc, metrics = free_port(), free_port(), free_port()
         url = stack.enter_context(server("triton", [
