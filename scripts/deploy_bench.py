@@ -22,7 +22,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from serve_bench import ROOT, free_port, load, plot, server, summarize
+from serve_bench import ROOT, chat_prompts, free_port, load, plot, server, summarize
 
 
 def triton_request(url: str, model: str, max_tokens: int):
@@ -67,16 +67,12 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from export.prompts import read_jsonl_prompts
     from export.triton_repo import write_model
     from runtime import Generator
     from runtime.ray_serve import application
 
     generator = Generator.from_engine(args.engine, threads=args.threads)
-    texts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:][:args.limit]
-    prompts = [generator.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                       add_generation_prompt=True) for t in texts]
-    clients = [int(n) for n in args.clients.split(",")]
+    prompts, clients = chat_prompts(generator, args), [int(n) for n in args.clients.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="deploy_bench_"))
     print(f"server logs: {logs}", flush=True)
     schedule = ["--draft-schedule", args.draft_schedule] if args.draft_schedule else []

@@ -131,6 +131,16 @@ def load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int
             "texts": [r["text"] for r in results], "tokens": sum(r["tokens"] for r in results)}
 
 
+def chat_prompts(generator, args) -> list[str]:
+    """``--limit`` held-out prompts from ``--skip`` on, through the chat template here, so that
+    every server reads the same text."""
+    from export.prompts import read_jsonl_prompts
+
+    texts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:][:args.limit]
+    return [generator.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                    add_generation_prompt=True) for t in texts]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--engine", type=Path, required=True)
@@ -148,14 +158,10 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=Path("serve_bench.png"))
     args = p.parse_args()
 
-    from export.prompts import read_jsonl_prompts
     from runtime import Generator
 
     generator = Generator.from_engine(args.engine, threads=args.threads)
-    texts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:][:args.limit]
-    prompts = [generator.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                       add_generation_prompt=True) for t in texts]
-    clients = [int(n) for n in args.clients.split(",")]
+    prompts, clients = chat_prompts(generator, args), [int(n) for n in args.clients.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="serve_bench_"))   # each server's output, for when one fails
     print(f"server logs: {logs}", flush=True)
     ours = [sys.executable, "-m", "runtime.serve", "--engine", str(args.engine), "--threads",

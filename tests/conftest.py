@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_serving(process, url: str, seconds: float) -> None:
+    """Until ``url`` answers 200; a server that exits or takes longer than ``seconds`` fails the
+    test with its output (``process``' stdout, text)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):   # a busy machine: slow to answer
+            if process.poll() is not None or time.time() > deadline:
+                process.kill()
+                pytest.fail(f"the server did not start:\n{process.stdout.read()}")
+            time.sleep(0.3)
 
 
 def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> float:

@@ -20,7 +20,7 @@ import pytest
 
 from export.onnx_export import Limits
 
-from conftest import free_port
+from conftest import free_port, wait_until_serving
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -42,16 +42,7 @@ def server(engine_dir):
                                 "--max-queue", str(MAX_QUEUE), "--draft-schedule", str(k)],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):   # a busy machine: slow to answer
-            if process.poll() is not None or time.time() > deadline:
-                process.kill()
-                pytest.fail(f"the server did not start:\n{process.stdout.read()}")
-            time.sleep(0.3)
+    wait_until_serving(process, f"{url}/health", 120)
     yield url, engine
     process.terminate()      # SIGTERM: a clean exit
     assert process.wait(timeout=30) == 0, process.stdout.read()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ import pytest
 
 from export.onnx_export import Limits
 
-from conftest import free_port
+from conftest import free_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
@@ -46,16 +45,7 @@ def triton(engine_dir, tmp_path_factory):
                                 "--pinned-memory-pool-byte-size", "0"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/v2/models/tiny/ready", timeout=2)
-            break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if process.poll() is not None or time.time() > deadline:
-                process.kill()
-                pytest.fail(f"tritonserver did not start:\n{process.stdout.read()}")
-            time.sleep(0.5)
+    wait_until_serving(process, f"{url}/v2/models/tiny/ready", 180)
     yield {"http": url, "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
            "engine": engine}
     process.terminate()
