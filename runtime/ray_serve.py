@@ -60,6 +60,13 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
     return deployment.bind()
 
 
+def local_cluster(cpus: int) -> dict:
+    """``ray.init``'s options: a local cluster started here offers at least the CPUs the replicas
+    reserve (else a replica beyond the cores would wait for one forever); a cluster that
+    ``RAY_ADDRESS`` names keeps its own."""
+    return {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": max(os.cpu_count() or 1, cpus)}
+
+
 def main(argv: list[str] | None = None) -> None:
     from export.cli_parser import Parser
 
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray import serve
 
-    ray.init(log_to_driver=False)
+    ray.init(log_to_driver=False, **local_cluster(args.replicas * (args.threads or 1)))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, route_prefix="/")
     print(f"serving {args.engine} on http://{args.host}:{args.port} ({args.replicas} replicas)", flush=True)

@@ -69,7 +69,7 @@ def main() -> None:
 
     from export.triton_repo import write_model
     from runtime import Generator
-    from runtime.ray_serve import application
+    from runtime.ray_serve import application, local_cluster
 
     generator = Generator.from_engine(args.engine, threads=args.threads)
     prompts, clients = chat_prompts(generator, args), [int(n) for n in args.clients.split(",")]
@@ -94,7 +94,7 @@ def main() -> None:
             "--allow-gpu-metrics", "false", "--pinned-memory-pool-byte-size", "0"], "/v2/models/m/ready",
             http, logs / "triton.log"))
         requests["triton"] = (url, triton_request(url, "m", args.max_tokens))
-        ray.init(log_to_driver=False)
+        ray.init(log_to_driver=False, **local_cluster(3 * args.replica_threads))   # 1 + 2 replicas
         stack.callback(ray.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
