@@ -165,3 +165,26 @@ def test_make_tiny_force_that_fails_keeps_the_previous_pair(tmp_path):
     refused(["make-tiny", str(out), "--force", "--draft-vocab", "2"], "--draft-vocab 2")
     assert snapshot(out) == before
     assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--name", "a/b"], ["--name 'a/b'", "a Triton model name"]),
+    (["--instances", "0"], ["--instances 0"]),
+    (["--backend", "tensorflow"], ["--backend tensorflow", "ort"]),
+    (["--draft-schedule", "1:99"], ["--draft-schedule '1:99'", "the engine's k"]),
+])
+def test_a_bad_triton_repo_flag_is_one_line_and_writes_nothing(built_once, tmp_path, flags, words):
+    refused(["triton-repo", str(built_once), str(tmp_path / "models"), *flags], *words)
+    assert not (tmp_path / "models").exists()
+
+
+def test_triton_repo_keeps_the_other_models_and_an_existing_one_without_force(built_once, tmp_path):
+    models = tmp_path / "models"
+    (models / "other" / "1").mkdir(parents=True)
+    (models / "other" / "config.pbtxt").write_text("mine")
+    cli.main(["triton-repo", str(built_once), str(models), "--name", "m"])
+    config = (models / "m" / "config.pbtxt").read_text()
+    assert f'string_value: "{built_once.resolve()}"' in config and "decoupled: true" in config
+    refused(["triton-repo", str(built_once), str(models), "--name", "m"], "OUT/NAME", "--force")
+    assert (models / "m" / "config.pbtxt").read_text() == config
+    assert (models / "other" / "config.pbtxt").read_text() == "mine"
