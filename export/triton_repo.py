@@ -21,7 +21,6 @@ INPUTS = [("text_input", "TYPE_STRING", 1, "prompt"), ("max_tokens", "TYPE_INT32
           ("stream", "TYPE_BOOL", 1, "stream"), ("speculative", "TYPE_BOOL", 1, "speculative")]
 OUTPUTS = [("text_output", "TYPE_STRING", 1), ("finish_reason", "TYPE_STRING", 1),
            ("completion_tokens", "TYPE_INT32", 1)]
-GPU_BACKENDS = ("torch-cuda", "trt", "trt-rtx")
 MODEL_PY = '''"""Triton's Python backend loads this file; the model is dspark-trt's runtime.triton_model,
 which the Python environment Triton's stub runs in must have installed."""
 from runtime.triton_model import TritonPythonModel  # noqa: F401
@@ -52,7 +51,7 @@ def write_model(engine: Path, out: Path, name: str | None = None, backend: str =
                 force: bool = False) -> Path:
     """Write ``out/name`` (default: the engine directory's name) for ``engine``; every option is
     checked first, and another model in ``out`` is left as it is."""
-    from runtime.backends import BACKENDS
+    from runtime.backends import BACKENDS, GPU_BACKENDS
     from runtime.draft_schedule import DraftSchedule
 
     from . import manifest

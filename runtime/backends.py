@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 BACKENDS = ("ort", "torch", "torch-cuda", "trt", "trt-rtx")
+GPU_BACKENDS = ("torch-cuda", "trt", "trt-rtx")   # one GPU each (a Triton KIND_GPU instance, a Ray num_gpus)
 
 
 def open_backend(engine: str | Path, name: str = "ort", threads: int | None = None):

@@ -16,9 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .backends import BACKENDS
-
-GPU_BACKENDS = ("torch-cuda", "trt", "trt-rtx")
+from .backends import BACKENDS, GPU_BACKENDS
 
 
 def application(engine: str, replicas: int = 1, backend: str = "ort", threads: int | None = None,

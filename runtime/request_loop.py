@@ -7,12 +7,13 @@ batch as they come (``runtime/scheduler.py``).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .draft_schedule import DraftSchedule
+from .draft_schedule import DraftSchedule, measure
 from .generator import Generator
 from .params import Params
 from .scheduler import Request, Scheduler
@@ -47,9 +48,17 @@ class Job:
 
 
 class Engine:
-    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work."""
+    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work. Without
+    a ``draft_schedule`` it measures one on this machine first (``draft_schedule.measure``) and
+    says which on stderr."""
 
     def __init__(self, backend, max_queue: int, draft_schedule: DraftSchedule | None = None):
+        if draft_schedule is None and backend.limits.k:
+            begin = time.perf_counter()
+            draft_schedule = measure(backend)[0]
+            print(f"draft schedule {draft_schedule} (busy slots:drafts, measured in "
+                  f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
+                  flush=True)
         self.scheduler = Scheduler(backend, draft_schedule=draft_schedule)
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue

@@ -15,10 +15,10 @@ step. A finished or cancelled request frees its slot at once. Each request has i
 ``torch.Generator``), stop strings and speculation on or off. How many drafts a step verifies
 follows the number of busy slots (``draft_schedule.py``), below the confidence cut.
 
-A backend either runs steps on any slots (ONNX Runtime: one sequence per call; the PyTorch
-reference: caches gathered per call), and then requests with speculation verify their drafts in
-one call and those without decode in another; or it is ``pooled`` (CUDA graphs captured on the
-whole pool's caches): every decode step then runs every slot in order, one call for all, and a
+A backend either runs steps on any slots (ONNX Runtime: one sequence per call), and then requests
+with speculation verify their drafts in one call and those without decode in another; or it is
+``pooled`` (CUDA graphs captured on the whole pool's caches, the PyTorch reference's batched
+steps): every decode step then runs every slot in order, one call for all, and a
 slot without a decoding request is a frozen row that writes only scratch past its valid rows;
 requests admitted together are prefilled together, on a block of consecutive slots.
 ``speculative.Decoding`` (a batch of prompts started together) is this loop with a pool of the

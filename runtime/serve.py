@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .backends import BACKENDS
-from .draft_schedule import DraftSchedule, measure
+from .draft_schedule import DraftSchedule
 from .generator import Generator
 from .params import Params
 from .request_loop import Engine, Job, RequestError, body_field, request_params
@@ -54,14 +54,7 @@ class Server:
 
     def open(self) -> None:
         generator = self.load()
-        schedule, limits = self.draft_schedule, generator.backend.limits
-        if schedule is None and limits.k:
-            begin = time.perf_counter()
-            schedule = measure(generator.backend)[0]
-            print(f"draft schedule {schedule} (busy slots:drafts, measured in "
-                  f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
-                  flush=True)
-        self.engine = Engine(generator.backend, self.max_queue, schedule)
+        self.engine = Engine(generator.backend, self.max_queue, self.draft_schedule)
         self.generator = generator      # last: from here on the server is ready
 
     def ready(self) -> Engine:

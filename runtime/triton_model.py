@@ -28,7 +28,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
-        from .draft_schedule import DraftSchedule, measure
+        from .draft_schedule import DraftSchedule
         from .generator import Generator
 
         self.pb = pb_utils
@@ -39,11 +39,8 @@ class TritonPythonModel:
                                                threads)
         backend = self.generator.backend
         schedule = parameters.get("draft_schedule")
-        if schedule:
-            schedule = DraftSchedule.parse(schedule, backend.limits.k)
-        elif backend.limits.k:
-            schedule = measure(backend)[0]
-        self.engine = Engine(backend, int(parameters.get("max_queue", 64)), schedule or None)
+        schedule = DraftSchedule.parse(schedule, backend.limits.k) if schedule else None
+        self.engine = Engine(backend, int(parameters.get("max_queue", 64)), schedule)
 
     def execute(self, requests) -> None:
         for request in requests:

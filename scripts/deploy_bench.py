@@ -109,7 +109,6 @@ def main() -> None:
         runs = {name: {n: [] for n in clients} for name in names}
         for repeat in range(args.repeat):
             for n in clients:
-                reference = None
                 for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                     url, request = requests[name]
                     run = load(url, "m", prompts, n, args.max_tokens, request)

@@ -1,6 +1,6 @@
 """Continuous batching (``runtime/scheduler.py``): requests that join and leave a running pool get
 exactly what they get alone, on ONNX Runtime (an engine's own slots) and on the PyTorch reference
-(slots gathered from its batched caches)."""
+(pooled: every decode step runs the whole pool, an empty or prefilling slot a frozen row)."""
 from __future__ import annotations
 
 import random
