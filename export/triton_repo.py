@@ -13,14 +13,6 @@ from pathlib import Path
 
 from .outputs import check_replaceable, staged_directory
 
-# the generate extension's names (TensorRT-LLM's where it has them): (name, data type, dims, and
-# for an input the field of an OpenAI request it is)
-INPUTS = [("text_input", "TYPE_STRING", 1, "prompt"), ("max_tokens", "TYPE_INT32", 1, "max_tokens"),
-          ("temperature", "TYPE_FP32", 1, "temperature"), ("top_p", "TYPE_FP32", 1, "top_p"),
-          ("random_seed", "TYPE_UINT64", 1, "seed"), ("stop_words", "TYPE_STRING", -1, "stop"),
-          ("stream", "TYPE_BOOL", 1, "stream"), ("speculative", "TYPE_BOOL", 1, "speculative")]
-OUTPUTS = [("text_output", "TYPE_STRING", 1), ("finish_reason", "TYPE_STRING", 1),
-           ("completion_tokens", "TYPE_INT32", 1)]
 MODEL_PY = '''"""Triton's Python backend loads this file; the model is dspark-trt's runtime.triton_model,
 which the Python environment Triton's stub runs in must have installed."""
 from runtime.triton_model import TritonPythonModel  # noqa: F401
@@ -30,6 +22,8 @@ from runtime.triton_model import TritonPythonModel  # noqa: F401
 def config(name: str, parameters: dict[str, str], instances: int, gpu: bool) -> str:
     """``config.pbtxt``: decoupled, batching left to the model's own scheduler (``max_batch_size``
     0), every input but ``text_input`` optional."""
+    from runtime.triton_io import INPUTS, OUTPUTS
+
     def tensor(entry, optional):
         tensor_name, kind, dims = entry[:3]
         return (f'  {{ name: "{tensor_name}" data_type: {kind} dims: [ {dims} ]'

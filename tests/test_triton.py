@@ -1,11 +1,13 @@
-"""An engine directory served by Triton Inference Server for real: ``python -m export triton-repo``
-writes the model, the ``tritonserver`` binary of ``nvidia-pytriton`` (``scripts/setup_triton.sh``,
-``scripts/tritonserver.sh``) serves it on 127.0.0.1, and Triton's own endpoints answer what
+"""An engine directory served by Triton Inference Server for real, both ways: a model repository
+that ``python -m export triton-repo`` writes, served by the ``tritonserver`` binary of
+``nvidia-pytriton`` (``scripts/setup_triton.sh``, ``scripts/tritonserver.sh``), and the PyTriton
+binding (``runtime.triton.serve``); each on 127.0.0.1, where Triton's own endpoints answer what
 ``Generator`` generates: the generate extension over HTTP, streamed or not, and gRPC streaming
 through ``tritonclient``."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -29,26 +31,44 @@ pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no .venv-tri
                                                                   "Server): run scripts/setup_triton.sh")
 
 
-@pytest.fixture(scope="module")
-def triton(engine_dir, tmp_path_factory):
+PYTRITON = """
+import sys
+from pytriton.triton import TritonConfig
+from runtime.triton import serve
+
+engine, http, grpc, metrics, k = sys.argv[1:]
+serve(engine, TritonConfig(http_address="127.0.0.1", http_port=int(http), grpc_address="127.0.0.1",
+                           grpc_port=int(grpc), metrics_address="127.0.0.1", metrics_port=int(metrics),
+                           allow_gpu_metrics=False, exit_on_error=True),
+      name="tiny", threads=1, draft_schedule=k)
+"""
+
+
+@pytest.fixture(scope="module", params=["repository", "pytriton"])
+def triton(request, engine_dir, tmp_path_factory):
+    """Triton serving the engine as model ``tiny``: from a model repository, or bound by PyTriton
+    (which stops on SIGINT)."""
     engine = engine_dir(LIMITS, arch="qwen3")
-    repository = tmp_path_factory.mktemp("models")
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
-    subprocess.run([sys.executable, "-m", "export", "triton-repo", str(engine), str(repository),
-                    "--name", "tiny", "--threads", "1", "--draft-schedule", str(k)], cwd=ROOT, check=True)
     http, grpc, metrics = free_port(), free_port(), free_port()
-    process = subprocess.Popen(["bash", "scripts/tritonserver.sh", "--model-repository", str(repository),
-                                "--http-address", "127.0.0.1", "--http-port", str(http),
-                                "--grpc-address", "127.0.0.1", "--grpc-port", str(grpc),
-                                "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics),
-                                "--allow-gpu-metrics", "false", "--exit-on-error", "true",
-                                "--pinned-memory-pool-byte-size", "0"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if request.param == "repository":
+        repository = tmp_path_factory.mktemp("models")
+        subprocess.run([sys.executable, "-m", "export", "triton-repo", str(engine), str(repository),
+                        "--name", "tiny", "--threads", "1", "--draft-schedule", str(k)], cwd=ROOT, check=True)
+        command = ["bash", "scripts/tritonserver.sh", "--model-repository", str(repository),
+                   "--http-address", "127.0.0.1", "--http-port", str(http),
+                   "--grpc-address", "127.0.0.1", "--grpc-port", str(grpc),
+                   "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics),
+                   "--allow-gpu-metrics", "false", "--exit-on-error", "true",
+                   "--pinned-memory-pool-byte-size", "0"]
+    else:
+        command = [str(TRITON_PYTHON), "-c", PYTRITON, str(engine), str(http), str(grpc), str(metrics), str(k)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{http}"
     wait_until_serving(process, f"{url}/v2/models/tiny/ready", 180)
     yield {"http": url, "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
            "engine": engine}
-    process.terminate()
+    process.send_signal(signal.SIGTERM if request.param == "repository" else signal.SIGINT)
     assert process.wait(timeout=60) == 0
 
 
@@ -144,7 +164,8 @@ def test_grpc_streaming_through_tritonclient(triton, expected):
 ])
 def test_a_bad_request_gets_tritons_error_and_the_server_goes_on(triton, expected, body, message):
     status, reply = _post(f"{triton['http']}/v2/models/tiny/generate", body)
-    assert message in json.loads(reply)["error"], reply
+    error = json.loads(reply)["error"]
+    assert status == 400 and message in error and "\n" not in error.strip(), reply
     status, reply = _post(f"{triton['http']}/v2/models/tiny/generate",
                           {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert status == 200 and json.loads(reply)["text_output"] == expected[1]
