@@ -3,11 +3,12 @@ routes on N Ray Serve replicas, each owning one backend (one GPU each on a GPU b
 ``--threads`` CPUs).
 
 Each replica serves at most ``max_batch`` requests at once (``max_ongoing_requests``: every one
-has a slot), Ray's router queues up to ``--max-queue`` more per replica, and answers 503 beyond
-that (Ray's backpressure). A replica that dies is replaced by Ray; the requests it was serving
-fail, the other replicas' go on. Every response names the replica that served it (Ray's replica
-id and its process) in its ``x-replica`` header. ``application(...)`` is the application, for
-``serve.run`` or a ``serve run`` config.
+has a slot), Ray's proxy queues up to ``--max-queue`` more for the replicas to take as slots
+free, and answers 503 beyond that (Ray's backpressure, ``max_queued_requests``: per caller). A
+replica that dies is replaced by Ray; the requests it was serving fail, the other replicas' go on.
+Every response names the replica that served it (Ray's replica id and its process) in its
+``x-replica`` header. ``application(...)`` is the application, for ``serve.run`` or a ``serve run``
+config.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", help="the model name clients use [the engine directory's name]")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests Ray queues per replica beyond its slots; more get 503 [64]")
+                   help="requests Ray's proxy queues beyond the replicas' slots; more get 503 [64]")
     p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
                    help="drafts verified per step by busy slots, as runtime.serve's [measured when "
                         "each replica starts]")

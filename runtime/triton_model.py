@@ -14,6 +14,7 @@ import json
 
 from . import triton_io
 from .request_loop import Engine, Job, RequestError
+from .triton_metrics import TritonMetrics
 
 
 class TritonPythonModel:
@@ -33,6 +34,9 @@ class TritonPythonModel:
         schedule = parameters.get("draft_schedule")
         schedule = DraftSchedule.parse(schedule, backend.limits.k) if schedule else None
         self.engine = Engine(backend, int(parameters.get("max_queue", 64)), schedule)
+        self.metrics = TritonMetrics(pb_utils, self.engine.metrics.registry,
+                                     {"model": args["model_name"], "version": args["model_version"],
+                                      "instance": args["model_instance_name"]})
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -77,4 +81,5 @@ class TritonPythonModel:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
-        self.engine = self.generator = None
+        self.metrics.close()
+        self.metrics = self.engine = self.generator = None

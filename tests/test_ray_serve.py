@@ -1,6 +1,7 @@
 """``python -m runtime.ray_serve`` with 2 replicas on a local Ray cluster: requests reach both and
-get what ``Generator`` gives them alone; a replica killed mid-run is replaced, the requests it was
-serving fail cleanly and the other replica's complete."""
+get what ``Generator`` gives them alone; beyond the slots and the queue Ray answers 503; a replica
+killed mid-run is replaced, the requests it was serving fail cleanly and the other replica's
+complete."""
 from __future__ import annotations
 
 import http.client
@@ -13,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray ext
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz", "mn", "qrs tuv"]
+MAX_QUEUE = len(PROMPTS)   # the 8 requests a test sends at once never overflow the queue
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def cluster(engine_dir):
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     process = subprocess.Popen([sys.executable, "-m", "runtime.ray_serve", "--engine", str(engine),
                                 "--replicas", "2", "--port", str(port), "--model", "tiny",
-                                "--draft-schedule", str(k)],
+                                "--draft-schedule", str(k), "--max-queue", str(MAX_QUEUE)],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # ready once every replica is: the command says so after Ray Serve's deployment is running
     output, ready = [], threading.Event()
@@ -84,6 +86,38 @@ def test_requests_reach_both_replicas_and_get_their_single_request_output(cluste
     assert len({replica for _, replica in replies}) == 2
 
 
+def _long_streams(url: str, n: int) -> list:
+    """``n`` long streams, each in a slot once its first chunk has come."""
+    streams = [_complete(url, "q", 400, stream=True) for _ in range(n)]
+    for stream in streams:
+        stream.readline()
+    return streams
+
+
+def test_beyond_the_slots_and_the_queue_ray_answers_503_and_serves_the_queue(cluster):
+    """With both replicas' 8 slots held by long streams, 9 more requests: the queue takes
+    ``MAX_QUEUE`` of them and refuses the last with 503 at once; when the streams go, the queued
+    ones are served."""
+    url, _ = cluster
+    streams = _long_streams(url, 2 * LIMITS.max_batch)
+
+    def ask(prompt) -> tuple[int, str]:
+        try:
+            with _complete(url, prompt, 8) as reply:
+                return reply.status, json.loads(reply.read())["choices"][0]["text"]
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    with ThreadPoolExecutor(MAX_QUEUE + 1) as pool:
+        asked = [pool.submit(ask, prompt) for prompt in [*PROMPTS, "one too many"]]
+        first = next(as_completed(asked)).result()
+        for stream in streams:
+            stream.close()
+        codes = sorted(future.result()[0] for future in asked)
+    assert first[0] == 503
+    assert codes == [200] * MAX_QUEUE + [503]
+
+
 def _replica_pid(header: str) -> int:
     return int(header.rsplit("pid ", 1)[1].rstrip(")"))
 
@@ -92,9 +126,7 @@ def test_a_killed_replica_is_replaced_and_only_its_requests_fail(cluster):
     """Eight long streams over both replicas; once each has its first chunk, one replica is killed:
     its streams break off, the other's run to their end."""
     url, _ = cluster
-    streams = [_complete(url, "q", 400, stream=True) for _ in range(len(PROMPTS))]
-    for stream in streams:
-        stream.readline()
+    streams = _long_streams(url, len(PROMPTS))
     replicas = [stream.headers["x-replica"] for stream in streams]
     assert len(set(replicas)) == 2
     killed = replicas[0]

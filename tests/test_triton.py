@@ -7,9 +7,11 @@ through ``tritonclient``."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -62,12 +64,12 @@ def triton(request, engine_dir, tmp_path_factory):
                    "--allow-gpu-metrics", "false", "--exit-on-error", "true",
                    "--pinned-memory-pool-byte-size", "0"]
     else:
-        command = [str(TRITON_PYTHON), "-c", PYTRITON, str(engine), str(http), str(grpc), str(metrics), str(k)]
+        command = [str(TRITON_PYTHON), "-c", PYTRITON, str(engine), *map(str, (http, grpc, metrics, k))]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{http}"
     wait_until_serving(process, f"{url}/v2/models/tiny/ready", 180)
     yield {"http": url, "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
-           "engine": engine}
+           "engine": engine, "kind": request.param}
     process.send_signal(signal.SIGTERM if request.param == "repository" else signal.SIGINT)
     assert process.wait(timeout=60) == 0
 
@@ -171,9 +173,57 @@ def test_a_bad_request_gets_tritons_error_and_the_server_goes_on(triton, expecte
     assert status == 200 and json.loads(reply)["text_output"] == expected[1]
 
 
-def test_tritons_model_ready_and_metrics_count_the_requests(triton):
-    assert urllib.request.urlopen(f"{triton['http']}/v2/models/tiny/ready", timeout=10).status == 200
+def _metrics(triton) -> dict[str, float]:
+    """Triton's ``/metrics`` for model ``tiny``: each series summed over its other labels."""
     text = urllib.request.urlopen(triton["metrics"], timeout=10).read().decode()
-    counted = [line for line in text.splitlines() if line.startswith("nv_inference_request_success")
-               and 'model="tiny"' in line]
-    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
+    sums: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^([\w:]+)\{(.*)\} (\S+)$", text, re.MULTILINE):
+        if 'model="tiny"' in labels:
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+def _ours_settled(triton) -> dict[str, float]:
+    """The metrics once ours (copied into Triton every second) have stopped changing."""
+    deadline, metrics = time.time() + 30, _metrics(triton)
+    while time.time() < deadline:
+        time.sleep(1.5)
+        metrics, last = _metrics(triton), metrics
+        if {n: v for n, v in metrics.items() if n.startswith("dspark:")} == \
+                {n: v for n, v in last.items() if n.startswith("dspark:")}:
+            break
+    return metrics
+
+
+def _ours_counted(triton, requests: float) -> dict[str, float]:
+    """The metrics once ours count ``requests`` ended requests."""
+    deadline = time.time() + 30
+    while (metrics := _metrics(triton)).get("dspark:request_success_total") != requests \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    return metrics
+
+
+def test_tritons_model_ready_and_metrics_count_the_requests(triton):
+    """Triton's own metrics count requests; the model repository's model adds ours, which count
+    what the reply says (PyTriton's model runs outside Triton: only Triton's)."""
+    assert urllib.request.urlopen(f"{triton['http']}/v2/models/tiny/ready", timeout=10).status == 200
+    status, reply = _post(f"{triton['http']}/v2/models/tiny/generate",
+                          {"text_input": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200
+    if triton["kind"] == "pytriton":
+        assert _metrics(triton)["nv_inference_request_success"] >= 1
+        return
+    before = _ours_settled(triton)
+    status, reply = _post(f"{triton['http']}/v2/models/tiny/generate",
+                          {"text_input": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0})
+    after = _ours_counted(triton, before["dspark:request_success_total"] + 1)
+    assert status == 200
+    assert after["dspark:request_success_total"] == before["dspark:request_success_total"] + 1
+    assert after["nv_inference_request_success"] == before["nv_inference_request_success"] + 1
+    grew = {name: after[name] - before[name] for name in before if name.startswith("dspark:")}
+    assert grew["dspark:generation_tokens_total"] == json.loads(reply)["completion_tokens"]
+    assert grew["dspark:prompt_tokens_total"] > 0 and grew["dspark:spec_decode_num_drafts_total"] > 0
+    assert 0 <= grew["dspark:spec_decode_num_accepted_tokens_total"] \
+        <= grew["dspark:spec_decode_num_draft_tokens_total"]
+    assert after["dspark:num_requests_running"] == after["dspark:num_requests_waiting"] == 0
