@@ -183,14 +183,17 @@ def _metrics(triton) -> dict[str, float]:
     return sums
 
 
+def _ours(metrics: dict[str, float]) -> dict[str, float]:
+    return {name: value for name, value in metrics.items() if name.startswith("dspark:")}
+
+
 def _ours_settled(triton) -> dict[str, float]:
     """The metrics once ours (copied into Triton every second) have stopped changing."""
     deadline, metrics = time.time() + 30, _metrics(triton)
     while time.time() < deadline:
         time.sleep(1.5)
         metrics, last = _metrics(triton), metrics
-        if {n: v for n, v in metrics.items() if n.startswith("dspark:")} == \
-                {n: v for n, v in last.items() if n.startswith("dspark:")}:
+        if _ours(metrics) == _ours(last):
             break
     return metrics
 
@@ -221,7 +224,7 @@ def test_tritons_model_ready_and_metrics_count_the_requests(triton):
     assert status == 200
     assert after["dspark:request_success_total"] == before["dspark:request_success_total"] + 1
     assert after["nv_inference_request_success"] == before["nv_inference_request_success"] + 1
-    grew = {name: after[name] - before[name] for name in before if name.startswith("dspark:")}
+    grew = {name: after[name] - value for name, value in _ours(before).items()}
     assert grew["dspark:generation_tokens_total"] == json.loads(reply)["completion_tokens"]
     assert grew["dspark:prompt_tokens_total"] > 0 and grew["dspark:spec_decode_num_drafts_total"] > 0
     assert 0 <= grew["dspark:spec_decode_num_accepted_tokens_total"] \
