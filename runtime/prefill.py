@@ -2,12 +2,16 @@
 go (``docs/engine-contract.md#prefill``)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .backend import Backend
 
 
-def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool, slots: list[int] | None = None):
+def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
+                   every_row: Callable[[int, torch.Tensor], None] | None = None,
+                   slots: list[int] | None = None):
     """Run the prompts through the target in chunks of at most ``backend.limits.max_prompt_chunk`` rows
     (right-padded: rows past a prompt's end are scratch; a prompt that ended in an earlier chunk
     writes its padding from its own end, so that no call writes more than a chunk past a
@@ -20,7 +24,9 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool, slots:
     Each chunk asks the target for one row of logits per prompt: its last row where the prompt
     ends in the chunk, a row that is not read otherwise (clamped into the chunk). A hybrid
     target keeps the recurrent state after the same row in slot 0, or the state before the chunk
-    (row -1) for a prompt that ended in an earlier one: padding never advances it."""
+    (row -1) for a prompt that ended in an earlier one: padding never advances it. With
+    ``every_row``, each chunk asks for the logits of all its rows instead and hands them to
+    ``every_row(begin, logits [B, L, V])`` (for prompt log-probabilities)."""
     batch, longest, device = len(prompts), max(map(len, prompts)), lengths.device
     padded = torch.zeros(batch, longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
@@ -33,9 +39,13 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool, slots:
         ids = padded[:, begin:begin + chunk]
         last_row = lengths - 1 - begin
         here = (last_row >= 0) & (last_row < ids.shape[1])
-        logits, aux = backend.target_step(ids, lengths.clamp(max=begin),
-                                          last_row.clamp(0, ids.shape[1] - 1)[:, None], slot,
+        row = last_row.clamp(0, ids.shape[1] - 1)[:, None]
+        rows = torch.arange(ids.shape[1], device=device).expand(batch, -1) if every_row else row
+        logits, aux = backend.target_step(ids, lengths.clamp(max=begin), rows, slot,
                                           last_row.clamp(-1, ids.shape[1] - 1)[:, None], **at)
+        if every_row:
+            every_row(begin, logits)
+            logits = logits.gather(1, row[..., None].expand(-1, -1, logits.shape[-1]))
         # a copy: an engine backend reuses its output buffer for the next chunk of this shape
         picked = logits[:, 0].clone()
         last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)

@@ -14,23 +14,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .draft_schedule import DraftSchedule, measure
-from .generator import Generator
+from .openai_request import RequestError
 from .params import Params
 from .scheduler import Request, Scheduler
 from .serve_metrics import Metrics
-from .stop_strings import StopStrings
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status, OpenAI error type and one-line message."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
 @dataclass
@@ -47,10 +34,13 @@ class Job:
     sent: int = 0                       # tokens reported so far
 
 
+SHUTTING_DOWN = RequestError(503, "the server is shutting down", kind="unavailable_error")
+
+
 class Engine:
-    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work. Without
-    a ``draft_schedule`` it measures one on this machine first (``draft_schedule.measure``) and
-    says which on stderr."""
+    """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work, until
+    ``stop``. Without a ``draft_schedule`` it measures one on this machine first
+    (``draft_schedule.measure``) and says which on stderr."""
 
     def __init__(self, backend, max_queue: int, draft_schedule: DraftSchedule | None = None):
         if draft_schedule is None and backend.limits.k:
@@ -65,10 +55,13 @@ class Engine:
         self.jobs: dict[int, Job] = {}
         self.metrics = Metrics(running=lambda: self.scheduler.occupied,
                                waiting=lambda: len(self.scheduler.waiting) + self.inbox.qsize())
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if self.stopping:
+            raise SHUTTING_DOWN
         # what the inbox holds is waiting too, less what the free slots will take at the next step
         free = len(self.scheduler.slots) - self.scheduler.occupied
         if len(self.scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
@@ -79,12 +72,25 @@ class Engine:
     def cancel(self, job: Job) -> None:
         self.inbox.put(("cancel", job))
 
+    def stop(self) -> None:
+        """End every request, running or waiting, with 503 at the next step boundary and end the
+        thread (``join`` it before the process exits: a backend call must not outlive it)."""
+        self.stopping = True
+        self.inbox.put(("stop", None))
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
     def _loop(self) -> None:
         while True:
             busy = self.scheduler.busy
             try:
                 while True:
-                    self._handle(*self.inbox.get(block=not busy, timeout=None if not busy else 0))
+                    command, job = self.inbox.get(block=not busy, timeout=None if not busy else 0)
+                    if command == "stop":
+                        self._fail(SHUTTING_DOWN)
+                        return
+                    self._handle(command, job)
                     busy = True
             except queue.Empty:
                 pass
@@ -93,14 +99,15 @@ class Engine:
                 try:
                     changed = self.scheduler.step()
                 except Exception as err:   # the backend failed: every request in it ends with a 500
-                    self._fail(err)
+                    self._fail(RequestError(500, f"the engine failed: {type(err).__name__}: {err}",
+                                            kind="server_error"))
                     continue
                 self.metrics.step.observe(time.perf_counter() - begin)
                 for request in changed:
                     self._report(self.jobs[request.id], request)
 
-    def _fail(self, err: Exception) -> None:
-        error = RequestError(500, f"the engine failed: {type(err).__name__}: {err}", kind="server_error")
+    def _fail(self, error: RequestError) -> None:
+        """End every request in the scheduler with ``error``."""
         for job in list(self.jobs.values()):
             self.scheduler.cancel(job.request)
             job.send(error)
@@ -132,40 +139,3 @@ class Engine:
         job.send(list(request.token_ids))
         if request.finished:
             job.send(None)
-
-
-def body_field(body: dict, name: str, kind, default, check=None, expected: str = ""):
-    """``body[name]`` of type ``kind`` (``default`` when absent or null), refused in one line."""
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    kinds = (int, float) if kind is float else kind
-    wrong = not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool)
-    if value is not default and wrong:
-        raise RequestError(400, f"'{name}': {value!r} is not {expected or kind.__name__}", name)
-    if check is not None and not check(value):
-        raise RequestError(400, f"'{name}': {value!r}; expected {expected}", name)
-    return value
-
-
-def request_params(body: dict, prompt: list[int], generator: Generator) -> Params:
-    """A request's options from its fields (OpenAI's names: ``max_tokens``, ``temperature``,
-    ``top_p``, ``seed``, ``stop``, and ``speculative``), each refused in one line. ``max_tokens``
-    defaults to what the KV cache has left after the prompt (as llama-server's
-    ``n_predict = -1`` does, bounded)."""
-    limits = generator.backend.limits
-    stop = body_field(body, "stop", (str, list), [], expected="a string or a list of strings")
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(400, f"'stop': {stop!r}; expected non-empty strings", "stop")
-    room = max(1, limits.capacity - len(prompt) - limits.lookahead)
-    return Params(
-        max_new_tokens=body_field(body, "max_tokens", int, room, lambda v: v >= 1,
-                                  "an integer of at least 1"),
-        temperature=body_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "0 .. 2"),
-        top_p=body_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "more than 0 and at most 1"),
-        seed=body_field(body, "seed", int, 0),
-        # an extension (llama-server has its per-request ``speculative.n_max``): false decodes
-        # this request with the target alone
-        speculative=body_field(body, "speculative", bool, True),
-        stop=StopStrings(stop, generator.decode) if stop else None)

@@ -5,23 +5,25 @@ import torch
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                  top_k: int = 0) -> torch.Tensor:
+                  top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
     """``softmax(logits / temperature)`` in fp32, restricted to the ``top_k`` most likely ids
-    (0: all; ties at the k-th value all stay), then to the top-p nucleus: ``transformers``'
-    order."""
+    (0: all; ties at the k-th value all stay), then to the top-p nucleus, then to the ids at least
+    ``min_p`` times as likely as the most likely one: ``transformers``' order."""
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, -torch.inf)
     probs = torch.softmax(scaled, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # keep every token whose preceding mass is below top_p (so the top token always stays)
-    keep_sorted = sorted_probs.cumsum(-1) - sorted_probs < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    probs = probs * keep
-    return probs / probs.sum(-1, keepdim=True)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep every token whose preceding mass is below top_p (so the top token always stays)
+        keep_sorted = sorted_probs.cumsum(-1) - sorted_probs < top_p
+        probs = probs * torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -42,11 +44,11 @@ def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
-               generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
+               generator: torch.Generator, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
     """Greedy (``temperature == 0``) or sampled next token of each row of ``logits [..., V]``."""
     if temperature == 0:
         return logits.argmax(-1)
-    return draw(probabilities(logits, temperature, top_p, top_k), generator)
+    return draw(probabilities(logits, temperature, top_p, top_k, min_p), generator)
 
 
 def gumbel_noise(shape, generator: torch.Generator) -> torch.Tensor:

@@ -11,9 +11,9 @@ The backend's caches are a pool of slots, one request each. A submitted request 
 slot, which is cleared and prefilled one prompt chunk per step (so a long prompt never stalls the
 running requests for long), samples its first token and joins the decoding requests at the next
 step. A finished or cancelled request frees its slot at once. Each request has its own
-``max_new_tokens``, temperature, top-p, top-k, repetition penalty, seed (its own
-``torch.Generator``), stop strings and speculation on or off. How many drafts a step verifies
-follows the number of busy slots (``draft_schedule.py``), below the confidence cut.
+``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its own
+``torch.Generator``), stop strings, log-probabilities and speculation on or off. How many drafts a
+step verifies follows the number of busy slots (``draft_schedule.py``), below the confidence cut.
 
 A backend either runs steps on any slots (ONNX Runtime: one sequence per call), and then requests
 with speculation verify their drafts in one call and those without decode in another; or it is
@@ -40,9 +40,10 @@ import torch
 
 from .backend import Backend, capacity_needed
 from .draft_schedule import DraftSchedule
+from .logprobs import TokenLogprob, token_logprobs
 from .params import Params
+from .penalties import Penalties
 from .prefill import prefill_chunks
-from .repetition import RepetitionPenalty
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import PhaseTimes, SpecStats
 from .stop_strings import StopStrings
@@ -72,8 +73,11 @@ class Request:
     anchor_pos: int = 0
     state_slot: int = 0           # a hybrid target's state slot holding the state after the anchor
     generator: torch.Generator | None = None
-    penalty: RepetitionPenalty | None = None
+    penalty: Penalties | None = None
     prefill: "Prefill | None" = None
+    # with ``params.logprobs`` / ``prompt_logprobs``: one per generated token / prompt token after the first
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -126,9 +130,9 @@ class Scheduler:
         request = Request(next(self.ids), list(prompt), replace(params, speculative=speculative),
                           stats=SpecStats(k=self.limits.k if speculative else 0),
                           generator=torch.Generator(self.device).manual_seed(params.seed))
-        if params.repetition_penalty != 1:
-            request.penalty = RepetitionPenalty(params.repetition_penalty, prompt, self.limits.vocab_size,
-                                                self.device)
+        if params.penalized:
+            request.penalty = Penalties(params.repetition_penalty, params.presence_penalty,
+                                        params.frequency_penalty, prompt, self.limits.vocab_size, self.device)
         self.waiting.append(request)
         return request
 
@@ -197,11 +201,25 @@ class Scheduler:
         for group in admitted:
             prompts = [r.prompt for r in group]
             lengths = torch.tensor(list(map(len, prompts)), device=self.device)
+            scored = [b for b, r in enumerate(group) if r.params.prompt_logprobs is not None]
             prefill = Prefill(group, prefill_chunks(self.backend, prompts, lengths,
                                                     any(r.params.speculative for r in group),
+                                                    self._prompt_scorer(group, scored) if scored else None,
                                                     **self._at([r.slot for r in group])))
             for request in group:
                 request.prefill = prefill
+
+    @staticmethod
+    def _prompt_scorer(group: list[Request], scored: list[int]):
+        """What a prefill calls with each chunk's logits of every row: the log-probabilities of the
+        prompt tokens they predict, for the requests (``scored``, by their place in ``group``) that
+        asked for them."""
+        def score(begin: int, logits: torch.Tensor) -> None:
+            for b in scored:
+                request = group[b]
+                tokens = request.prompt[begin + 1:begin + 1 + logits.shape[1]]
+                request.prompt_logprobs += token_logprobs(logits[b], tokens, request.params.prompt_logprobs)
+        return score
 
     def _at(self, slots: list[int]) -> dict:
         """The ``slots`` argument of a call on ``slots``: none for the whole pool in order."""
@@ -223,7 +241,7 @@ class Scheduler:
             p, logits = request.params, last_logits[b]
             if request.penalty is not None:
                 logits = request.penalty(logits[None])[0]
-            tokens.append(next_token(logits, p.temperature, p.top_p, request.generator, p.top_k))
+            tokens.append(next_token(logits, p.temperature, p.top_p, request.generator, p.top_k, p.min_p))
         starts, counts, tokens = ctx_start.tolist(), ctx_count.tolist(), torch.stack(tokens).tolist()
         changed = []
         for b, request in enumerate(group):
@@ -235,7 +253,7 @@ class Scheduler:
             if request.params.speculative:
                 request.ctx = (aux[b, :counts[b]].clone(), starts[b], counts[b])
             request.anchor_pos = len(request.prompt)
-            self._emit(request, [tokens[b]], anchor=None, drafts=[], accepted=0)
+            self._emit(request, [tokens[b]], last_logits[b, None], anchor=None, drafts=[], accepted=0)
             changed.append(request)
         return changed
 
@@ -288,7 +306,8 @@ class Scheduler:
                 request.ctx = (torch.cat([before, aux[b, :1]]), start, count + 1)
             request.anchor_pos += a + 1
             request.state_slot = a
-            self._emit(request, rest[:a + 1], anchor=request.anchor, drafts=rest[width + 1:][:n], accepted=a)
+            self._emit(request, rest[:a + 1], logits[b], anchor=request.anchor, drafts=rest[width + 1:][:n],
+                       accepted=a)
             changed.append(request)
         return changed
 
@@ -346,7 +365,7 @@ class Scheduler:
         by_options: dict[tuple, list[int]] = {}
         for i, b in enumerate(sampled):
             p = rows[b].params
-            by_options.setdefault((p.temperature, p.top_p, p.top_k), []).append(i)
+            by_options.setdefault((p.temperature, p.top_p, p.top_k, p.min_p), []).append(i)
         probs = torch.empty(len(sampled), width + 1, logits.shape[-1], device=self.device)
         for options, members in by_options.items():
             probs[members] = probabilities(logits[index[members]], *options)
@@ -355,12 +374,15 @@ class Scheduler:
                                                            limit[index])
         return accepted, emitted
 
-    def _emit(self, request: Request, tokens: list[int], **record) -> None:
-        """Append ``tokens`` up to the first EOS, stop string or the budget, and the step's trace
-        record; end the request there."""
+    def _emit(self, request: Request, tokens: list[int], logits: torch.Tensor, **record) -> None:
+        """Append ``tokens`` up to the first EOS, stop string or the budget, their log-probabilities
+        if asked (from ``logits [>= len(tokens), V]``, the target's rows that predicted them), and
+        the step's trace record; end the request there."""
         p, before = request.params, len(request.token_ids)
         request.finish_reason = extend(request.token_ids, tokens, p.max_new_tokens, self.eos, p.stop)
         new = request.token_ids[before:]
+        if p.logprobs is not None:
+            request.logprobs += token_logprobs(logits, new, p.logprobs)
         if request.penalty is not None:
             request.penalty.record(new)
         request.trace.append({"step": len(request.trace), **record, "emitted": new})

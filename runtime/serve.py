@@ -9,32 +9,35 @@ cancels its request at the next step.
 # no ``from __future__ import annotations``: FastAPI reads the handlers' parameter types at run time
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
 from .backends import BACKENDS
 from .draft_schedule import DraftSchedule
 from .generator import Generator
-from .params import Params
-from .request_loop import Engine, Job, RequestError, body_field, request_params
-from .text_stream import TextStream
+from .openai_reply import ABORTED, Reply
+from .openai_request import RequestError, body_field, chat_prompt, completion_prompts, request_params
+from .request_loop import Engine
 
 
 class Server:
     """The FastAPI application over one engine. ``start_loading`` opens the engine on a thread of
     its own (``load`` gives the ``Generator``) and measures the draft schedule unless one is
     given; until it is done ``/health`` and requests answer 503 with ``Retry-After``, as
-    llama-server's do while its model loads."""
+    llama-server's do while its model loads. A request body over ``max_body`` bytes gets 413; a
+    body is parsed and its prompts tokenized on a worker thread, so that a huge one delays no
+    other request."""
 
     def __init__(self, load: Callable[[], Generator], model: str, max_queue: int,
-                 draft_schedule: DraftSchedule | None = None):
+                 draft_schedule: DraftSchedule | None = None, max_body: int = 16 << 20):
         self.load, self.model, self.max_queue, self.draft_schedule = load, model, max_queue, draft_schedule
+        self.max_body = max_body
         self.generator: Generator | None = None
         self.engine: Engine | None = None
         self.created = int(time.time())
@@ -55,46 +58,58 @@ class Server:
     def open(self) -> None:
         generator = self.load()
         self.engine = Engine(generator.backend, self.max_queue, self.draft_schedule)
+        self.token_text = functools.lru_cache(maxsize=None)(
+            lambda id_: generator.tokenizer.decode([id_]))
         self.generator = generator      # last: from here on the server is ready
+
+    def stop(self) -> None:
+        """End the requests still running with 503 (``Engine.stop``)."""
+        if self.engine is not None:
+            self.engine.stop()
+
+    def close(self) -> None:
+        """Stop, and wait until the scheduler thread has ended."""
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine.join()
 
     def ready(self) -> Engine:
         if self.generator is None:
             raise RequestError(503, "the model is loading; retry shortly", kind="unavailable_error")
         return self.engine
 
-    def params(self, body: dict, prompt: list[int]) -> Params:
+    def reply(self, raw: bytes, chat: bool,
+              send: Callable[[int], Callable[[object], None]]) -> tuple[Reply, bool, bool]:
+        """A request body read into its ``Reply`` (jobs not submitted yet), whether it streams and
+        whether its stream ends with a usage chunk: the JSON, the prompts' tokens and the options,
+        each refused in one line. Runs on a worker thread."""
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise RequestError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, self.model):
             raise RequestError(404, f"model {body['model']!r} does not exist; this server serves "
                                     f"{self.model!r}", "model", kind="not_found_error")
-        if body_field(body, "n", int, 1) != 1:
-            raise RequestError(400, "'n': only 1 is supported", "n")
-        if body.get("max_completion_tokens") is not None:
-            body = {**body, "max_tokens": body_field(body, "max_completion_tokens", int, None,
-                                                     lambda v: v >= 1, "an integer of at least 1")}
-        return request_params(body, prompt, self.generator)
-
-    def prompt(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            messages = body.get("messages")
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in messages)):
-                raise RequestError(400, "'messages': expected a non-empty list of {\"role\", \"content\"} "
-                                        "objects with string content", "messages")
-            from export.prompts import encode_conversation
-            try:
-                return encode_conversation(self.generator.tokenizer, messages)
-            except ValueError as err:
-                raise RequestError(400, str(err), "messages") from None
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError(400, "'prompt': expected a non-empty string", "prompt")
-        return self.generator.encode(prompt, chat_template=False)
+        generator = self.generator
+        prompts = [chat_prompt(body, generator)] if chat else completion_prompts(body, generator)
+        params = [request_params(body, prompt, generator, chat) for prompt in prompts]
+        choices = self.max_queue + generator.backend.limits.max_batch
+        n = body_field(body, "n", int, 1, lambda v: 1 <= v * len(prompts) <= choices,
+                       f"at least 1, at most {choices} choices in all (the slots and --max-queue)")
+        echo = not chat and body_field(body, "echo", bool, False)
+        stream = body_field(body, "stream", bool, False)
+        usage = stream and bool((body_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+        reply = Reply(self.model, chat, prompts, params, n, echo, generator.decode, self.token_text, send)
+        return reply, stream, usage
 
     def app(self):
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
 
         app = FastAPI(title="dspark-trt")
 
@@ -102,6 +117,21 @@ class Server:
         async def refused(_, err: RequestError):
             headers = {"Retry-After": "1"} if err.status in (429, 503) else None
             return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(http, err: HTTPException):
+            """Starlette's own refusals (no such route, a method the route has not) as OpenAI's."""
+            path = http.url.path
+            message = {404: f"no route {path}",
+                       405: f"{http.method} is not allowed on {path}"}.get(err.status_code, err.detail)
+            kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+            return await refused(http, RequestError(err.status_code, message, kind=kind))
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(http, err: RequestValidationError):
+            first = err.errors()[0] if err.errors() else {}
+            where = ".".join(map(str, first.get("loc", ())))
+            return await refused(http, RequestError(422, f"'{where}': {first.get('msg', 'invalid')}", where))
 
         @app.get("/health")
         async def health():
@@ -118,27 +148,31 @@ class Server:
                                                 "created": self.created, "owned_by": "dspark-trt"}]}
 
         async def complete(http: HttpRequest, chat: bool):
-            try:
-                body = json.loads(await http.body())
-            except ValueError:
-                raise RequestError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the request body must be a JSON object")
+            raw = await self._body(http)
             engine = self.ready()
-            prompt = self.prompt(body, chat)
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
-            job = Job(prompt, self.params(body, prompt),
-                      lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-            engine.submit(job)
-            stream = body_field(body, "stream", bool, False)
-            usage = stream and bool((body_field(body, "stream_options", dict, {}) or {}).get("include_usage"))
+
+            def send(index: int):
+                return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+            reply, stream, usage = await asyncio.to_thread(self.reply, raw, chat, send)
+            submitted = []
+            try:
+                for job in reply.jobs:
+                    engine.submit(job)
+                    submitted.append(job)
+            except RequestError:
+                for job in submitted:
+                    engine.cancel(job)
+                raise
             if stream:
                 first = await events.get()   # a refusal is still an HTTP error, not a stream
-                if isinstance(first, RequestError):
-                    raise first
-                return StreamingResponse(self.sse(http, job, events, chat, first, usage),
+                if isinstance(first[1], RequestError):
+                    self._cancel(reply)
+                    raise first[1]
+                return StreamingResponse(self.sse(http, reply, events, first, usage),
                                          media_type="text/event-stream")
-            return JSONResponse(await self.whole(http, job, events, chat))
+            return JSONResponse(await self.whole(http, reply, events))
 
         @app.post("/v1/completions")
         async def completions(http: HttpRequest):
@@ -150,92 +184,87 @@ class Server:
 
         return app
 
-    def _reply(self, chat: bool, choice: dict, **extra) -> dict:
-        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                "object": ("chat.completion" if chat else "text_completion") + extra.pop("suffix", ""),
-                "created": int(time.time()), "model": self.model, "choices": [choice], **extra}
+    async def _body(self, http) -> bytes:
+        """The request's body, refused with 413 once it is over ``max_body`` bytes (at once when its
+        ``Content-Length`` says so)."""
+        limit = self.max_body
+        too_large = RequestError(413, f"the request body is over {limit} bytes (--max-body)",
+                                 kind="invalid_request_error")
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    @staticmethod
-    def _usage(job: Job) -> dict:
-        done = len(job.request.token_ids)
-        return {"prompt_tokens": len(job.prompt), "completion_tokens": done,
-                "total_tokens": len(job.prompt) + done}
+    def _cancel(self, reply: Reply) -> None:
+        for job in reply.jobs:
+            if not (job.request and job.request.finished):
+                self.engine.cancel(job)
 
-    @staticmethod
-    def _speculative(job: Job) -> dict:
-        """The response's extra field: its speculation statistics (no verify steps without
-        speculation: its steps decoded one token each)."""
-        stats = job.request.stats
-        return {"tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
-                "verify_steps": stats.steps if stats.k else 0}
-
-    async def whole(self, http, job: Job, events: asyncio.Queue, chat: bool) -> dict:
-        """The reply once the request has ended; a client that goes away before is cancelled at the
-        next step, as a streamed one is."""
-        watcher = asyncio.create_task(self._cancel_on_disconnect(http, job))
-        ids = []
+    async def whole(self, http, reply: Reply, events: asyncio.Queue) -> dict:
+        """The reply once every choice has ended; a client that goes away before is cancelled at
+        the next step, as a streamed one is."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, reply))
+        pending = len(reply.choices)
         try:
-            while (event := await events.get()) is not None:
+            while pending:
+                _, event = await events.get()
                 if isinstance(event, RequestError):
                     raise event
-                ids = event
+                pending -= event is None
         finally:
             watcher.cancel()
-        text = TextStream(self.generator.decode, job.params.stop).text(ids)
-        reason = job.request.finish_reason
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        return self._reply(chat, choice, usage=self._usage(job), speculative=self._speculative(job))
+            self._cancel(reply)
+        return reply.whole()
 
-    async def _cancel_on_disconnect(self, http, job: Job) -> None:
+    async def _cancel_on_disconnect(self, http, reply: Reply) -> None:
         """Once the body is read, a request's receive channel has one more message: the client's
         disconnect."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        self.engine.cancel(job)
+        self._cancel(reply)
 
-    async def sse(self, http, job: Job, events: asyncio.Queue, chat: bool, first, usage: bool):
-        """The server-sent events of a streamed reply, from the job's ``events``."""
-        stream = TextStream(self.generator.decode, job.params.stop)
+    async def sse(self, http, reply: Reply, events: asyncio.Queue, first, usage: bool):
+        """The server-sent events of a streamed reply, from its choices' ``events``. A stop of the
+        server (or a failure of the engine) ends each open choice with finish reason ``abort``,
+        then an error event and ``[DONE]``."""
+        def data(body: dict) -> str:
+            return f"data: {json.dumps(body)}\n\n"
 
-        suffix = ".chunk" if chat else ""
-
-        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
-            if chat:
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": reason,
-                          "logprobs": None}
-            return f"data: {json.dumps(self._reply(chat, choice, suffix=suffix, **extra))}\n\n"
-
-        if chat:
-            yield chunk({"role": "assistant", "content": ""})
-        event, ids = first, []
+        for chunk in reply.opening():
+            yield data(chunk)
+        (index, event), pending = first, len(reply.choices)
         try:
-            while event is not None:
-                if isinstance(event, RequestError):   # the engine failed mid-stream
-                    yield f"data: {json.dumps(event.body())}\n\n"
-                    return
-                ids = event
+            while True:
+                choice = reply.choices[index]
+                if isinstance(event, RequestError):
+                    for open_choice in reply.choices:
+                        if not open_choice.ended:
+                            for chunk in reply.closing(open_choice, ABORTED):
+                                yield data(chunk)
+                    yield data(event.body())
+                    break
+                if event is None:
+                    for chunk in reply.closing(choice):
+                        yield data(chunk)
+                    pending -= 1
+                    if not pending:
+                        if usage:
+                            yield data(reply.usage_chunk())
+                        break
+                elif (chunk := reply.step(choice, event)) is not None:
+                    yield data(chunk)
                 if await http.is_disconnected():
-                    self.engine.cancel(job)
                     return
-                piece = stream.piece(ids)
-                if piece:
-                    yield chunk({"content": piece})
-                event = await events.get()
-            rest = stream.piece(ids, final=True)
-            if rest:
-                yield chunk({"content": rest})
-            yield chunk({}, job.request.finish_reason, speculative=self._speculative(job))
-            if usage:
-                reply = self._reply(chat, {}, suffix=suffix, usage=self._usage(job))
-                reply["choices"] = []
-                yield f"data: {json.dumps(reply)}\n\n"
+                index, event = await events.get()
             yield "data: [DONE]\n\n"
         finally:
-            if not (job.request and job.request.finished):
-                self.engine.cancel(job)
+            self._cancel(reply)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -259,23 +288,38 @@ def main(argv: list[str] | None = None) -> None:
                    help="drafts verified per step as requests fill the slots, e.g. 1:7,4:3,8:0 "
                         "(from 1 busy slot 7, from 4 on 3, from 8 on none), or one number "
                         "[measured at start on this machine]")
+    p.add_argument("--max-body", type=float, default=16, metavar="MB",
+                   help="the largest request body accepted, in MB; larger ones get 413 [16]")
+    p.add_argument("--grace-period", type=float, default=10, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM, how long running requests may go on before they end "
+                        "with 503 [10]")
+    p.add_argument("--access-log", action="store_true", help="log every request on stderr (uvicorn's)")
     args = p.parse_args(argv)
     from export import manifest as manifest_file
 
     try:   # what can be checked before listening gets one line and status 1 now
+        for flag, value in (("--max-body", args.max_body), ("--grace-period", args.grace_period)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{flag} {value}: expected a finite number, at least 0")
         manifest = manifest_file.read(Path(args.engine))
         schedule = (DraftSchedule.parse(args.draft_schedule, manifest["draft"]["k"]) if args.draft_schedule
                     else None)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    import logging
+
     import uvicorn
 
-    server = Server(lambda: Generator.from_engine(args.engine, args.backend, args.threads),
-                    args.model or Path(args.engine).resolve().name, args.max_queue, schedule)
-    # SIGINT / SIGTERM: stop accepting, let running requests finish for up to 10 s, exit 0
+    model = args.model or Path(args.engine).resolve().name
+    server = Server(lambda: Generator.from_engine(args.engine, args.backend, args.threads), model,
+                    args.max_queue, schedule, int(args.max_body * (1 << 20)))
+    # uvicorn's own deadline comes after ours (``CleanExit.shutdown``): requests end with 503 first
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=10)
-    http = _clean_exit_class()(config)
+                            access_log=args.access_log, timeout_graceful_shutdown=args.grace_period + 10)
+    if args.access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    http = _clean_exit_class()(config, server, args.grace_period,
+                               f"serving {args.engine} as model {model!r} on http://{args.host}:{args.port}")
     failures = []
 
     def failed(message: str) -> None:
@@ -284,7 +328,10 @@ def main(argv: list[str] | None = None) -> None:
         http.should_exit = True
 
     server.start_loading(failed)
-    http.run()
+    try:
+        http.run()
+    finally:
+        server.close()
     if failures:
         raise SystemExit(1)
 
@@ -293,8 +340,27 @@ def _clean_exit_class():
     import uvicorn
 
     class CleanExit(uvicorn.Server):
-        """uvicorn's server, except that a stop asked for by SIGINT / SIGTERM ends with status 0
-        (uvicorn raises the signal again once it has shut down)."""
+        """uvicorn's server, except that it says where it listens once it does, and that a stop
+        asked for by SIGINT / SIGTERM lets running requests go on for ``grace`` seconds, then ends
+        those left with 503 (a stream: its last chunk, an error event and ``[DONE]``), so that
+        every client sees a well-formed end, and exits with status 0 (uvicorn raises the signal
+        again once it has shut down)."""
+
+        def __init__(self, config, server: Server, grace: float, listening: str):
+            super().__init__(config)
+            self.server, self.grace, self.listening = server, grace, listening
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(self.listening, file=sys.stderr, flush=True)
+
+        async def shutdown(self, sockets=None):
+            deadline = asyncio.get_running_loop().call_later(self.grace, self.server.stop)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from . import triton_io
-from .request_loop import Engine, Job, RequestError
+from .openai_request import RequestError
+from .request_loop import Engine, Job
 
 DTYPES = {"TYPE_STRING": np.bytes_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32,
           "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}

@@ -15,8 +15,8 @@ from typing import Mapping
 import numpy as np
 
 from .generator import Generator
+from .openai_request import Prompt, RequestError, request_params
 from .params import Params
-from .request_loop import RequestError, request_params
 from .scheduler import Request
 from .text_stream import TextStream
 
@@ -45,8 +45,8 @@ def read(tensors: Mapping[str, np.ndarray], generator: Generator) -> tuple[list[
     prompt = body.pop("prompt", None)
     if not isinstance(prompt, str) or not prompt:
         raise RequestError(400, "'text_input': expected a non-empty string", "text_input")
-    ids = generator.encode(prompt, chat_template=False)
-    return ids, request_params(body, ids, generator), bool(body.get("stream", False))
+    prompt = Prompt(generator.encode(prompt, chat_template=False), prompt, "text_input")
+    return prompt.ids, request_params(body, prompt, generator, chat=False), bool(body.get("stream", False))
 
 
 class Replies:

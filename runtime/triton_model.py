@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from . import triton_io
-from .request_loop import Engine, Job, RequestError
+from .openai_request import RequestError
+from .request_loop import Engine, Job
 from .triton_metrics import TritonMetrics
 
 
