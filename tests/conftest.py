@@ -1,8 +1,11 @@
 """Shared fixtures: tiny checkpoints in the real on-disk layouts, made once per test session."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +18,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in interpreter mode; set before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from export.onnx_export import Limits
 from export.tiny import TinySpec, make_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden" / "dspark-tiny"
 GEMMA4_GOLDEN = GOLDEN.with_name("dspark-gemma4-tiny")
@@ -75,6 +81,31 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
                              eos_token_id=eos, pad_token_id=0)
         outputs.append(ids[0, len(prompt):].tolist())
     return outputs
+
+
+# the tiny server's engine (test_ort_backend's limits: built once) and queue: with the 4 slots, 8
+# concurrent requests fit and 24 do not
+SERVE_LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+SERVE_MAX_QUEUE = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_server(engine_dir):
+    """``(url, engine)``: ``python -m runtime.serve`` on the tiny qwen3 engine, model name ``tiny``,
+    for every test that drives a server with a client; it must exit 0 on SIGTERM at the end."""
+    engine = engine_dir(SERVE_LIMITS, arch="qwen3")
+    port = free_port()
+    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
+    # every draft at every load: the tiny random draft would measure as not worth verifying
+    process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
+                                "--port", str(port), "--model", "tiny", "--threads", "1",
+                                "--max-queue", str(SERVE_MAX_QUEUE), "--draft-schedule", str(k)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(process, f"{url}/health", 120)
+    yield url, engine
+    process.terminate()      # SIGTERM: a clean exit
+    assert process.wait(timeout=30) == 0, process.stdout.read()
 
 
 def free_port() -> int:

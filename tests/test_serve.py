@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,34 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import Limits
-
-from conftest import free_port, wait_until_serving
+from conftest import SERVE_LIMITS, SERVE_MAX_QUEUE, free_port, wait_until_serving
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
-MAX_QUEUE = 4     # with the 4 slots, the 8 concurrent requests below fit and 24 do not
+LIMITS, MAX_QUEUE = SERVE_LIMITS, SERVE_MAX_QUEUE
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz"]
 
 
 @pytest.fixture(scope="module")
-def server(engine_dir):
-    engine = engine_dir(LIMITS, arch="qwen3")
-    port = free_port()
-    k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
-    # every draft at every load: the tiny random draft would measure as not worth verifying
-    process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
-                                "--port", str(port), "--model", "tiny", "--threads", "1",
-                                "--max-queue", str(MAX_QUEUE), "--draft-schedule", str(k)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_serving(process, f"{url}/health", 120)
-    yield url, engine
-    process.terminate()      # SIGTERM: a clean exit
-    assert process.wait(timeout=30) == 0, process.stdout.read()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +102,13 @@ def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
 
 @pytest.mark.parametrize("request_, status, message", [
     (dict(max_tokens=0), 400, "'max_tokens': 0; expected an integer of at least 1"),
+    (dict(max_tokens=90), 400, "'prompt' has 3 tokens: with 'max_tokens' 90 it needs .* KV-cache rows"),
+    (dict(top_k=-2), 400, "'top_k': -2; expected -1 or 0"),
+    (dict(min_p=1.5), 400, "'min_p': 1.5; expected 0 .. 1"),
+    (dict(presence_penalty=3), 400, "'presence_penalty': 3; expected -2 .. 2"),
+    (dict(logprobs=21), 400, "'logprobs': 21; expected an integer 0 .. 20"),
+    (dict(n=0), 400, "'n': 0; expected at least 1"),
+    (dict(prompt=[3, 10**6]), 400, "'prompt': token ids must lie in 0 .."),
     (dict(max_tokens="ten"), 400, "'max_tokens': 'ten' is not an integer of at least 1"),
     (dict(model="other"), 404, "model 'other' does not exist"),
     (dict(temperature=3), 400, "'temperature': 3; expected 0 .. 2"),
@@ -124,12 +117,144 @@ def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
 ])
 def test_a_bad_request_gets_an_error_object_and_the_server_goes_on(client, request_, status, message):
     body = dict(model="tiny", prompt="abc", max_tokens=5) | request_
+    extra = {name: body.pop(name) for name in ("top_k", "min_p") if name in body}   # not OpenAI's
     with pytest.raises(openai.APIStatusError) as err:
-        client.completions.create(**body)
+        client.completions.create(**body, extra_body=extra)
     assert err.value.status_code == status
     assert err.value.body["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert re.search(message, err.value.body["message"]), err.value.body
+    # the error names the request's own field
+    named = next(iter(request_))
+    assert err.value.body["param"] == ("prompt" if named in ("prompt",) else named), err.value.body
     assert client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0).choices
+
+
+@pytest.mark.parametrize("messages, param, message", [
+    ([{"role": "wizard", "content": "hi"}], "messages.[0].role",
+     "'wizard'; expected one of system, developer"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages.[0].content.[0]", "a 'image_url' part; expected a text part"),
+    ([{"role": "user", "content": 5}], "messages.[0].content", "expected a string or a non-empty list"),
+    ([], "messages", "expected a non-empty list of messages"),
+])
+def test_a_bad_message_is_named(client, messages, param, message):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    assert err.value.body["param"] == param
+    assert message in err.value.body["message"], err.value.body
+
+
+def test_content_parts_and_developer_messages_read_as_strings_and_system(client):
+    """OpenAI's list of text parts is the string of its texts joined by newlines (vLLM's reading),
+    and a ``developer`` message is a ``system`` one."""
+    def ask(messages):
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                              temperature=0).choices[0].message.content
+
+    parts = [{"type": "text", "text": "abc"}, {"type": "text", "text": "def"}]
+    assert ask([{"role": "user", "content": parts}]) == ask([{"role": "user", "content": "abc\ndef"}])
+    assert (ask([{"role": "developer", "content": "be"}, {"role": "user", "content": "xyz"}])
+            == ask([{"role": "system", "content": "be"}, {"role": "user", "content": "xyz"}]))
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("DELETE", "/health", 405)])
+def test_unknown_routes_and_methods_get_error_objects(server, method, path, status):
+    request = urllib.request.Request(f"{server[0]}{path}", method=method)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == status
+    body = json.loads(err.value.read())["error"]
+    assert body["code"] == status and path in body["message"], body
+
+
+def test_a_stream_has_one_id_and_created(client):
+    for stream in (client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab"}],
+                                                  max_tokens=15, temperature=0, stream=True),
+                   client.completions.create(model="tiny", prompt="ab", max_tokens=15, temperature=0,
+                                             stream=True)):
+        chunks = list(stream)
+        assert len(chunks) > 3
+        assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+
+
+def test_without_a_seed_each_sample_is_fresh(client):
+    texts = [client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=25,
+                                       temperature=1.0).choices[0].text for _ in range(3)]
+    assert len(set(texts)) > 1
+
+
+def test_n_choices_are_the_requests_of_consecutive_seeds(client):
+    def ask(seed, n):
+        reply = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=1.0,
+                                          seed=seed, n=n)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    assert ask(7, 3) == ask(7, 1) + ask(8, 1) + ask(9, 1)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab"}],
+                                                 max_tokens=10, temperature=0, n=2, stream=True))
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(choice.index for choice in ends) == [0, 1]
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+             for i in (0, 1)]
+    assert texts[0] == texts[1]   # greedy: both choices alike
+
+
+def test_penalties_and_truncations_equal_the_generators(client, generator):
+    """Per-request ``repetition_penalty`` and ``top_k`` (greedy stays the penalized argmax), as
+    ``Generator`` computes them."""
+    reply = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0,
+                                      extra_body={"repetition_penalty": 1.5, "top_k": 5, "min_p": 0.1})
+    expected = generator.generate(PROMPTS[4], max_new_tokens=30, chat_template=False, repetition_penalty=1.5)
+    assert reply.choices[0].text == expected.texts[0]
+    plain = generator.generate(PROMPTS[4], max_new_tokens=30, chat_template=False)
+    assert expected.texts[0] != plain.texts[0]      # the penalty changed the text
+
+
+def test_chat_logprobs_are_the_targets_with_speculation_or_without(client, generator):
+    """Each token's log-probability and its top alternatives, the same bit for bit whether the
+    token came from a verify row or a target-only step; greedy tokens are their rows' argmax."""
+    def ask(speculative):
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                               temperature=0, logprobs=True, top_logprobs=3,
+                                               extra_body={"speculative": speculative})
+        return reply.choices[0], reply.model_extra["speculative"]["verify_steps"]
+
+    (spec, steps), (alone, none) = ask(True), ask(False)
+    assert steps > 0 and none == 0
+    entries = spec.logprobs.content
+    assert len(entries) == 20
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in alone.logprobs.content]
+    for entry in entries:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert entry.logprob == entry.top_logprobs[0].logprob < 0
+    specials = set(generator.tokenizer.all_special_tokens)   # in the tokens, not in the text
+    assert "".join(e.token for e in entries if e.token not in specials) == spec.message.content
+
+
+def test_echo_logprobs_are_transformers(client, server):
+    """``echo`` with ``logprobs``: the prompt's tokens' log-probabilities (none for its first) and
+    the generated one's, as ``transformers`` computes them on the target of the float engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime import Generator
+
+    ids = Generator.from_engine(server[1]).encode(PROMPTS[2], chat_template=False)
+    reply = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=2,
+                                      echo=True)
+    scored = reply.choices[0].logprobs
+    assert len(scored.token_logprobs) == len(ids) + 1 and scored.token_logprobs[0] is None
+    assert scored.top_logprobs[0] is None and reply.choices[0].text.startswith(PROMPTS[2])
+    target = json.loads((server[1] / "manifest.json").read_text())["source"]["target"]["path"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    generated = reply.choices[0].logprobs.tokens[-1]
+    full = ids + Generator.from_engine(server[1]).tokenizer.encode(generated, add_special_tokens=False)
+    expected = torch.log_softmax(model(torch.tensor([full])).logits[0, :-1].float(), -1)
+    expected = expected.gather(-1, torch.tensor(full[1:])[:, None])[:, 0].tolist()
+    assert scored.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
 
 
 def test_malformed_json_is_a_400(server):
@@ -276,3 +401,101 @@ def test_a_bad_draft_schedule_is_one_line_before_loading(engine_dir):
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: --draft-schedule '1:3,1:0': expected BUSY:DRAFTS pairs with BUSY "
                            f"rising from 1 and DRAFTS 0 .. {k} (the engine's k)"), line
+
+
+def test_a_huge_body_is_refused_at_once_and_a_big_one_stalls_no_one(server):
+    """A body over ``--max-body`` (16 MB) is refused with 413 from its ``Content-Length``, before it
+    is sent; a big one under it is read and tokenized off the event loop, so ``/health`` answers
+    at once meanwhile."""
+    port = int(server[0].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (17 << 20))
+        raw.settimeout(30)
+        answer = b""
+        while b"(--max-body)" not in answer and (data := raw.recv(65536)):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 413") and b"(--max-body)" in answer, answer
+    big = json.dumps({"model": "tiny", "prompt": "ab " * (1 << 20), "max_tokens": 3}).encode()
+    outcome = {}
+
+    def send():
+        request = urllib.request.Request(f"{server[0]}/v1/completions", data=big,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=120)
+        except urllib.error.HTTPError as err:
+            outcome["status"], outcome["body"] = err.code, json.loads(err.read())
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = []
+    while sender.is_alive() and len(waits) < 20:
+        begin = time.perf_counter()
+        urllib.request.urlopen(f"{server[0]}/health", timeout=30)
+        waits.append(time.perf_counter() - begin)
+        time.sleep(0.1)
+    sender.join(120)
+    assert outcome["status"] == 400 and "KV-cache rows" in outcome["body"]["error"]["message"]
+    assert len(waits) >= 3 and max(waits) < 1.0, waits
+
+
+def _post(port: int, body: dict) -> tuple[int, str]:
+    """A raw POST to /v1/completions: its status and whole body, or (0, the error) if the
+    connection broke."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    except (OSError, http.client.HTTPException) as err:
+        return 0, repr(err)
+
+
+def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
+    """SIGINT with 8 long requests in flight, half streamed, and a grace period of 0: every client
+    gets a well-formed end (a whole reply, a 503 error object, or a stream whose open choice ends
+    with finish reason ``abort``, an error event and ``[DONE]``) and the server exits 0 without a
+    traceback; it said where it listened."""
+    engine = engine_dir(LIMITS, arch="qwen3")
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine), "--port",
+                                str(port), "--model", "tiny", "--threads", "1", "--draft-schedule", "0",
+                                "--grace-period", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(process, f"{url}/health", 120)
+    outcomes = [None] * 8
+
+    def ask(i):
+        outcomes[i] = (i % 2, *_post(port, {"prompt": "q", "max_tokens": 80, "temperature": 0,
+                                            "stream": i % 2 == 1}))
+    clients = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for client in clients:
+        client.start()
+    deadline = time.time() + 30
+    while _metrics(url)["dspark:num_requests_running"] < LIMITS.max_batch and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=60)[0]
+    for client in clients:
+        client.join(60)
+    assert process.returncode == 0 and "Traceback" not in output, output
+    assert f"on http://127.0.0.1:{port}" in output
+    cut = 0
+    for streamed, status, body in outcomes:
+        if status == 503:
+            assert json.loads(body)["error"]["message"] == "the server is shutting down"
+            cut += 1
+        elif streamed:
+            assert status == 200 and body.endswith("data: [DONE]\n\n"), body[-300:]
+            events = [json.loads(line[6:]) for line in body.split("\n\n") if line.startswith("data: {")]
+            reasons = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+            assert reasons[-1] in ("abort", "length", "stop") and None not in reasons[-1:]
+            if reasons[-1] == "abort":
+                assert events[-1]["error"]["code"] == 503
+                cut += 1
+        else:
+            assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] in ("length", "stop")
+    assert cut >= 4
