@@ -163,3 +163,32 @@ def test_repetition_penalty_greedy_equals_transformers(tiny):
     target_only = generate(TorchBackend(target, None, capacity=96), PROMPTS, max_new_tokens=MAX_NEW,
                            repetition_penalty=1.5)
     assert target_only.token_ids == expected
+
+
+def test_presence_and_frequency_penalties_greedy_equal_target_only(tiny):
+    """OpenAI's penalties on generated tokens (a token's logit less ``frequency_penalty`` times its
+    count and ``presence_penalty`` once it appeared), each verify row also for the drafts before
+    it: speculative output (oracle drafts, so rows carry drafts) equals target-only output with the
+    same penalties, which differs from the unpenalized output."""
+    from runtime.params import Params
+    from runtime.penalties import Penalties
+    from runtime.scheduler import Scheduler
+
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    penalties = Penalties(1.0, 0.5, 0.25, [3], 4, torch.device("cpu"))
+    penalties.record([1, 1, 2])
+    assert penalties(logits).tolist() == [[1.0, 2.0 - 0.5 - 0.5, -1.0 - 0.25 - 0.5, 0.5]]
+    target_dir, draft_dir = tiny(arch="qwen3", draft_vocab=40)
+    target, draft = load_pair(target_dir, draft_dir)
+
+    def run(backend, **penalty):
+        scheduler = Scheduler(backend, eos_token_ids=(), pool=len(PROMPTS))
+        requests = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW, **penalty)) for p in PROMPTS]
+        scheduler.run()
+        return [r.token_ids for r in requests], sum(t["accepted"] for r in requests for t in r.trace)
+
+    penalty = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    expected, _ = run(TorchBackend(target, None, capacity=96), **penalty)
+    assert expected != run(TorchBackend(target, None, capacity=96))[0]
+    speculative, accepted = run(OracleDrafts(target, draft, PROMPTS, expected), **penalty)
+    assert speculative == expected and accepted > 20
