@@ -25,6 +25,7 @@ class BackendLimits:
     eos_token_ids: tuple[int, ...]
     confidence_threshold: float  # the default draft cut (0: verify all k)
     state_slots: int = 0         # a hybrid target's recurrent-state slots per layer (k + 1), else 0
+    rings: bool = False          # sliding layers keep their last rows only (Gemma 4)
 
     @classmethod
     def from_manifest(cls, m: dict) -> "BackendLimits":
@@ -36,7 +37,8 @@ class BackendLimits:
                    max_batch=limits["max_batch"], max_prompt_chunk=limits["max_prompt_chunk"],
                    eos_token_ids=tuple(m["target"]["eos_token_ids"]),
                    confidence_threshold=confidence_threshold(m),
-                   state_slots=draft["k"] + 1 if m["target"].get("linear") else 0)
+                   state_slots=draft["k"] + 1 if m["target"].get("linear") else 0,
+                   rings=m["target"].get("gemma4") is not None)
 
     @classmethod
     def from_modules(cls, target, draft, capacity: int, max_batch: int = 1 << 16,
@@ -49,7 +51,8 @@ class BackendLimits:
                    capacity=capacity, max_batch=max_batch, max_prompt_chunk=max_prompt_chunk or capacity,
                    eos_token_ids=tuple(target.config.eos_token_ids),
                    confidence_threshold=confidence_threshold,
-                   state_slots=(draft.k if draft is not None else 0) + 1 if target.config.linear else 0)
+                   state_slots=(draft.k if draft is not None else 0) + 1 if target.config.linear else 0,
+                   rings=target.config.gemma4 is not None)
 
     @property
     def call_rows(self) -> int:

@@ -64,9 +64,12 @@ class Reply:
                 "choices": choices, **extra}
 
     def usage(self) -> dict:
+        """OpenAI's usage, with the prompt tokens its slots' caches held already (``cached_tokens``)."""
         prompt = sum(len(p.ids) for p in self.prompts)
         done = sum(len(c.job.request.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        cached = sum(c.job.request.reused for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def speculative(self, choices: list[Choice] | None = None) -> dict:
         """The reply's extra field: its speculation statistics (no verify steps without

@@ -11,7 +11,7 @@ from .backend import Backend
 
 def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
                    every_row: Callable[[int, torch.Tensor], None] | None = None,
-                   slots: list[int] | None = None):
+                   slots: list[int] | None = None, offsets=None, state_slot=None):
     """Run the prompts through the target in chunks of at most ``backend.limits.max_prompt_chunk`` rows
     (right-padded: rows past a prompt's end are scratch; a prompt that ended in an earlier chunk
     writes its padding from its own end, so that no call writes more than a chunk past a
@@ -26,14 +26,20 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
     target keeps the recurrent state after the same row in slot 0, or the state before the chunk
     (row -1) for a prompt that ended in an earlier one: padding never advances it. With
     ``every_row``, each chunk asks for the logits of all its rows instead and hands them to
-    ``every_row(begin, logits [B, L, V])`` (for prompt log-probabilities)."""
+    ``every_row(begin, logits [B, L, V])`` (for prompt log-probabilities).
+
+    ``offsets [B]``: rows the caches already hold (a reused slot's, ``runtime/prefix_cache.py``);
+    ``prompts`` are then what follows them, at positions ``offsets + i``, and a hybrid target
+    starts from the state in state slot ``state_slot [B]`` (default: 0, as a cleared slot)."""
     batch, longest, device = len(prompts), max(map(len, prompts)), lengths.device
     padded = torch.zeros(batch, longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         padded[b, : len(prompt)] = torch.tensor(prompt)
     padded = padded.to(device)
     chunk = backend.limits.max_prompt_chunk
-    last_logits, slot = None, torch.zeros_like(lengths)
+    last_logits = None
+    offsets = torch.zeros_like(lengths) if offsets is None else offsets
+    slot = torch.zeros_like(lengths) if state_slot is None else state_slot
     at = {} if slots is None else {"slots": slots}
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
@@ -41,15 +47,16 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
         here = (last_row >= 0) & (last_row < ids.shape[1])
         row = last_row.clamp(0, ids.shape[1] - 1)[:, None]
         rows = torch.arange(ids.shape[1], device=device).expand(batch, -1) if every_row else row
-        logits, aux = backend.target_step(ids, lengths.clamp(max=begin), rows, slot,
+        logits, aux = backend.target_step(ids, offsets + lengths.clamp(max=begin), rows, slot,
                                           last_row.clamp(-1, ids.shape[1] - 1)[:, None], **at)
+        slot = torch.zeros_like(lengths)        # from the first chunk on, the state is in slot 0
         if every_row:
             every_row(begin, logits)
             logits = logits.gather(1, row[..., None].expand(-1, -1, logits.shape[-1]))
         # a copy: an engine backend reuses its output buffer for the next chunk of this shape
         picked = logits[:, 0].clone()
         last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)
-        context = (aux, lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
+        context = (aux, offsets + lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
         if speculative and begin + chunk < longest:
             next_tokens = padded[:, begin + chunk]
             backend.draft_step(*context, next_tokens, torch.ones(batch, device=device),

@@ -41,6 +41,9 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
         server = Server(lambda: Generator.from_engine(engine, backend, threads), model, max_queue, schedule)
         server.open()
         app = server.app()
+        # when Ray retires the replica: requests still running end with 503, the scheduler thread
+        # before the process
+        app.router.add_event_handler("shutdown", server.close)
         replica = f"{serve.get_replica_context().replica_id.unique_id} (pid {os.getpid()})"
 
         @app.middleware("http")

@@ -8,9 +8,11 @@ rows (old anchor + accepted drafts) become draft context, and both caches' valid
 ``p_anchor + a + 1``: rejected rows stay in the caches as scratch that the next step overwrites.
 
 The backend's caches are a pool of slots, one request each. A submitted request waits for a free
-slot, which is cleared and prefilled one prompt chunk per step (so a long prompt never stalls the
-running requests for long), samples its first token and joins the decoding requests at the next
-step. A finished or cancelled request frees its slot at once. Each request has its own
+slot and is prefilled there one prompt chunk per step (so a long prompt never stalls the running
+requests for long), samples its first token and joins the decoding requests at the next step. A
+finished or cancelled request frees its slot at once and leaves its caches there: the next request
+goes to the free slot that holds the longest beginning of its prompt and prefills only the rest
+(``prefix_cache.py``), else to the free slot left longest ago, cleared. Each request has its own
 ``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its own
 ``torch.Generator``), stop strings, log-probabilities and speculation on or off. How many drafts a
 step verifies follows the number of busy slots (``draft_schedule.py``), below the confidence cut.
@@ -44,6 +46,7 @@ from .logprobs import TokenLogprob, token_logprobs
 from .params import Params
 from .penalties import Penalties
 from .prefill import prefill_chunks
+from .prefix_cache import Held
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import PhaseTimes, SpecStats
 from .stop_strings import StopStrings
@@ -65,6 +68,7 @@ class Request:
     finish_reason: str | None = None
     trace: list[dict] = field(default_factory=list)
     slot: int | None = None
+    reused: int = 0               # prompt tokens its slot's caches held already (not prefilled)
     # between steps, on the backend's device: the draft context (its ``count`` rows, verified, from
     # position ``start``), the anchor and its position (= the target caches' valid length, also
     # while the prompt is prefilled)
@@ -114,6 +118,10 @@ class Scheduler:
         self.limits.check_batch(pool)
         self.pooled = backend.pooled
         self.slots: list[Request | None] = [None] * pool
+        self.held = [Held() for _ in range(pool)]     # what each slot's caches hold
+        self.releases = itertools.count(1)
+        # a target that cannot go back to an earlier row reuses a slot's whole sequence or nothing
+        self.exact = self.limits.state_slots > 0 or self.limits.rings
         self.waiting: deque[Request] = deque()
         self.ids = itertools.count()
         self.device = backend.device
@@ -184,30 +192,58 @@ class Scheduler:
         return changed
 
     def _admit(self) -> None:
-        """Waiting requests into free slots, cleared; each is prefilled alone, or on a pooled
+        """Waiting requests into free slots (``_place``); each is prefilled alone, or on a pooled
         backend with those admitted into the slots next to it."""
-        admitted: list[list[Request]] = []
-        for slot, occupant in enumerate(self.slots):
-            if occupant is not None or not self.waiting:
-                continue
+        free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
+        placed = []
+        while free and self.waiting:
             request = self.waiting.popleft()
-            request.slot, request.anchor_pos = slot, 0
-            self.slots[slot] = request
-            self.backend.clear(slot)
-            if self.pooled and admitted and admitted[-1][-1].slot == slot - 1:
+            free.remove(self._place(request, free))
+            placed.append(request)
+        admitted: list[list[Request]] = []
+        for request in sorted(placed, key=lambda r: r.slot):
+            if self.pooled and admitted and admitted[-1][-1].slot == request.slot - 1:
                 admitted[-1].append(request)
             else:
                 admitted.append([request])
         for group in admitted:
-            prompts = [r.prompt for r in group]
+            prompts = [r.prompt[r.reused:] for r in group]
             lengths = torch.tensor(list(map(len, prompts)), device=self.device)
             scored = [b for b, r in enumerate(group) if r.params.prompt_logprobs is not None]
-            prefill = Prefill(group, prefill_chunks(self.backend, prompts, lengths,
-                                                    any(r.params.speculative for r in group),
-                                                    self._prompt_scorer(group, scored) if scored else None,
-                                                    **self._at([r.slot for r in group])))
+            prefill = Prefill(group, prefill_chunks(
+                self.backend, prompts, lengths, any(r.params.speculative for r in group),
+                self._prompt_scorer(group, scored) if scored else None, **self._at([r.slot for r in group]),
+                offsets=torch.tensor([r.reused for r in group], device=self.device),
+                state_slot=torch.tensor([r.state_slot for r in group], device=self.device)))
             for request in group:
                 request.prefill = prefill
+
+    def _place(self, request: Request, free: list[int]) -> int:
+        """Put ``request`` in the free slot whose caches hold the longest beginning of its prompt
+        (none for a request that scores its prompt: every row of it is computed), else in the one
+        left longest ago, cleared; its draft context rows still pending there are inserted now."""
+        speculative = request.params.speculative
+        reuse = {slot: 0 if request.params.prompt_logprobs is not None
+                 else self.held[slot].reusable(request.prompt, speculative, self.exact) for slot in free}
+        slot = max(free, key=lambda s: (reuse[s], -self.held[s].since))
+        held, request.slot, self.slots[slot] = self.held[slot], slot, request
+        request.reused = request.anchor_pos = reuse[slot]
+        if not request.reused:
+            self.backend.clear(slot)
+            self.held[slot] = Held()
+            return slot
+        request.state_slot = held.state_slot
+        if speculative and held.draft_rows < request.reused:
+            aux, start, _ = held.pending
+            count = request.reused - start
+            limits = self.limits
+            self.backend.draft_step(aux[None, :count], torch.tensor([start], device=self.device),
+                                    torch.tensor([count], device=self.device),
+                                    torch.tensor([request.prompt[request.reused]], device=self.device),
+                                    torch.ones(1, device=self.device),
+                                    torch.zeros(1, limits.k, limits.draft_vocab_size, device=self.device),
+                                    slots=[slot])
+        return slot
 
     @staticmethod
     def _prompt_scorer(group: list[Request], scored: list[int]):
@@ -233,7 +269,7 @@ class Scheduler:
         if done is None:
             prefill.done += self.limits.max_prompt_chunk
             for request in group:
-                request.anchor_pos = min(len(request.prompt), prefill.done)
+                request.anchor_pos = min(len(request.prompt), request.reused + prefill.done)
             return []
         last_logits, (aux, ctx_start, ctx_count) = done
         tokens = []
@@ -273,8 +309,9 @@ class Scheduler:
                                                       for b in drafters))
         at = self._at([r.slot for r in rows]) if not self.pooled else {}
         anchor = torch.tensor([r.anchor if on else 0 for r, on in zip(rows, running)], device=self.device)
-        # a frozen row writes scratch from the slot's valid length (0 when empty)
-        anchor_pos = torch.tensor([0 if r is None else r.anchor_pos for r in rows], device=self.device)
+        # a frozen row writes scratch from the slot's valid length (an empty one's: what it holds)
+        anchor_pos = torch.tensor([len(self.held[b].tokens) if r is None else r.anchor_pos
+                                   for b, r in enumerate(rows)], device=self.device)
         if drafting:
             drafts, q, limit = self._propose(rows, drafters, anchor, cap, at)
         else:
@@ -285,8 +322,8 @@ class Scheduler:
         positions = torch.arange(width + 1, device=self.device).expand(block.shape)
         # a frozen row keeps its recurrent state where it is (state row -1: before the call)
         state_rows = torch.where(torch.tensor(running, device=self.device)[:, None], positions, -1)
-        state_slot = torch.tensor([r.state_slot if on else 0 for r, on in zip(rows, running)],
-                                  device=self.device)
+        state_slot = torch.tensor([r.state_slot if on else self.held[b].state_slot if r is None else 0
+                                   for b, (r, on) in enumerate(zip(rows, running))], device=self.device)
         with self.times.measure("verify"):
             logits, aux = self.backend.target_step(block, anchor_pos, positions, state_slot, state_rows, **at)
         accepted, emitted = self._verify(rows, live, drafts, q, limit, logits)
@@ -321,7 +358,7 @@ class Scheduler:
         first = rows[drafters[0]].ctx[0]
         width = max(rows[b].ctx[0].shape[0] for b in drafters)
         ctx_aux = first.new_zeros(batch, width, first.shape[-1])
-        ctx_start = [0 if r is None else r.anchor_pos for r in rows]
+        ctx_start = [self.held[b].draft_rows if r is None else r.anchor_pos for b, r in enumerate(rows)]
         ctx_count = [0] * batch
         shape = (limits.k, limits.draft_vocab_size)
         noise = torch.zeros(batch, *shape, device=self.device)
@@ -392,14 +429,33 @@ class Scheduler:
             request.anchor = request.token_ids[-1]
 
     def _release(self, request: Request) -> None:
-        """Free ``request``'s slot, unless requests prefilled with it still write theirs."""
+        """Free ``request``'s slot, unless requests prefilled with it still write theirs, and
+        record what its caches hold."""
         prefill = request.prefill
         if prefill is not None and not all(r.finished for r in prefill.requests):
             return
         for r in prefill.requests if prefill is not None else [request]:
-            r.prefill = None
             if r.slot is not None and self.slots[r.slot] is r:
                 self.slots[r.slot] = None
+                self.held[r.slot] = self._held(r)
+            r.prefill = None
+
+    def _held(self, request: Request) -> Held:
+        """What ``request`` leaves in its slot's caches: its sequence's rows up to its anchor (those
+        of tokens it kept; a hybrid's state is after the anchor's row only), the draft's context
+        rows, inserted or pending; nothing when it ended while prefilling."""
+        if request.prefill is not None:
+            return Held(since=next(self.releases))
+        sequence = request.prompt + request.token_ids
+        valid = min(request.anchor_pos, len(sequence))
+        if self.exact and valid < request.anchor_pos:
+            return Held(since=next(self.releases))
+        before = self.held[request.slot]
+        if request.ctx is not None:
+            pending, draft_rows = request.ctx, request.ctx[1]
+        else:   # without drafts: what its slot's draft context held, as far as it reused it
+            pending, draft_rows = None, min(before.draft_rows, request.reused)
+        return Held(sequence[:valid], draft_rows, pending, request.state_slot, next(self.releases))
 
 
 def extend(out: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],

@@ -98,5 +98,9 @@ def serve(engine: str | Path, config=None, **options) -> None:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")]))
     with Triton(config=config) as triton:
-        bind(triton, engine, **options)
-        triton.serve()
+        engine_loop = bind(triton, engine, **options)
+        try:
+            triton.serve()
+        finally:   # requests still running end with UNAVAILABLE, the scheduler thread before the process
+            engine_loop.stop()
+            engine_loop.join()

@@ -82,5 +82,9 @@ class TritonPythonModel:
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
+        """Requests still running end with UNAVAILABLE, and the scheduler thread ends before the
+        backend goes (``Engine.stop``)."""
+        self.engine.stop()
+        self.engine.join()
         self.metrics.close()
         self.metrics = self.engine = self.generator = None

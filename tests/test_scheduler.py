@@ -215,3 +215,53 @@ def test_a_hybrid_target_keeps_a_prefilling_slots_state_in_pooled_steps(tiny):
     requests += [scheduler.submit(p, Params(max_new_tokens=12)) for p in prompts[1:]]
     scheduler.run()
     assert [r.token_ids for r in requests] == expected
+
+
+@pytest.mark.parametrize("kind", ["ort", "torch"])
+def test_a_prompt_that_extends_a_free_slots_sequence_prefills_only_the_rest(kind, pair_dirs, engine_dir):
+    """A conversation's second turn (the first turn's prompt and answer, then more) goes to the
+    slot the first turn left and prefills only what follows its sequence; its tokens and the drafts
+    each step verified are those of the same prompt in a fresh pool, and the target's greedy ones.
+    A prompt that shares nothing takes the other slot, cleared."""
+    def turns(scheduler):
+        first = scheduler.submit(REQUESTS[3], Params(max_new_tokens=12))
+        scheduler.run()
+        other = scheduler.submit(REQUESTS[1], Params(max_new_tokens=5))
+        second = scheduler.submit(REQUESTS[3] + first.token_ids + [50, 51, 52], Params(max_new_tokens=15))
+        scheduler.run()
+        return first, other, second
+
+    first, other, second = turns(Scheduler(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2))
+    assert second.slot == first.slot != other.slot and other.reused == 0
+    assert second.reused == len(REQUESTS[3]) + len(first.token_ids) - 1   # all but the anchor's row
+    fresh = Scheduler(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2)
+    alone = fresh.submit(second.prompt, Params(max_new_tokens=15))
+    fresh.run()
+    assert alone.reused == 0
+    assert second.token_ids == alone.token_ids == hf_greedy(pair_dirs[0], [second.prompt], 15, eos=None)[0]
+    assert [t["drafts"] for t in second.trace] == [t["drafts"] for t in alone.trace]
+    assert sum(len(t["drafts"]) for t in second.trace) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma4"])
+def test_a_target_that_cannot_go_back_reuses_a_whole_sequence_or_nothing(tiny, arch):
+    """A hybrid's recurrent state holds only the state after its last row, a sliding layer's ring
+    only its last rows: a prompt that extends a free slot's whole sequence prefills the rest there
+    (from the kept state, over prefill chunks shorter than it) and gets ``transformers``' greedy
+    tokens; one that leaves that sequence earlier shares nothing and takes a cleared slot."""
+    target_dir, draft_dir = tiny(arch=arch)
+    backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=96, max_batch=2, max_prompt_chunk=5)
+    scheduler = Scheduler(backend, eos_token_ids=(), pool=2)
+    alone = Params(max_new_tokens=10, speculative=False)
+    first = scheduler.submit(REQUESTS[3], alone)
+    scheduler.run()
+    extended = REQUESTS[3] + first.token_ids + [50, 51, 52, 53, 54, 55, 56]
+    left_early = REQUESTS[3][:6] + [60, 61]
+    second = scheduler.submit(extended, alone)
+    scheduler.run()
+    third = scheduler.submit(left_early, alone)
+    scheduler.run()
+    assert second.slot == first.slot and second.reused == len(REQUESTS[3]) + len(first.token_ids) - 1
+    assert third.reused == 0
+    expected = hf_greedy(target_dir, [extended, left_early], 10, eos=None)
+    assert [second.token_ids, third.token_ids] == expected

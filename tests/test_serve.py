@@ -499,3 +499,24 @@ def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
         else:
             assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] in ("length", "stop")
     assert cut >= 4
+
+
+def test_a_conversations_next_turn_reuses_its_slot(client, generator):
+    """The second turn of a conversation prefills only what follows the first turn's sequence,
+    still in its slot (``usage.prompt_tokens_details.cached_tokens``), and answers what
+    ``Generator`` answers from scratch."""
+    messages = [{"role": "system", "content": "abc def ghi"}, {"role": "user", "content": PROMPTS[2]}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "xyz"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens
+    assert second.choices[0].message.content == generator.collect(
+        [_run(generator.conversation(messages, max_new_tokens=10))]).texts[0]
+
+
+def _run(decoding):
+    for _ in decoding:
+        pass
+    return decoding
