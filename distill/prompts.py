@@ -2,12 +2,13 @@
 held-out ones from its end, as token ids through the target's chat template."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from export.checkpoint import hf_location
-from export.prompts import encode_prompt, read_jsonl_prompts
+from export.prompts import TRAINING_RECORD, encode_prompt, read_jsonl_prompts, training_record
 
 from .options import DistillSpec
 
@@ -25,10 +26,24 @@ def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], list[li
     train, held = [], []
     for index, path in enumerate(spec.prompts):
         texts = read_jsonl_prompts(path, "--prompts")
-        if len(texts) <= spec.held_out:
-            raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --held-out {spec.held_out} "
-                             f"leaves none to train on")
-        train += texts[:min(spec.num_prompts, len(texts) - spec.held_out)]
+        train += texts[:_trained(spec, path, texts)]
         if index == 0:
             held = texts[len(texts) - spec.held_out:][:spec.eval_prompts]
     return [encode_prompt(tokenizer, t) for t in train], [encode_prompt(tokenizer, t) for t in held]
+
+
+def write_training_record(out: Path, spec: DistillSpec) -> None:
+    """``OUT/training.json``: the records of each file that the draft trains on, which
+    ``runtime.bench`` refuses to measure it on (copy it with the draft's files)."""
+    ranges = [(path, _trained(spec, path, read_jsonl_prompts(path, "--prompts"))) for path in spec.prompts]
+    about = ("The prompts this draft was distilled on (python -m distill): the first turn of records "
+             "[first, end) of each file; runtime.bench refuses to measure acceptance on them.")
+    (out / TRAINING_RECORD).write_text(json.dumps(training_record(ranges, about), indent=1) + "\n")
+
+
+def _trained(spec: DistillSpec, path: Path, texts: list[str]) -> int:
+    """How many of a file's first records train: ``--num-prompts``, short of its last ``--held-out``."""
+    if len(texts) <= spec.held_out:
+        raise ValueError(f"--prompts {path} holds {len(texts)} prompts; --held-out {spec.held_out} "
+                         f"leaves none to train on")
+    return min(spec.num_prompts, len(texts) - spec.held_out)

@@ -15,7 +15,7 @@ from .draft_init import check_taps, default_taps, draft_config, init_layers, new
 from .evaluate import measure_tau
 from .loop import DistillResult, train
 from .options import DistillSpec
-from .prompts import load_tokenizer, read_prompts
+from .prompts import load_tokenizer, read_prompts, write_training_record
 from .vocabulary import draft_vocabulary
 
 
@@ -43,6 +43,7 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
         raise ValueError(f"--draft-vocab {spec.draft_vocab}: expected fewer than the target's {vocab} "
                          f"ids (leave it out for the full vocabulary)")
     train_prompts, eval_prompts = read_prompts(spec, tokenizer)
+    write_training_record(out, spec)
     data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, settings, spec.progress)
 
     kept = None

@@ -14,7 +14,6 @@ from .presets import PRESETS
 from .tiny import ARCHS
 
 TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
-DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if smaller
 # what Ctrl-C leaves behind: outputs are staged beside OUT / --out and swapped in only when complete
 UNCHANGED = "no output was changed"
 
@@ -48,38 +47,58 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
     print(f"wrote {described[0]} to {out / 'target'}\nwrote {described[1]} to {out / 'draft'}")
 
 
-def cmd_build(args: argparse.Namespace) -> None:
-    from . import manifest
-    from .build import build
-    from .onnx_export import Limits
+def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """``build``'s flags, the demo pair's defaults filled in, and its paths, checked before
+    anything loads (``build_checks``: no torch, transformers or onnx): ``(out, where k came
+    from)``, or one line on the first mistake."""
+    from . import build_checks
+    from .checkpoint import resolve
 
     if (args.target is None) != (args.draft is None):
-        raise SystemExit("error: pass both --target and --draft, or neither for the built-in demo pair")
-    k_origin = f"--k {args.k}" if args.k else None
+        raise ValueError("pass both --target and --draft, or neither for the built-in demo pair")
+    k_origin = None if args.k is None else f"--k {args.k}"
     if args.target is None:
         from . import demo_pair
-        from .quantize import FLOAT
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
-        k_origin = k_origin or "the demo pair's default"
-        args.k = args.k or demo_pair.K
+        if args.k is None:
+            args.k, k_origin = demo_pair.K, "the demo pair's default"
+        if args.weights is None and args.dtype != "fp32":   # the demo's default weights need fp32
+            raise ValueError(f"--dtype {args.dtype}: the demo pair keeps the GGUF file's own blocks "
+                             f"(--weights gguf, its default), which need --dtype fp32; pass --weights "
+                             f"float, int4 or int8 with --dtype {args.dtype}")
         args.weights = args.weights or demo_pair.WEIGHTS
         if args.quantize_draft is None:   # as the target is, unless --weights float
-            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != FLOAT
+            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != build_checks.FLOAT
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
-    if args.max_seq_len is None:
-        from .checkpoint import resolve
-        from .target_config import load_target_config
-
-        supported = load_target_config(resolve(args.target, "target")).max_position_embeddings
-        args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, supported)
+    build_checks.check_options(
+        k=args.k, confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
+        backend=args.backend, gpus=tuple(args.gpu), weights=args.weights, weights_block=args.weights_block,
+        quantize_draft=bool(args.quantize_draft), max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+        max_prompt_chunk=args.max_prompt_chunk)
+    build_checks.check_tensorrt_installed(args.backend)
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     check_replaceable(out, args.force, "--out", sources=(Path(args.target), Path(args.draft)))
-    chunk = args.max_prompt_chunk or min(512, args.max_seq_len)
-    limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_prompt_chunk=chunk)
-    # built beside --out and swapped in once verified: a failed build leaves the old one as it was
+    # the draft first: a hub id's target is the larger download
+    build_checks.check_draft_k(resolve(args.draft, "draft"), args.k)
+    if resolve(args.target, "target").suffix != ".gguf" and args.weights == build_checks.GGUF:
+        raise ValueError(f"--weights gguf: the target {args.target} is not a .gguf file; use --weights "
+                         f"int4 or int8")
+    return out, k_origin
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    out, k_origin = check_build(args)
+    # every flag and path was checked above, with nothing loaded: the long work starts only now
     with staged_directory(out, "--out") as staging:
+        from . import manifest
+        from .build import build
+        from .onnx_export import Limits
+
+        limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                        max_prompt_chunk=args.max_prompt_chunk)
+        # built beside --out and swapped in once verified: a failed build leaves the old one as it was
         result = build(args.target, args.draft, staging, k=args.k, limits=limits,
                        confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
@@ -199,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
                    help="TensorRT-RTX compute capability to build for, without a GPU: sm75, sm80, "
                         "sm86, sm89, sm120, sm121 (repeatable) [sm89]")
     b.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--quiet", action="store_true", help="no progress line")
     b.set_defaults(run=cmd_build, interrupted=UNCHANGED)
 
     inspect = commands.add_parser("inspect", help="describe an engine directory",

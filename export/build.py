@@ -18,8 +18,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import platform
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,8 +28,8 @@ from tqdm.auto import tqdm
 
 from plugins.block_attention.ort_contrib import target_rotary
 
+from . import build_checks, quantize
 from . import manifest as manifest_file
-from . import quantize
 from .checkpoint import CheckpointError, hf_location, resolve
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
@@ -60,34 +61,25 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
     ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
     ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
-    own blocks (and ``quantize_draft`` rounds the draft to int4)."""
-    if not 0 <= confidence_threshold <= 1:
-        raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
-                         f"draft) .. 1")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    if backend not in ("onnx", "trt", "trt-rtx"):
-        raise ValueError(f"--backend {backend}: expected onnx, trt or trt-rtx")
-    _check_limits(limits)
-    quantize.check_options(weights, weights_block, quantize_draft)
+    own blocks (and ``quantize_draft`` rounds the draft to int4). A ``None`` in ``limits`` is the
+    default: ``max_seq_len`` the target's max_position_embeddings, at most 2048; ``max_prompt_chunk``
+    512, at most ``max_seq_len``."""
+    build_checks.check_options(
+        k=k, confidence_threshold=confidence_threshold, dtype=dtype, backend=backend, gpus=gpus,
+        weights=weights, weights_block=weights_block, quantize_draft=quantize_draft,
+        max_batch=limits.max_batch, max_seq_len=limits.max_seq_len, max_prompt_chunk=limits.max_prompt_chunk)
     weights = None if weights == quantize.FLOAT else weights
-    if weights == quantize.GGUF and dtype != "fp32":
-        raise ValueError(f"--weights gguf: needs --dtype fp32, got {dtype} (the file's blocks are found "
-                         f"by their exact values, which {dtype} rounds)")
     draft_weights = quantize.GGUF_DRAFT if weights == quantize.GGUF else weights
     formats = {"target": weights or quantize.FLOAT,
                "draft": draft_weights if quantize_draft else quantize.FLOAT}
     dtype_name = DTYPE_NAMES[DTYPES[dtype]]
     started = time.perf_counter()
-    steps = ["read configs", "draft", "target", *([f"build {backend} engines"] if backend != "onnx" else []),
-             "write manifest"]
-    bar = tqdm(total=len(steps), disable=not progress, unit="phase", leave=False)
-    try:   # the bar is cleared on any way out, so that a message after it starts a line
-
-        def phase(name: str) -> None:
-            bar.set_description(name)
-
-        phase(steps[0])
+    status = Progress(["read configs", "draft", "target",
+                       *([f"build {backend} engines"] if backend != "onnx" else []), "write manifest"],
+                      enabled=progress)
+    try:   # the line is cleared on any way out, so that a message after it starts a line
+        phase = status.phase
+        phase("read configs")
         target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
         if weights == quantize.GGUF and target_dir.suffix != ".gguf":
             raise ValueError(f"--weights gguf: the target {target} is not a .gguf file; use --weights int4 "
@@ -100,14 +92,12 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         target_config = load_target_config(target_dir)
         if target_config.moe is not None:
             _check_moe(target_config.architecture, weights)
-        if limits.max_seq_len > target_config.max_position_embeddings:
-            raise ValueError(f"--max-seq-len {limits.max_seq_len}: the target supports at most "
-                             f"{target_config.max_position_embeddings} positions")
+        limits = _with_defaults(limits, target_config.max_position_embeddings)
         decoder = target_config.decoder
         draft_config = load_draft_config(draft_dir, decoder.num_layers, decoder.hidden_size)
         sources = {"target": _source(target, target_dir), "draft": _source(draft, draft_dir)}
         tokenizer = _save_tokenizer(target_dir, out / TOKENIZER_DIR)
-        bar.update()
+        _save_generation_config(target_dir, out)
 
         torch_dtype = DTYPES[dtype]
         loaders = {"draft": lambda: load_draft(draft_dir, target_dir, k=k, dtype=torch_dtype),
@@ -145,12 +135,14 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             del trace
             # the reference outputs are computed, then the PyTorch weights are let go, so that ONNX
             # Runtime's view of the weights never sits beside PyTorch's copy
+            phase(f"{name}: reference outputs")
             expected = None if dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
                                                              _outputs(module, verify)))
             release_weights(module)
             del module
             release_freed_memory()
             if formats[name] != quantize.FLOAT:
+                phase(f"{name}: {formats[name]} weights into the graph")
                 # a layer the tracer shares may be written twice (the draft's K/V projections), so
                 # the graph may hold more; fewer means a layer was traced in a form left unquantized
                 in_graph = quantize.quantize_graph(path, blocks_of, keep_float)
@@ -173,7 +165,6 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 rotary=rotary)
             del expected, verify
             release_freed_memory()
-            bar.update()
 
         manifest = {
             "created_by": "dspark-trt",
@@ -192,19 +183,59 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         if backend != "onnx":
             from .trt_build import build_engines
 
-            phase(steps[-2])
+            phase(f"build {backend} engines")
             engines = build_engines(out, manifest, backend, list(gpus))
             manifest["backends"].append(backend)
             manifest["tools"][backend] = engines.pop("version")
             manifest[backend] = engines
-            bar.update()
-        phase(steps[-1])
+        phase("write manifest")
         manifest_file.write(out, manifest)
-        bar.update()
     finally:
-        bar.close()
+        status.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     return BuildResult(files, time.perf_counter() - started, differences, quantized, quality)
+
+
+class Progress:
+    """The build's progress on one line of standard error: the step (``[3/4]``), what it is
+    doing, for how long, and the build's time so far, redrawn every second. No percentage or ETA:
+    the steps take from a second (reading configs) to minutes (an int8 target's export), so a rate
+    over them predicts nothing (a bar over the steps showed "target: export 50%" with an ETA of
+    "<00:24" for 3m20s). A label ``STEP: what`` belongs to its step."""
+
+    def __init__(self, steps: list[str], enabled: bool = True, clock=time.monotonic):
+        self.steps, self.clock, self.enabled = steps, clock, enabled
+        self.started = self.since = clock()
+        self.label = steps[0]
+        self.bar = tqdm(total=len(steps), disable=not enabled, leave=False, bar_format="{desc}")
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True, name="build progress")
+        if enabled:
+            self._ticker.start()
+
+    def phase(self, label: str) -> None:
+        self.label, self.since = label, self.clock()
+        self._show()
+
+    def line(self) -> str:
+        now = self.clock()
+        step = self.steps.index(self.label.split(": ")[0]) + 1
+        return (f"[{step}/{len(self.steps)}] {self.label}, {tqdm.format_interval(now - self.since)} "
+                f"({tqdm.format_interval(now - self.started)} in all)")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
+        self.bar.close()
+
+    def _show(self) -> None:
+        if self.enabled:
+            self.bar.set_description_str(self.line())
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self._show()
 
 
 def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> dict:
@@ -256,21 +287,23 @@ def release_freed_memory() -> None:
         pass
 
 
+def _with_defaults(limits: Limits, positions: int) -> Limits:
+    """``limits`` with a ``None`` capacity or prompt chunk made the default for a target of
+    ``positions`` (``build_checks``), checked against what the target supports."""
+    seq_len = limits.max_seq_len or min(build_checks.DEFAULT_MAX_SEQ_LEN, positions)
+    if seq_len > positions:
+        raise ValueError(f"--max-seq-len {seq_len}: the target supports at most {positions} positions")
+    chunk = limits.max_prompt_chunk or min(build_checks.DEFAULT_MAX_PROMPT_CHUNK, seq_len)
+    if chunk > seq_len:
+        raise ValueError(f"--max-prompt-chunk {chunk}: larger than --max-seq-len {seq_len}")
+    return replace(limits, max_seq_len=seq_len, max_prompt_chunk=chunk)
+
+
 def _check_moe(architecture: str, weights: str | None) -> None:
     """What a MoE target cannot be built with yet: a GGUF file's own expert blocks."""
     if weights == quantize.GGUF:
         raise ValueError(f"--weights gguf: a {architecture} target's experts cannot keep the file's "
                          f"blocks yet; use --weights int4 or int8")
-
-
-def _check_limits(limits: Limits) -> None:
-    for flag, value in (("--max-batch", limits.max_batch), ("--max-seq-len", limits.max_seq_len),
-                        ("--max-prompt-chunk", limits.max_prompt_chunk)):
-        if value < 1:
-            raise ValueError(f"{flag} {value}: expected a positive integer")
-    if limits.max_prompt_chunk > limits.max_seq_len:
-        raise ValueError(f"--max-prompt-chunk {limits.max_prompt_chunk}: larger than --max-seq-len "
-                         f"{limits.max_seq_len}")
 
 
 def _source(given: str, directory: Path) -> dict:
@@ -292,6 +325,17 @@ def _save_tokenizer(target_dir: Path, destination: Path):
                               f"needs the target's tokenizer files") from None
     tokenizer.save_pretrained(destination)
     return tokenizer
+
+
+def _save_generation_config(target_dir: Path, out: Path) -> None:
+    """The target's ``generation_config.json`` beside the graphs, if it has one: its sampling
+    fields are a server's defaults (``runtime/generator.py``, as vLLM's ``--generation-config
+    auto``)."""
+    import shutil
+
+    source = Path(target_dir) / "generation_config.json"
+    if source.is_file():
+        shutil.copyfile(source, out / "generation_config.json")
 
 
 def _example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,

@@ -8,11 +8,14 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:   # torch is imported where tensors are made: finding and reading configs needs none
+    import torch
 
 # what a hub checkpoint needs: configs, weights, tokenizer files and chat templates
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
@@ -178,6 +181,8 @@ def build_module(factory, tensors: dict[str, torch.Tensor], directory: Path, dty
     ``tensors`` is consumed: each source tensor is let go as soon as its cast is made, so loading
     peaks near one copy of the weights rather than the checkpoint's plus the module's. Names that
     hold the same tensor (tied embeddings) get the same cast tensor."""
+    import torch
+
     with torch.device("meta"):
         module = factory()
     expected = module.state_dict()

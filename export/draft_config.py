@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, one_line, read_config
 from .decoder import CONFIG_ERRORS, LARGEST_DIMENSION, DecoderConfig, check_fields, is_int, is_positive_number
-from .layouts import ANCHOR_FIRST, BONUS_ANCHOR
+from .layouts import ANCHOR_FIRST, BONUS_ANCHOR, check_k, max_drafts
 
 BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
 # backbone fields not handed to transformers: the precision is --dtype's, the model type is checked
@@ -69,7 +69,7 @@ class DraftConfig:
     @property
     def max_drafts(self) -> int:
         """Drafts one block can propose: every slot (anchor-first) or every slot but the anchor's."""
-        return self.block_size if self.layout == ANCHOR_FIRST else self.block_size - 1
+        return max_drafts(self.block_size, self.layout)
 
     @property
     def first_draft_row(self) -> int:
@@ -151,11 +151,7 @@ def resolve_k(config: DraftConfig, k: int | None) -> int:
     (``docs/dspark.md#block-layouts-and-k``)."""
     if k is None:
         k = config.default_k if config.default_k is not None else config.max_drafts
-    if k < 1:
-        raise ValueError(f"--k {k}: expected at least 1 draft per step")
-    if k > config.max_drafts:
-        raise ValueError(f"--k {k}: the draft was trained with block_size {config.block_size} "
-                         f"({config.layout}) and proposes at most {config.max_drafts} per step")
+    check_k(k, config.block_size, config.layout)
     return k
 
 

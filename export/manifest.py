@@ -44,6 +44,13 @@ def confidence_threshold(manifest: dict) -> float:
     return manifest["draft"].get("confidence_threshold", 0.0)
 
 
+def _cut(threshold: float) -> str:
+    """What the confidence threshold does to a step's drafts, in words (0: nothing)."""
+    if threshold == 0:
+        return "no confidence cut: every draft is verified"
+    return f"cut at confidence < {threshold}"
+
+
 def weight_formats(manifest: dict) -> dict[str, str]:
     """Each graph's weight format: ``float`` (the build dtype), ``int4``, ``int8`` or ``gguf``; engines built
     before quantization existed are float."""
@@ -189,8 +196,8 @@ def describe(manifest: dict) -> str:
         f"{td['num_heads']} heads / {td['num_kv_heads']} KV heads, vocab {t['vocab_size']}",
         f"draft    {manifest['source']['draft']['id']} ({d['source_format']} format)",
         f"         {d['decoder']['num_layers']} layers, block {d['block_size']} ({d['layout']}), "
-        f"k = {d['k']} drafts per step (cut at confidence < "
-        f"{confidence_threshold(manifest)}), taps {d['target_layer_ids']} (DeepSpec convention), "
+        f"k = {d['k']} drafts per step ({_cut(confidence_threshold(manifest))}), "
+        f"taps {d['target_layer_ids']} (DeepSpec convention), "
         f"Markov rank {d['markov_rank']}, draft vocab {d['draft_vocab_size']}"
         + (" with d2t" if d["has_d2t"] else ""),
         f"limits   batch <= {limits['max_batch']}, KV capacity {limits['max_seq_len']} per "

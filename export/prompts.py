@@ -2,11 +2,15 @@
 ``data/prompts``), and their token ids through the tokenizer's chat template."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 # distill's default prompts, and the held-out text of the build's quality cost (its last records)
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gsm8k.jsonl"
+# beside a draft: the prompts it was distilled on, as data (``python -m distill`` writes it into its
+# --out; the demo draft ships its own), so that ``runtime.bench`` can refuse to measure on them
+TRAINING_RECORD = "training.json"
 
 
 def read_jsonl_prompts(path: Path, flag: str) -> list[str]:
@@ -72,3 +76,41 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> list[int]:
                          "tokenizer has none")
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
+
+
+def file_checksum(path: Path) -> str:
+    """``sha256:HEX`` of a file's bytes, as manifest.json records checkpoint files."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def training_record(files: list[tuple[Path, int]], about: str) -> dict:
+    """A draft's ``training.json``: for each prompts file (with its checksum, by which a copy of
+    it elsewhere is recognised), the records it was trained on, ``[first, end)`` 0-based over
+    the file's records (its non-blank lines), as ``read_jsonl_prompts`` numbers them."""
+    return {"about": about,
+            "prompts": [{"file": str(path), "checksum": file_checksum(path), "records": [0, end]}
+                        for path, end in files]}
+
+
+def check_training_record(record: dict, path: Path) -> dict:
+    """``record`` (read from ``path``) if it is a ``training.json``; otherwise one line naming the
+    file and field."""
+    def pair(value) -> bool:
+        return isinstance(value, list) and len(value) == 2 and all(type(i) is int and i >= 0 for i in value)
+
+    entries = record.get("prompts")
+    if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("checksum"), str)
+                                              and pair(e.get("records")) for e in entries)):
+        raise ValueError(f"{path}: field 'prompts': expected a list of {{\"file\", \"checksum\", "
+                         f"\"records\": [first, end]}} objects")
+    if not isinstance(record.get("draft_files", {}), dict):
+        raise ValueError(f"{path}: field 'draft_files': expected an object of file names and checksums")
+    return record
+
+
+def trained_records(record: dict, prompts_file: Path) -> range:
+    """The records of ``prompts_file`` that a ``training.json`` says the draft was trained on
+    (empty when it names no file with these bytes)."""
+    checksum = file_checksum(prompts_file)
+    return next((range(*entry["records"]) for entry in record["prompts"] if entry["checksum"] == checksum),
+                range(0))

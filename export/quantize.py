@@ -34,31 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# the weight formats live where the command line checks them without loading anything
+from .build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from .onnx_check import to_numpy
 from .target_model import from_start
 
-BITS = {"int4": 4, "int8": 8}
-FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
-GGUF = "gguf"     # the target GGUF file's own blocks (export/gguf_blocks.py)
-# a draft has no GGUF file: beside a GGUF target, --quantize-draft rounds it to int4, the class of
-# the file's Q4 blocks (the demo draft: tau 1.71 -> 1.69, draft step 3.9 -> 2.7 ms; README "Measured")
-GGUF_DRAFT = "int4"
 # the quality cost is measured on the prompts the demo draft's distillation held out (the last 20
 # records of the file), token by token, at most this many tokens per prompt
 QUALITY_HELD_OUT, QUALITY_MAX_TOKENS = 20, 256
-
-
-def check_options(weights: str | None, block: int, quantize_draft: bool) -> None:
-    """Refuse bad flags in one line, before any work."""
-    if weights is not None and weights not in (FLOAT, *BITS, GGUF):
-        raise ValueError(f"--weights {weights}: expected one of {FLOAT}, {', '.join(BITS)}, {GGUF}")
-    # ONNX Runtime fuses DequantizeLinear -> MatMul into MatMulNBits only for these block sizes
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"--weights-block {block}: expected a power of two, at least 16")
-    if quantize_draft and weights not in (*BITS, GGUF):
-        raise ValueError(f"--quantize-draft: needs --weights {', '.join(BITS)} or {GGUF}")
-    if weights == GGUF and block != 32:
-        raise ValueError(f"--weights-block {block}: --weights gguf keeps the file's blocks of 32")
 
 
 def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:

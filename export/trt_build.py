@@ -18,10 +18,10 @@ import onnx
 from plugins.onnx_domain import DOMAIN
 from plugins.tensorrt_plugin import register_plugins
 
+from .build_checks import TENSORRT_MODULES as MODULES
+from .build_checks import check_gpus
 from .errors import EngineBuildError
 
-MODULES = {"trt": "tensorrt", "trt-rtx": "tensorrt_rtx"}
-GPUS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 PROFILES = ("prefill", "decode")
 
 
@@ -60,15 +60,10 @@ def ensure_rtx_library_link() -> None:
 def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]) -> dict:
     """Build ``GRAPH.GPU.engine`` for each graph and GPU into ``directory``. Returns the manifest
     entry: engine files per GPU, profiles, plugin layers found, tool version."""
+    targets = check_gpus(backend, gpus)
     trt = import_tensorrt(backend)
     creators = register_plugins(trt)  # noqa: F841  (the registry needs them alive while building)
     logger = _Logger(trt)
-    if backend == "trt" and gpus:
-        raise ValueError("--gpu applies to --backend trt-rtx; TensorRT builds for the GPU it runs on")
-    targets = [g.lower() for g in gpus] or ([] if backend == "trt" else ["sm89"])
-    for gpu in targets:
-        if gpu not in GPUS:
-            raise ValueError(f"--gpu {gpu}: expected one of {', '.join(GPUS)}")
     entry = {"engines": {}, "profiles": {}, "plugin_layers": {}, "version": trt.__version__}
     # a timing cache speeds up rebuilds with TensorRT; in TensorRT-RTX it is a deprecated no-op
     cache_path = directory / "timing.trt.cache" if backend == "trt" else None

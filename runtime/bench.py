@@ -29,6 +29,9 @@ def parser():
                    help="JSON Lines of {\"turns\": [...]} (e.g. data/prompts/gsm8k.jsonl)")
     p.add_argument("--skip", type=int, default=0,
                    help="leave out the first N prompts, e.g. those a draft was distilled on [0]")
+    p.add_argument("--allow-training-prompts", action="store_true",
+                   help="measure on prompts the engine's draft was distilled on (its training.json "
+                        "names them), which are refused otherwise: acceptance there measures memory")
     p.add_argument("--limit", type=int, default=8, help="first N prompts after --skip [8]")
     p.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
     p.add_argument("--repeat", type=int, default=3,
@@ -83,15 +86,62 @@ def checked_run(args) -> dict:
             from . import llama_cpp_baseline
 
             llama_cpp_baseline.check(args.llama_cpp)
-        return run(args)
+        args.prompt = []
+        prompts = read_prompts(args)
+        trained = check_held_out(args, len(prompts))
+        report = run(args, prompts)
+        report["training_prompts"] = trained
+        return report
     except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
 
 
-def run(args) -> dict:
-    args.prompt = []
-    prompts = read_prompts(args)
+def check_held_out(args, count: int) -> int:
+    """How many of the ``count`` prompts from ``--skip`` on the engine's draft was distilled on
+    (its ``training.json``, ``training_record``); any is refused unless --allow-training-prompts:
+    tau there measures what the draft memorised (the demo draft's README: 3.21 on gsm8k 0-7, 2.08
+    on the held-out 180-187), not what a user's prompts get."""
+    found = training_record(args.engine)
+    if found is None:
+        return 0
+    path, record = found
+    from export.prompts import read_jsonl_prompts, trained_records
 
+    trained = trained_records(record, args.prompts_file)
+    overlap = range(max(args.skip, trained.start), min(args.skip + count, trained.stop))
+    if overlap and not args.allow_training_prompts:
+        rest = len(read_jsonl_prompts(args.prompts_file, "--prompts-file")) - trained.stop
+        held_out = f"--skip {trained.stop} for held-out ones, or " if trained.start == 0 < rest else ""
+        raise ValueError(f"--prompts-file {args.prompts_file}: records {overlap.start}-{overlap.stop - 1} "
+                         f"(--skip {args.skip}, --limit {args.limit}) are among records {trained.start}-"
+                         f"{trained.stop - 1}, which the engine's draft was distilled on ({path}); pass "
+                         f"{held_out}--allow-training-prompts to measure them anyway")
+    return len(overlap)
+
+
+def training_record(engine) -> tuple[Path, dict] | None:
+    """``(path, record)`` of the training.json of the engine's draft: beside the draft that
+    manifest.json names, or among the drafts this package ships (``export/drafts/``, for an engine
+    built elsewhere); a record that names ``draft_files`` applies only to those exact weights."""
+    from export import manifest as manifest_file
+    from export.checkpoint import read_json
+    from export.demo_pair import DRAFT
+    from export.prompts import TRAINING_RECORD, check_training_record
+
+    draft = manifest_file.read(Path(engine))["source"]["draft"]
+    beside = Path(draft["path"]) / TRAINING_RECORD
+    for path in (beside, *sorted(DRAFT.parent.glob(f"*/{TRAINING_RECORD}"))):
+        if not path.is_file():
+            continue
+        record = check_training_record(read_json(path), path)
+        files = record.get("draft_files")
+        if (files is None and path == beside) or (files and all(draft["files"].get(name) == checksum
+                                                                for name, checksum in files.items())):
+            return path, record
+    return None
+
+
+def run(args, prompts: list[str]) -> dict:
     import torch
     from tqdm.auto import tqdm
 
@@ -279,6 +329,9 @@ def summary(report: dict) -> str:
              f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}, "
              f"confidence threshold {report['confidence_threshold']}; medians of {report['repeat']} "
              f"passes [slowest, fastest]"]
+    if report.get("training_prompts"):
+        lines.append(f"  {report['training_prompts']} of these prompts are ones the draft was distilled on "
+                     f"(--allow-training-prompts): its acceptance there is memory, not drafting")
     for name, r in report["runs"].items():
         per_pass = r.get("tokens_per_second_per_pass", [r["tokens_per_second"]])
         line = (f"  {name:28} {r['tokens_per_second']:9.1f} tokens/s "

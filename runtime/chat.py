@@ -1,7 +1,7 @@
 """``python -m runtime.chat``: a conversation with an engine, as llama.cpp's ``llama-cli`` has one.
 Each line typed is a user turn; the answer streams as drafts are accepted, and the conversation so
-far is the next turn's prompt (each turn prefills it anew: the caches are not kept between
-turns). ``/reset`` starts over; an empty line or end of input ends it. Ctrl-C stops the answer
+far is the next turn's prompt (its caches are kept between turns: a turn prefills only what the
+conversation added). ``/reset`` starts over; an empty line or end of input ends it. Ctrl-C stops the answer
 being generated, a second one the chat.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                    top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
                    speculative=not args.no_spec, stop=args.stop)
     system = system_messages(args)
-    messages = list(system)
+    messages, decoding = list(system), None
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         if not line.strip():
             break
         if line.strip() == "/reset":
-            messages = list(system)
+            messages, decoding = list(system), None
             continue
         messages.append({"role": "user", "content": line})
         try:
-            decoding = generator.conversation(messages, **options)
+            decoding = generator.conversation(messages, after=decoding, **options)
         except ValueError as err:   # the conversation no longer fits the engine's KV capacity
             print(f"error: {err}; /reset starts over", file=sys.stderr, flush=True)
             messages.pop()

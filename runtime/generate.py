@@ -201,11 +201,11 @@ def run_conversations(generator, conversations: list[list[str]], args) -> list:
     ends (with --stream, as it is accepted); returns the turns' decodings."""
     decodings = []
     for turns in conversations:
-        messages = system_messages(args)
+        messages, decoding = system_messages(args), None
         for turn in turns:
             messages.append({"role": "user", "content": turn})
-            try:
-                decoding = generator.conversation(messages, **_options(args))
+            try:   # each turn in the previous one's caches: it prefills only what the turn added
+                decoding = generator.conversation(messages, after=decoding, **_options(args))
             except ValueError as err:   # a later turn over the KV capacity: named, the rest run
                 print(f"error: {err} (at turn {len(messages) // 2 + 1} of {turns[0][:40]!r})",
                       file=sys.stderr)
@@ -267,6 +267,7 @@ def _report(result, args) -> None:
                 f.write(json.dumps(record) + "\n")
     tokens = sum(map(len, result.token_ids))
     if args.stats and tokens:   # nothing to report when stopped in the first prefill
+        sys.stdout.flush()      # the texts first where stdout and stderr share a pipe (2>&1 | ...)
         s, t = result.stats, result.times
         lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s"]
         if s.k:

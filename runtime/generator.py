@@ -1,6 +1,7 @@
 """The Python API for embedding: ``Generator.from_engine(dir).generate(prompts)``."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
@@ -28,11 +29,18 @@ class Generation:
         return sum(map(len, self.token_ids)) / self.times.total if self.times.total else 0.0
 
 
-class Generator:
-    """Speculative generation over one engine directory (or any backend) and its tokenizer."""
+# what a model's generation_config.json may set that a server takes as a request's defaults (vLLM's
+# ``--generation-config auto``)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-    def __init__(self, backend, tokenizer):
+
+class Generator:
+    """Speculative generation over one engine directory (or any backend) and its tokenizer;
+    ``sampling_defaults``: the model's own (its ``generation_config.json``), for servers."""
+
+    def __init__(self, backend, tokenizer, sampling_defaults: dict | None = None):
         self.backend, self.tokenizer = backend, tokenizer
+        self.sampling_defaults = sampling_defaults or {}
 
     @classmethod
     def from_engine(cls, engine: str | Path, backend: str = "ort", threads: int | None = None):
@@ -40,7 +48,8 @@ class Generator:
 
         engine = Path(engine)
         backend = open_backend(engine, backend, threads)
-        return cls(backend, _tokenizer(engine / manifest_file.read(engine)["tokenizer"]))
+        manifest = getattr(backend, "manifest", None) or manifest_file.read(engine)
+        return cls(backend, _tokenizer(engine / manifest["tokenizer"]), _sampling_defaults(engine))
 
     def encode(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
         """Token ids of a user prompt (after a ``system`` message), through the chat template when
@@ -76,13 +85,14 @@ class Generator:
                 for begin in range(0, len(ids), size)]
 
     def conversation(self, messages: list[dict[str, str]], stop: list[str] | tuple[str, ...] = (),
-                     **options) -> Decoding:
+                     after: Decoding | None = None, **options) -> Decoding:
         """A ``Decoding`` of the assistant's next turn in ``messages`` (``{"role", "content"}``,
-        through the chat template), not started; options as ``decodings``."""
+        through the chat template), not started; options as ``decodings``. ``after``: the previous
+        turn's, whose caches this one reuses (it prefills only what the conversation added)."""
         options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
         ids = encode_conversation(self.tokenizer, messages)
         return Decoding(self.backend, [ids], names=["the conversation"],
-                        stop=self._stop_strings(stop), **options)
+                        stop=self._stop_strings(stop), after=after, **options)
 
     def _stop_strings(self, stop) -> StopStrings | None:
         return StopStrings(list(stop), self.decode) if stop else None
@@ -131,13 +141,36 @@ class Generator:
             yield rest
 
 
+# tokenizer classes that AutoTokenizer loads as they are, from the tokenizer's own files; naming
+# one directly skips AutoTokenizer's look-up, which indexes every model family transformers has
+# (about 1 s of the demo engine's 5 s start on a 2-core CPU)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _sampling_defaults(engine: Path) -> dict:
+    """The sampling fields of the engine's ``generation_config.json`` (the target's, which a build
+    copies), those it sets explicitly; none without one. A file that cannot be read is named."""
+    path = engine / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise damaged(path, "cannot be read", err) from None
+    return {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
+
+
 def _tokenizer(directory: Path):
     """The engine's tokenizer; a missing or unreadable one is named with what to do."""
-    from transformers import AutoTokenizer
+    import transformers
 
     if not directory.is_dir():
         raise damaged(directory, "missing")
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        config = directory / "tokenizer_config.json"
+        declared = json.loads(config.read_text()) if config.is_file() else {}
+        name = declared.get("tokenizer_class") if "auto_map" not in declared else None
+        loader = getattr(transformers, name, None) if name in GENERIC_TOKENIZERS else None
+        return (loader or transformers.AutoTokenizer).from_pretrained(directory)
     except Exception as err:   # transformers and tokenizers raise many types for a damaged file
         raise damaged(directory, "cannot be loaded", err) from None

@@ -94,7 +94,8 @@ class Server:
                                     f"{self.model!r}", "model", kind="not_found_error")
         generator = self.generator
         prompts = [chat_prompt(body, generator)] if chat else completion_prompts(body, generator)
-        params = [request_params(body, prompt, generator, chat) for prompt in prompts]
+        params = [request_params(body, prompt, generator, chat, generator.sampling_defaults)
+                  for prompt in prompts]
         choices = self.max_queue + generator.backend.limits.max_batch
         n = body_field(body, "n", int, 1, lambda v: 1 <= v * len(prompts) <= choices,
                        f"at least 1, at most {choices} choices in all (the slots and --max-queue)")

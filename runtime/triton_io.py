@@ -46,7 +46,8 @@ def read(tensors: Mapping[str, np.ndarray], generator: Generator) -> tuple[list[
     if not isinstance(prompt, str) or not prompt:
         raise RequestError(400, "'text_input': expected a non-empty string", "text_input")
     prompt = Prompt(generator.encode(prompt, chat_template=False), prompt, "text_input")
-    return prompt.ids, request_params(body, prompt, generator, chat=False), bool(body.get("stream", False))
+    params = request_params(body, prompt, generator, chat=False, defaults=generator.sampling_defaults)
+    return prompt.ids, params, bool(body.get("stream", False))
 
 
 class Replies:

@@ -195,7 +195,8 @@ class Skipped(Exception):
 def engine_gpus(backend: str, capability: tuple[int, int]) -> tuple[str, ...]:
     """What ``build --gpu`` gets for ``backend`` on a GPU of ``capability``, or ``Skipped`` where
     the backend is not installed or does not build for it."""
-    from export.trt_build import GPUS, MODULES
+    from export.build_checks import GPUS
+    from export.build_checks import TENSORRT_MODULES as MODULES
 
     if importlib.util.find_spec(MODULES[backend]) is None:
         raise Skipped(f"{MODULES[backend]} is not importable")

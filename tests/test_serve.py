@@ -520,3 +520,46 @@ def _run(decoding):
     for _ in decoding:
         pass
     return decoding
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(server, tmp_path):
+    """An engine's ``generation_config.json`` (the target's, copied by the build) gives a request
+    the fields it leaves out, as vLLM's ``--generation-config auto``; without one, vLLM's defaults
+    (temperature 1) and a fresh seed per request."""
+    import shutil
+
+    from runtime import Generator
+    from runtime.openai_request import Prompt, request_params
+
+    target = json.loads((server[1] / "manifest.json").read_text())["source"]["target"]["path"]
+    copied = (server[1] / "generation_config.json").read_text()   # the build's copy
+    assert copied == (Path(target) / "generation_config.json").read_text()
+    engine = shutil.copytree(server[1], tmp_path / "engine")
+    (engine / "generation_config.json").unlink()
+    plain = Generator.from_engine(engine)
+    (engine / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "bos_token_id": 0}))
+    configured = Generator.from_engine(engine)
+    assert configured.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    prompt = Prompt([5, 6, 7], "abc", "prompt")
+
+    def params(generator, **body):
+        return request_params(body, prompt, generator, False, generator.sampling_defaults)
+
+    defaults = params(configured)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.6, 20, 0.95)
+    assert params(configured, temperature=0, top_k=-1).temperature == params(configured, top_k=-1).top_k == 0
+    assert (params(plain).temperature, params(plain).top_k) == (1.0, 0)
+    assert params(plain).seed != params(plain).seed and params(plain, seed=3).seed == 3
+
+
+def test_a_streamed_completion_echoes_and_scores_as_a_whole_one(client):
+    """Streamed with ``echo`` and ``logprobs``: its texts and per-token log-probabilities, joined,
+    are the whole reply's (the prompt's first, its first token unscored)."""
+    body = dict(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(s, name) for s in streamed), []) == getattr(whole.logprobs, name), name

@@ -8,8 +8,7 @@ from onnxscript import opset23 as op
 from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
-
-NAME = "BlockAttention"
+from . import NAME
 
 register_schema(
     NAME,

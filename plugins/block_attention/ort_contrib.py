@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..onnx_domain import DOMAIN
-from .onnx_function import NAME
+from . import NAME
 
 CONTRIB = "com.microsoft"
 
