@@ -7,17 +7,68 @@ has a slot), Ray's proxy queues up to ``--max-queue`` more for the replicas to t
 free, and answers 503 beyond that (Ray's backpressure, ``max_queued_requests``: per caller). A
 replica that dies is replaced by Ray; the requests it was serving fail, the other replicas' go on.
 Every response names the replica that served it (Ray's replica id and its process) in its
-``x-replica`` header. ``application(...)`` is the application, for ``serve.run`` or a ``serve run``
-config.
+``x-replica`` header. SIGINT / SIGTERM stops as ``runtime.serve`` does, on every replica: running
+requests go on for ``--grace-period`` seconds, those left then end with 503 (a stream: its last
+chunk with finish reason ``abort``, an error event and ``[DONE]``), and only then does Ray Serve
+shut down (the driver tells the replicas through a named actor, ``Stopping``).
+``application(...)`` is the application, for ``serve.run`` or a ``serve run`` config.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from .backends import BACKENDS, GPU_BACKENDS
+
+STOPPING = "dspark-stopping"   # the named actor through which the driver stops the replicas
+
+
+class Stopping:
+    """The driver's stop, for every replica to see: the grace period once a stop is asked (None
+    before), and the replicas that have ended their requests since."""
+
+    def __init__(self):
+        self.grace, self.ended = None, set()
+
+    def stop(self, grace: float) -> None:
+        self.grace = grace
+
+    def asked(self) -> float | None:
+        return self.grace
+
+    def end(self, replica: str) -> int:
+        self.ended.add(replica)
+        return len(self.ended)
+
+    def count(self) -> int:
+        return len(self.ended)
+
+
+async def _stop_when_asked(server, replica: str) -> None:
+    """A replica's watch for the driver's stop: then running requests have the grace period, those
+    left end with 503 and their replies are written before the replica says it has ended. Without
+    the actor (an application deployed by other means) there is nothing to watch."""
+    import ray
+
+    try:
+        stopping = ray.get_actor(STOPPING)
+    except ValueError:
+        return
+    while (grace := await stopping.asked.remote()) is None:
+        await asyncio.sleep(0.2)
+    engine, deadline = server.engine, time.monotonic() + grace
+    while (engine.jobs or engine.inbox.qsize()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    server.stop()
+    deadline = time.monotonic() + 5
+    while engine.thread.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)        # the handlers' last bytes through Ray's proxy
+    await stopping.end.remote(replica)
 
 
 def application(engine: str, replicas: int = 1, backend: str = "ort", threads: int | None = None,
@@ -41,10 +92,14 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
         server = Server(lambda: Generator.from_engine(engine, backend, threads), model, max_queue, schedule)
         server.open()
         app = server.app()
+        replica = f"{serve.get_replica_context().replica_id.unique_id} (pid {os.getpid()})"
         # when Ray retires the replica: requests still running end with 503, the scheduler thread
         # before the process
         app.router.add_event_handler("shutdown", server.close)
-        replica = f"{serve.get_replica_context().replica_id.unique_id} (pid {os.getpid()})"
+        watch = []
+        app.router.add_event_handler(
+            "startup", lambda: watch.append(asyncio.get_running_loop().create_task(
+                _stop_when_asked(server, replica))))
 
         @app.middleware("http")
         async def named(request, call_next):
@@ -88,9 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
                    help="drafts verified per step by busy slots, as runtime.serve's [measured when "
                         "each replica starts]")
+    p.add_argument("--grace-period", type=float, default=10, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM, how long running requests may go on before they end "
+                        "with 503 [10]")
     args = p.parse_args(argv)
     if args.replicas < 1:
         raise SystemExit(f"error: --replicas {args.replicas}: expected at least 1")
+    if not 0 <= args.grace_period < float("inf"):
+        raise SystemExit(f"error: --grace-period {args.grace_period}: expected a finite number, at least 0")
     try:
         app = application(args.engine, args.replicas, args.backend, args.threads, args.max_queue,
                           args.draft_schedule, args.model)
@@ -100,15 +160,21 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     ray.init(log_to_driver=False, **local_cluster(args.replicas * (args.threads or 1)))
+    stopping = ray.remote(num_cpus=0)(Stopping).options(name=STOPPING).remote()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, route_prefix="/")
     print(f"serving {args.engine} on http://{args.host}:{args.port} ({args.replicas} replicas)", flush=True)
-    # SIGINT / SIGTERM: Ray Serve drains its replicas, then the cluster stops; exit 0
+    # SIGINT / SIGTERM: every replica ends its requests (``_stop_when_asked``), then Ray Serve
+    # shuts down and the cluster stops; exit 0
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     while not stop:
         signal.pause()
+    stopping.stop.remote(args.grace_period)
+    deadline = time.monotonic() + args.grace_period + 15
+    while ray.get(stopping.count.remote()) < args.replicas and time.monotonic() < deadline:
+        time.sleep(0.2)
     serve.shutdown()
     ray.shutdown()
     sys.exit(0)

@@ -29,7 +29,8 @@ def built(tiny, tmp_path_factory):
 
 def test_build_writes_the_engine_directory(built, capsys):
     assert {p.name for p in built.iterdir()} == {"manifest.json", "target.onnx", "target.onnx.data",
-                                                 "draft.onnx", "draft.onnx.data", "tokenizer"}
+                                                 "draft.onnx", "draft.onnx.data", "tokenizer",
+                                                 "generation_config.json"}   # the target has one
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["draft"]["k"] == 3 and manifest["limits"]["max_seq_len"] == 64
     assert manifest["draft"]["confidence_threshold"] == 0.25

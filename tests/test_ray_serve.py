@@ -1,7 +1,7 @@
 """``python -m runtime.ray_serve`` with 2 replicas on a local Ray cluster: requests reach both and
 get what ``Generator`` gives them alone; beyond the slots and the queue Ray answers 503; a replica
 killed mid-run is replaced, the requests it was serving fail cleanly and the other replica's
-complete."""
+complete; a stop ends every replica's streams well-formed and exits 0."""
 from __future__ import annotations
 
 import http.client
@@ -38,7 +38,8 @@ def cluster(engine_dir):
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     process = subprocess.Popen([sys.executable, "-m", "runtime.ray_serve", "--engine", str(engine),
                                 "--replicas", "2", "--port", str(port), "--model", "tiny",
-                                "--draft-schedule", str(k), "--max-queue", str(MAX_QUEUE)],
+                                "--draft-schedule", str(k), "--max-queue", str(MAX_QUEUE),
+                                "--grace-period", "1"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # ready once every replica is: the command says so after Ray Serve's deployment is running
     output, ready = [], threading.Event()
@@ -55,8 +56,8 @@ def cluster(engine_dir):
         process.kill()
         pytest.fail("Ray Serve did not start:\n" + "".join(output))
     url = f"http://127.0.0.1:{port}"
-    yield url, engine
-    process.send_signal(signal.SIGTERM)
+    yield url, engine, process
+    process.send_signal(signal.SIGTERM)    # a second time after the stop test: nothing left to do
     assert process.wait(timeout=120) == 0
 
 
@@ -73,7 +74,7 @@ def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False):
 def test_requests_reach_both_replicas_and_get_their_single_request_output(cluster):
     from runtime import Generator
 
-    url, engine = cluster
+    url, engine, _ = cluster
     expected = Generator.from_engine(engine).generate(PROMPTS, chat_template=False, max_new_tokens=24).texts
 
     def ask(prompt):
@@ -98,7 +99,7 @@ def test_beyond_the_slots_and_the_queue_ray_answers_503_and_serves_the_queue(clu
     """With both replicas' 8 slots held by long streams, 9 more requests: the queue takes
     ``MAX_QUEUE`` of them and refuses the last with 503 at once; when the streams go, the queued
     ones are served."""
-    url, _ = cluster
+    url, _, _ = cluster
     streams = _long_streams(url, 2 * LIMITS.max_batch)
 
     def status(prompt) -> int:
@@ -125,7 +126,7 @@ def _replica_pid(header: str) -> int:
 def test_a_killed_replica_is_replaced_and_only_its_requests_fail(cluster):
     """Eight long streams over both replicas; once each has its first chunk, one replica is killed:
     its streams break off, the other's run to their end."""
-    url, _ = cluster
+    url, _, _ = cluster
     streams = _long_streams(url, len(PROMPTS))
     replicas = [stream.headers["x-replica"] for stream in streams]
     assert len(set(replicas)) == 2
@@ -156,3 +157,18 @@ def test_a_killed_replica_is_replaced_and_only_its_requests_fail(cluster):
             break
         time.sleep(1)
     assert len(serving) == 2 and killed not in serving
+
+
+def test_a_stop_ends_every_replicas_streams_well_formed_and_exits_0(cluster):
+    """SIGTERM with long streams in all 8 slots of both replicas (grace period 1 s): each stream
+    ends with finish reason ``abort``, a 503 error event and ``[DONE]`` before Ray Serve shuts
+    down, and the command exits 0. Last in this file: the cluster is gone after it."""
+    url, _, process = cluster
+    streams = _long_streams(url, 2 * LIMITS.max_batch)
+    assert len({stream.headers["x-replica"] for stream in streams}) == 2
+    process.send_signal(signal.SIGTERM)
+    for stream in streams:
+        body = stream.read()
+        assert body.endswith(b"data: [DONE]\n\n") and b'"finish_reason": "abort"' in body, body[-300:]
+        assert b'"code": 503' in body
+    assert process.wait(timeout=120) == 0
