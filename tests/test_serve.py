@@ -457,12 +457,12 @@ def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
     """SIGINT with 8 long requests in flight, half streamed, and a grace period of 0: every client
     gets a well-formed end (a whole reply, a 503 error object, or a stream whose open choice ends
     with finish reason ``abort``, an error event and ``[DONE]``) and the server exits 0 without a
-    traceback; it said where it listened."""
+    traceback; it said where it listened, and logged each request (``--access-log``)."""
     engine = engine_dir(LIMITS, arch="qwen3")
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine), "--port",
                                 str(port), "--model", "tiny", "--threads", "1", "--draft-schedule", "0",
-                                "--grace-period", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                                "--grace-period", "0", "--access-log"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_until_serving(process, f"{url}/health", 120)
@@ -482,7 +482,7 @@ def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
     for client in clients:
         client.join(60)
     assert process.returncode == 0 and "Traceback" not in output, output
-    assert f"on http://127.0.0.1:{port}" in output
+    assert f"on http://127.0.0.1:{port}" in output and '"POST /v1/completions HTTP/1.1"' in output
     cut = 0
     for streamed, status, body in outcomes:
         if status == 503:
