@@ -83,8 +83,9 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Requests still running end with UNAVAILABLE, and the scheduler thread ends before the
-        backend goes (``Engine.stop``)."""
+        backend goes (``Engine.stop``). Triton unloads a model once its requests are done, or at
+        its exit timeout, when it exits without calling this: those requests break off there."""
         self.engine.stop()
-        self.engine.join()
+        self.engine.join(10)
         self.metrics.close()
         self.metrics = self.engine = self.generator = None
