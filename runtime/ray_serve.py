@@ -24,7 +24,9 @@ from pathlib import Path
 
 from .backends import BACKENDS, GPU_BACKENDS
 
-STOPPING = "dspark-stopping"   # the named actor through which the driver stops the replicas
+# the named actor through which the driver stops the replicas, in a namespace of its own (a replica
+# runs in Ray Serve's)
+STOPPING, NAMESPACE = "stopping", "dspark-trt"
 
 
 class Stopping:
@@ -55,7 +57,7 @@ async def _stop_when_asked(server, replica: str) -> None:
     import ray
 
     try:
-        stopping = ray.get_actor(STOPPING)
+        stopping = ray.get_actor(STOPPING, namespace=NAMESPACE)
     except ValueError:
         return
     while (grace := await stopping.asked.remote()) is None:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     ray.init(log_to_driver=False, **local_cluster(args.replicas * (args.threads or 1)))
-    stopping = ray.remote(num_cpus=0)(Stopping).options(name=STOPPING).remote()
+    stopping = ray.remote(num_cpus=0)(Stopping).options(name=STOPPING, namespace=NAMESPACE).remote()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, route_prefix="/")
     print(f"serving {args.engine} on http://{args.host}:{args.port} ({args.replicas} replicas)", flush=True)
