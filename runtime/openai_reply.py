@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .logprobs import TokenLogprob
@@ -49,7 +49,7 @@ class Reply:
         for prompt, p in zip(prompts, params):
             for j in range(n):
                 index = len(self.choices)
-                seeded = Params(**{**vars(p), "seed": p.seed + j})
+                seeded = replace(p, seed=p.seed + j)
                 self.choices.append(Choice(index, prompt, Job(prompt.ids, seeded, send(index)),
                                            TextStream(decode, p.stop)))
         self.logprobs = params[0].logprobs is not None

@@ -58,10 +58,16 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
         last_logits = picked if last_logits is None else torch.where(here[:, None], picked, last_logits)
         context = (aux, offsets + lengths.clamp(max=begin), (lengths - begin).clamp(0, ids.shape[1]))
         if speculative and begin + chunk < longest:
-            next_tokens = padded[:, begin + chunk]
-            backend.draft_step(*context, next_tokens, torch.ones(batch, device=device),
-                               torch.zeros(batch, backend.limits.k, backend.limits.draft_vocab_size,
-                                           device=device), **at)
+            insert_context(backend, *context, padded[:, begin + chunk], slots)
         if begin + chunk < longest:
             yield None
     yield last_logits, context
+
+
+def insert_context(backend: Backend, aux, start, count, next_tokens, slots: list[int] | None = None) -> None:
+    """Insert context rows ``aux [B, R, T * H]`` (``count [B]`` of them from position ``start [B]``)
+    into the draft's caches, the token after them ``next_tokens [B]``; its proposals are discarded."""
+    batch, limits = next_tokens.shape[0], backend.limits
+    backend.draft_step(aux, start, count, next_tokens, torch.ones(batch, device=next_tokens.device),
+                       torch.zeros(batch, limits.k, limits.draft_vocab_size, device=next_tokens.device),
+                       **({} if slots is None else {"slots": slots}))

@@ -42,9 +42,8 @@ class Stopping:
     def asked(self) -> float | None:
         return self.grace
 
-    def end(self, replica: str) -> int:
+    def end(self, replica: str) -> None:
         self.ended.add(replica)
-        return len(self.ended)
 
     def count(self) -> int:
         return len(self.ended)

@@ -45,7 +45,7 @@ from .draft_schedule import DraftSchedule
 from .logprobs import TokenLogprob, token_logprobs
 from .params import Params
 from .penalties import Penalties
-from .prefill import prefill_chunks
+from .prefill import insert_context, prefill_chunks
 from .prefix_cache import Held
 from .sampling import gumbel_noise, next_token, probabilities
 from .stats import PhaseTimes, SpecStats
@@ -236,13 +236,9 @@ class Scheduler:
         if speculative and held.draft_rows < request.reused:
             aux, start, _ = held.pending
             count = request.reused - start
-            limits = self.limits
-            self.backend.draft_step(aux[None, :count], torch.tensor([start], device=self.device),
-                                    torch.tensor([count], device=self.device),
-                                    torch.tensor([request.prompt[request.reused]], device=self.device),
-                                    torch.ones(1, device=self.device),
-                                    torch.zeros(1, limits.k, limits.draft_vocab_size, device=self.device),
-                                    slots=[slot])
+            insert_context(self.backend, aux[None, :count], torch.tensor([start], device=self.device),
+                           torch.tensor([count], device=self.device),
+                           torch.tensor([request.prompt[request.reused]], device=self.device), [slot])
         return slot
 
     @staticmethod

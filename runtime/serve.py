@@ -69,8 +69,8 @@ class Server:
 
     def close(self) -> None:
         """Stop, and wait until the scheduler thread has ended."""
+        self.stop()
         if self.engine is not None:
-            self.engine.stop()
             self.engine.join()
 
     def ready(self) -> Engine:
