@@ -144,16 +144,15 @@ def request_params(body: dict, prompt: Prompt, generator: Generator, chat: bool,
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, f"'stop': {stop!r}; expected non-empty strings", "stop")
-    if body.get("max_completion_tokens") is not None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = limits.capacity - len(prompt.ids) - limits.lookahead
-    max_tokens = body_field(body, "max_tokens", int, None, lambda v: v >= 1, "an integer of at least 1")
+    max_tokens = body_field(body, budget, int, None, lambda v: v >= 1, "an integer of at least 1")
     needed = capacity_needed(len(prompt.ids), max_tokens or 1, limits)
     if needed > limits.capacity:
-        with_max = f" with 'max_tokens' {max_tokens}" if max_tokens else ""
+        with_max = f" with '{budget}' {max_tokens}" if max_tokens else ""
         raise RequestError(400, f"'{prompt.field}' has {len(prompt.ids)} tokens:{with_max} it needs "
                                 f"{needed} KV-cache rows; the capacity is {limits.capacity} (build "
-                                f"--max-seq-len)", "max_tokens" if room >= 1 else prompt.field)
+                                f"--max-seq-len)", budget if room >= 1 else prompt.field)
     if "repeat_penalty" in body and "repetition_penalty" in body:
         raise RequestError(400, "'repeat_penalty': give 'repetition_penalty' or 'repeat_penalty', not "
                                 "both", "repeat_penalty")

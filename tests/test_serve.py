@@ -103,6 +103,7 @@ def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
 @pytest.mark.parametrize("request_, status, message", [
     (dict(max_tokens=0), 400, "'max_tokens': 0; expected an integer of at least 1"),
     (dict(max_tokens=90), 400, "'prompt' has 3 tokens: with 'max_tokens' 90 it needs .* KV-cache rows"),
+    (dict(max_completion_tokens=0), 400, "'max_completion_tokens': 0; expected an integer of at least 1"),
     (dict(top_k=-2), 400, "'top_k': -2; expected -1 or 0"),
     (dict(min_p=1.5), 400, "'min_p': 1.5; expected 0 .. 1"),
     (dict(presence_penalty=3), 400, "'presence_penalty': 3; expected -2 .. 2"),
@@ -117,7 +118,8 @@ def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
 ])
 def test_a_bad_request_gets_an_error_object_and_the_server_goes_on(client, request_, status, message):
     body = dict(model="tiny", prompt="abc", max_tokens=5) | request_
-    extra = {name: body.pop(name) for name in ("top_k", "min_p") if name in body}   # not OpenAI's
+    extra = {name: body.pop(name) for name in ("top_k", "min_p", "max_completion_tokens")   # not in create()
+             if name in body}
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(**body, extra_body=extra)
     assert err.value.status_code == status
