@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugins.block_attention.ort_contrib import lowered_session
+from plugins.ort_session import lowered_session
+from plugins.qmatmul.build import library
 
 from .errors import VerificationError
 from .manifest import is_cache
@@ -38,7 +39,8 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says. The graph
     is also run as the ORT backend runs it, one sequence per call with its attention lowered to
     ONNX Runtime's own kernels (``plugins/block_attention/ort_contrib.py``; ``rotary``: the
-    decoder's cos / sin tables that form takes), on the first sequence of ``inputs``.
+    decoder's cos / sin tables that form takes) and its quantized layers on the compiled kernel
+    where it is built (``plugins/qmatmul``), on the first sequence of ``inputs``.
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
@@ -55,12 +57,12 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
     worst = _compare(path, got, expected, dtype, drafts)
-    lowered = lowered_session(path, _options(), rotary)
+    lowered = lowered_session(path, _options(), rotary, library())
     if lowered is not None:   # the outputs but the caches, whose rows past the new ones are scratch
         names = [name for name in expected if not is_cache(name)]
         first = dict(zip(names, lowered.run(names, {name: value[:1] for name, value in feeds.items()})))
         _compare(path, first, {name: expected[name][:1] for name in names}, dtype, drafts,
-                 " of the graph as ONNX Runtime runs it at batch 1 (attention lowered to its own kernels)")
+                 " of the graph as ONNX Runtime runs it at batch 1 (lowered: plugins/ort_session.py)")
     return worst
 
 

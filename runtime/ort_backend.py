@@ -41,7 +41,9 @@ import numpy as np
 import torch
 
 from export.manifest import cache_output, is_cache, weight_formats
-from plugins.block_attention.ort_contrib import lowered_session, target_rotary
+from plugins.block_attention.ort_contrib import target_rotary
+from plugins.ort_session import lowered_session
+from plugins.qmatmul.build import library
 
 from .engine_backend import EngineBackend, damaged
 
@@ -58,9 +60,11 @@ class OrtBackend(EngineBackend):
     # (README, "Batching on the CPU"), and a batch of one ends with its own prompt
     default_batch = 1
 
-    def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True):
+    def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True,
+                 kernel: bool = True):
         """``threads``: ONNX Runtime's intra-op threads (None: all cores); ``lower`` False runs the
-        graphs as the engine holds them (to compare the two forms)."""
+        graphs as the engine holds them, ``kernel`` False the quantized layers on ONNX Runtime's
+        own kernels rather than the compiled one (to compare the forms)."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
@@ -70,6 +74,7 @@ class OrtBackend(EngineBackend):
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
         self.threads = threads
         self.quantized = set(weight_formats(m).values()) != {"float"}
+        self.kernel = library() if kernel and lower and self.quantized else None
         self._rotary = target_rotary(m["target"], m["limits"]["max_seq_len"])
         self.sessions, self.lowered = {}, {}   # graph -> its session, and whether it runs lowered
         for name in m["graphs"]:
@@ -102,7 +107,7 @@ class OrtBackend(EngineBackend):
         path = self.file(self.manifest["graphs"][graph]["file"])
         try:
             if lowered:
-                return lowered_session(path, self._options(), self._rotary)
+                return lowered_session(path, self._options(), self._rotary, self.kernel)
             return ort.InferenceSession(str(path), self._options(), providers=["CPUExecutionProvider"])
         except Exception as err:   # ONNX Runtime's and onnx_ir's errors share no base
             raise damaged(path, "ONNX Runtime cannot load it", err) from None

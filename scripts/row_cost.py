@@ -4,7 +4,8 @@ two rows, as ``generate`` runs it), in interleaved rounds so that a slow spell o
 falls on all row counts alike. Speculation pays where a row costs less than the tokens it is
 expected to add: its acceptance times a one-token step.
 
-    python scripts/row_cost.py --engine engines/demo [engines/other ...] --rows 1 2 3 4 5 [--portable]
+    python scripts/row_cost.py --engine engines/demo [engines/other ...] --rows 1 2 3 4 5 \\
+        [--stock] [--portable]
 """
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="cached rows before each timed step")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stock", action="store_true",
+                   help="also time the quantized layers on ONNX Runtime's own kernels (interleaved)")
     p.add_argument("--portable", action="store_true",
                    help="also time the graphs as the engine holds them, not lowered (interleaved)")
     args = p.parse_args()
     torch.set_num_threads(OrtBackend.host_threads)
-    forms = ("lowered", "portable") if args.portable else ("lowered",)
-    backends = {(engine, form): OrtBackend(engine, threads=args.threads, lower=form == "lowered")
+    forms = ("lowered", *(("stock",) if args.stock else ()), *(("portable",) if args.portable else ()))
+    backends = {(engine, form): OrtBackend(engine, threads=args.threads, lower=form != "portable",
+                                           kernel=form == "lowered")
                 for engine in args.engine for form in forms}
     capacity = min(backend.limits.capacity for backend in backends.values())
     if args.context + max(args.rows) > capacity or min(args.rows) < 1:
@@ -52,7 +56,7 @@ def main() -> None:
     ms = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
     print(f"median of {args.rounds} interleaved rounds, {args.threads} threads, {args.context} cached rows")
     for engine, form in backends:
-        print(f"{engine}{', portable graphs' if form == 'portable' else ''}:")
+        print(f"{engine}, {FORMS[form]}:")
         previous = None
         for rows in sorted(set(args.rows)):
             label = "1 row (run as 2)" if rows == 1 else f"{rows} rows"
@@ -63,6 +67,10 @@ def main() -> None:
             print(line)
             previous = rows
         print(f"  draft step {ms[engine, form, 'draft']:21.2f} ms")
+
+
+FORMS = {"lowered": "lowered (the compiled kernel where built)", "stock": "lowered, ONNX Runtime's kernels",
+         "portable": "portable graphs"}
 
 
 def _steps(backend: OrtBackend, rows: list[int], context: int) -> dict:

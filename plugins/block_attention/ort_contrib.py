@@ -21,8 +21,6 @@ as the operator's contract allows.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..onnx_domain import DOMAIN
@@ -147,42 +145,6 @@ def target_rotary(target: dict, capacity: int) -> tuple[np.ndarray, np.ndarray] 
         return None
     decoder = target["decoder"]
     return rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"], capacity)
-
-
-def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None):
-    """An ONNX Runtime CPU session of the graph at ``path`` with its ``BlockAttention`` nodes
-    lowered (``lower``), or None when there is nothing to lower; ``options`` are this
-    session's alone. A graph loaded from memory has its weights looked up in a folder, which ONNX
-    Runtime maps as it maps them beside a graph file, but it refuses a weights file that is a
-    symbolic link out of that folder (a Hugging Face cache's snapshot): such files are given to
-    it mapped, and it copies them while it loads (measured on the demo target: 0.9 GB peak
-    instead of 0.5)."""
-    import mmap
-
-    import onnx_ir as ir
-    import onnxruntime as ort
-
-    model = ir.load(path)
-    if not lower(model, rotary):
-        return None
-    files = sorted({value.const_value.location for value in model.graph.initializers.values()
-                    if isinstance(value.const_value, ir.ExternalTensor)})
-    proto = ir.to_proto(model).SerializeToString()
-    del model
-    if not any((path.parent / name).is_symlink() for name in files):
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(path.parent))
-        return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
-    maps = []
-    try:
-        for name in files:
-            with open(path.parent / name, "rb") as f:
-                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        options.add_external_initializers_from_files_in_memory(files, maps, [len(m) for m in maps])
-        return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
-    finally:   # ONNX Runtime has copied what it needs
-        for mapped in maps:
-            mapped.close()
 
 
 def _sequence_lengths(graph, q, start, new_nodes: list) -> tuple:

@@ -1,0 +1,276 @@
+// y[M, N] = x[M, K] @ W[K, N] for block-quantized W (4 or 8 bits, blocks of 32 along K), on the CPU.
+//
+// What llama.cpp's CPU kernels do, in a layout of our own (plugins/qmatmul/layout.py writes it):
+// - x is quantized to int8 per row and block of 32 (scale max|x| / 127), so a block's product is
+//   an exact integer dot product, scaled once;
+// - the columns are interleaved 16 at a time: one SIMD lane per column, 4 consecutive k per
+//   32-bit lane, so one vpdpbusd (AVX-512 VNNI) or maddubs + madd (AVX2) does 4 k of 16 (or 8)
+//   columns, and a tile's weights are unpacked once for every row of the call;
+// - a tile's weights stay in L1/L2 while every row group of the call passes over them, so the
+//   weights come from memory once per call, whatever the rows.
+//
+// Each output value is computed by one lane in one fixed sequence (its blocks in order, each an
+// exact integer sum, then one fma of the scales and one of the offset): nothing depends on the
+// other rows of the call or on their number, so a row's result is the same alone and in any batch.
+//
+// Per block b of 32 k, for row m and column n, with x's block quantized as dx * qx:
+//   y += (dw[n] * dx[m]) * sum_k(q[k, n] * qx[m, k])  +  off[n] * sum_k(x[m, k])
+// q is the signed weight (int4 -8..7 or int8 -127..127); `off` (GGUF Q4_1's offset) is optional
+// and multiplies the block's float sum of x.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include "kernel.h"
+
+namespace {
+
+constexpr int BLOCK = 32;
+constexpr int TILE = 16;       // columns per interleaved tile
+constexpr int ROW_GROUP = 4;   // rows sharing one unpacked tile block in registers
+
+void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum, float* sum) {
+    for (int b = 0; b < K / BLOCK; ++b) {
+        const float* xb = x + b * BLOCK;
+        float amax = 0.f, s = 0.f;
+        for (int i = 0; i < BLOCK; ++i) {
+            amax = std::fmax(amax, std::fabs(xb[i]));
+            s += xb[i];
+        }
+        const float d = amax / 127.f;
+        const float inv = d != 0.f ? 1.f / d : 0.f;
+        int32_t total = 0;
+        for (int i = 0; i < BLOCK; ++i) {
+            const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+            q[b * BLOCK + i] = static_cast<int8_t>(v);
+            total += v;
+        }
+        scale[b] = d;
+        qsum[b] = total;
+        sum[b] = s;
+    }
+}
+
+// The integer dot products of one block: 16 columns (lanes) for `rows` rows.
+// w: the block's tile bytes; x4: each row's block as 8 groups of 4 bytes.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using Ints = __m512i;
+using Floats = __m512;
+
+// A block's weights as the integer units take them, loaded (and unpacked) once for a row group.
+struct Block4 { __m512i v[8]; };   // group g (k 4g..4g+3) and g + 4 (k 16+4g..): q + 8, unsigned
+struct Block8 { __m512i v[8]; __m512i wsum128; };   // signed q; 128 * each column's sum of q
+
+inline Block4 load4(const uint8_t* w, const int32_t*) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    Block4 b;
+    for (int g = 0; g < 4; ++g) {
+        const __m512i packed = _mm512_loadu_si512(w + 64 * g);
+        b.v[g] = _mm512_and_si512(packed, mask);
+        b.v[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+    }
+    return b;
+}
+
+inline Block8 load8(const uint8_t* w, const int32_t* wsum) {
+    Block8 b;
+    for (int g = 0; g < 8; ++g) b.v[g] = _mm512_loadu_si512(w + 64 * g);
+    b.wsum128 = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
+    return b;
+}
+
+// Four partial sums, so that the vpdpbusd of a block do not wait on each other (integer sums:
+// their order changes nothing).
+inline Ints sum4(const __m512i acc[4]) {
+    return _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+}
+
+inline Ints dot(const Block4& b, const int8_t* xb, int32_t qsum) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int g = 0; g < 8; ++g) {
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        acc[g % 4] = _mm512_dpbusd_epi32(acc[g % 4], b.v[g], _mm512_set1_epi32(a));
+    }
+    // sum((q + 8) * x) - 8 * sum(x) = sum(q * x)
+    return _mm512_sub_epi32(sum4(acc), _mm512_set1_epi32(8 * qsum));
+}
+
+inline Ints dot(const Block8& b, const int8_t* xb, int32_t) {
+    // x + 128 as the unsigned operand: sum((x + 128) * q) - 128 * sum(q) = sum(x * q)
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int g = 0; g < 8; ++g) {
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        const __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(a), _mm512_set1_epi8(int8_t(0x80)));
+        acc[g % 4] = _mm512_dpbusd_epi32(acc[g % 4], xu, b.v[g]);
+    }
+    return _mm512_sub_epi32(sum4(acc), b.wsum128);
+}
+
+inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Floats to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline Floats broadcast(float v) { return _mm512_set1_ps(v); }
+inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+#define DSPARK_QMATMUL_ISA "avx512-vnni"
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// Two 8-lane halves per 16-column tile; maddubs (u8 x s8 -> pairs of int16) + madd (-> int32).
+struct Ints { __m256i lo, hi; };
+struct Floats { __m256 lo, hi; };
+
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// 16 registers hold no unpacked block beside a row group's accumulators: the block stays in L1
+// and each row unpacks it.
+struct Block4 { const uint8_t* w; };
+struct Block8 { const uint8_t* w; };
+inline Block4 load4(const uint8_t* w, const int32_t*) { return {w}; }
+inline Block8 load8(const uint8_t* w, const int32_t*) { return {w}; }
+
+inline Ints dot(const Block4& block, const int8_t* xb, int32_t qsum) {
+    const uint8_t* w = block.w;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int g = 0; g < 4; ++g) {
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * g, 4);
+        std::memcpy(&c, xb + 16 + 4 * g, 4);
+        const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * g + 32 * h));
+            const __m256i lo = _mm256_and_si256(packed, mask);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+            // (q + 8) <= 15 and |x| <= 127: a pair's sum fits int16
+            acc[h] = _mm256_add_epi32(acc[h], dot_u8s8(lo, xa));
+            acc[h] = _mm256_add_epi32(acc[h], dot_u8s8(hi, xc));
+        }
+    }
+    const __m256i bias = _mm256_set1_epi32(8 * qsum);
+    return {_mm256_sub_epi32(acc[0], bias), _mm256_sub_epi32(acc[1], bias)};
+}
+
+inline Ints dot(const Block8& block, const int8_t* xb, int32_t) {
+    const uint8_t* w = block.w;
+    // |x| as the unsigned operand, q carrying x's sign: |x|, |q| <= 127, so a pair fits int16
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int g = 0; g < 8; ++g) {
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        const __m256i x = _mm256_set1_epi32(a);
+        const __m256i ax = _mm256_sign_epi8(x, x);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * g + 32 * h));
+            acc[h] = _mm256_add_epi32(acc[h], dot_u8s8(ax, _mm256_sign_epi8(q, x)));
+        }
+    }
+    return {acc[0], acc[1]};
+}
+
+inline Floats load_floats(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Floats zero_floats() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Floats to_floats(Ints v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline Floats fma(Floats a, Floats b, Floats c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Floats broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+#define DSPARK_QMATMUL_ISA "avx2"
+
+#else
+#error "plugins/qmatmul needs AVX2 and FMA (the build falls back to ONNX Runtime's own kernels)"
+#endif
+
+// x's rows quantized, in the scratch: int8 values, and per block the scale, the sum of the int8
+// values and the sum of the float ones.
+struct XRows {
+    int8_t* q;       // [M, K]
+    float* scale;    // [M, K / 32]
+    int32_t* qsum;   // [M, K / 32]
+    float* sum;      // [M, K / 32]
+};
+
+XRows x_rows(void* scratch, int64_t M, int64_t K) {
+    auto* base = static_cast<uint8_t*>(scratch);
+    const int64_t blocks = K / BLOCK;
+    return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + M * K),
+            reinterpret_cast<int32_t*>(base + M * K + 4 * M * blocks),
+            reinterpret_cast<float*>(base + M * K + 8 * M * blocks)};
+}
+
+// One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
+// tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
+template <typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
+void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
+    const int64_t K = w.K, N = w.N, blocks = K / BLOCK, block_bytes = w.bits * 64;
+    const uint8_t* wq = w.q + t * blocks * block_bytes;
+    const float* ws = w.scales + t * blocks * TILE;
+    const float* wo = OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
+    const int32_t* wsum = w.wsums ? w.wsums + t * blocks * TILE : nullptr;
+    const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_GROUP) {
+        const int rows = int(M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP);
+        Floats acc[ROW_GROUP];
+        for (int r = 0; r < rows; ++r) acc[r] = zero_floats();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
+            const Floats dw = load_floats(ws + b * TILE);
+            for (int r = 0; r < rows; ++r) {
+                const int64_t m = m0 + r, mb = m * blocks + b;
+                const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
+                acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
+                if (OFFSETS) acc[r] = fma(load_floats(wo + b * TILE), broadcast(x.sum[mb]), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; ++r) {
+            float* out = y + (m0 + r) * N + n0;
+            if (width == TILE) {
+                store_floats(out, acc[r]);
+            } else {
+                alignas(64) float tmp[TILE];
+                store_floats(tmp, acc[r]);
+                std::memcpy(out, tmp, width * sizeof(float));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* dspark_qmatmul_isa() { return DSPARK_QMATMUL_ISA; }
+
+int64_t dspark_qmatmul_scratch(int64_t M, int64_t K) {
+    return M * K + 3 * M * (K / BLOCK) * 4;
+}
+
+void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
+    const XRows q = x_rows(scratch, M, K);
+    const int64_t blocks = K / BLOCK;
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row(x + m * K, int(K), q.q + m * K, q.scale + m * blocks, q.qsum + m * blocks,
+                     q.sum + m * blocks);
+}
+
+void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
+                          int64_t first, int64_t last) {
+    const XRows x = x_rows(const_cast<void*>(scratch), M, w->K);
+    for (int64_t t = first; t < last; ++t) {
+        if (w->bits == 4)
+            w->offsets ? tile<Block4, load4, true>(*w, x, M, y, t) : tile<Block4, load4, false>(*w, x, M, y, t);
+        else
+            w->offsets ? tile<Block8, load8, true>(*w, x, M, y, t) : tile<Block8, load8, false>(*w, x, M, y, t);
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,30 @@
+// The kernel's C interface (kernel.cpp), for the ONNX Runtime op (ort_op.cpp) and for tests (ctypes).
+#pragma once
+#include <cstdint>
+
+#define DSPARK_API __attribute__((visibility("default")))
+
+extern "C" {
+
+// A weight in the kernel's layout (layout.py): for each tile of 16 columns and each block of 32 k,
+// `bits` * 64 bytes of integers; per tile and block, 16 scales, 16 offsets (or none) and, for
+// 8 bits, 16 integer column sums.
+struct DsparkQWeight {
+    int32_t bits;           // 4 or 8
+    int32_t K, N;           // N: the real columns (the last tile is padded with zero weights)
+    const uint8_t* q;       // [tiles, K / 32, bits * 64]
+    const float* scales;    // [tiles, K / 32, 16]
+    const float* offsets;   // [tiles, K / 32, 16] or null
+    const int32_t* wsums;   // [tiles, K / 32, 16] for 8 bits, else null
+};
+
+// The instruction set the library was built for ("avx512-vnni" or "avx2").
+DSPARK_API const char* dspark_qmatmul_isa();
+// Bytes of scratch for M rows of K.
+DSPARK_API int64_t dspark_qmatmul_scratch(int64_t M, int64_t K);
+// Quantize x's rows into the scratch, once per call, before the tiles.
+DSPARK_API void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch);
+// Tiles [first, last) of y [M, N] = x @ W for every row; any split of the tiles gives the same y.
+DSPARK_API void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
+                                     int64_t first, int64_t last);
+}

@@ -1,0 +1,223 @@
+// `dspark.cpu::QMatMul` as an ONNX Runtime custom op (SessionOptions.register_custom_ops_library).
+//
+// No installable package ships ONNX Runtime's C API header, so the few types used here are
+// declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
+// pointers that only ever grows, and each function used is called through its slot. Slots and
+// layouts were checked against onnxruntime 1.32.0 (tests/test_qmatmul.py runs this op there).
+//
+// Inputs: x float [..., K]; the weight in the kernel's layout (layout.py): q uint8
+// [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16], offsets float (same, or empty),
+// sums int32 (same for 8 bits, or empty). Attribute `columns`: N. Output: float [..., N].
+// The tiles are spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernel.h"
+
+namespace {
+
+// Opaque ONNX Runtime types: only pointers to them pass through here.
+struct OrtApi;
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtShape;   // OrtTensorTypeAndShapeInfo
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+
+struct OrtApiBase {
+    const OrtApi* (*GetApi)(uint32_t version);
+    const char* (*GetVersionString)();
+};
+
+constexpr uint32_t API_VERSION = 17;   // KernelContext_ParallelFor is 1.17's
+constexpr int FLOAT = 1, UINT8 = 2, INT32 = 6;   // ONNXTensorElementDataType
+constexpr int ORT_FAIL = 1;
+
+// The OrtApi slots used, and their signatures.
+template <typename F> F slot(const OrtApi* api, int index) {
+    return reinterpret_cast<F const*>(api)[index];
+}
+using CreateStatus = OrtStatus* (*)(int code, const char* message);
+using CreateCustomOpDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);
+using CustomOpDomainAdd = OrtStatus* (*)(OrtCustomOpDomain*, const void* op);
+using AddCustomOpDomain = OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*);
+using GetAttributeInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
+using GetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
+using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
+using GetData = OrtStatus* (*)(OrtValue*, void**);
+using GetShape = OrtStatus* (*)(const OrtValue*, OrtShape**);
+using GetElementType = OrtStatus* (*)(const OrtShape*, int*);
+using GetDimensionsCount = OrtStatus* (*)(const OrtShape*, size_t*);
+using GetDimensions = OrtStatus* (*)(const OrtShape*, int64_t*, size_t);
+using ReleaseShape = void (*)(OrtShape*);
+using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+enum Slot {
+    CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
+    GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61,
+    GET_DIMENSIONS = 62, GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+    KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91,
+    RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
+};
+
+// struct OrtCustomOp: `version`, then 25 function pointers (those left null are not called at
+// version 17, or are optional).
+struct OrtCustomOp {
+    uint32_t version;
+    void* (*CreateKernel)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+    const char* (*GetName)(const OrtCustomOp*);
+    const char* (*GetExecutionProviderType)(const OrtCustomOp*);
+    int (*GetInputType)(const OrtCustomOp*, size_t);
+    size_t (*GetInputTypeCount)(const OrtCustomOp*);
+    int (*GetOutputType)(const OrtCustomOp*, size_t);
+    size_t (*GetOutputTypeCount)(const OrtCustomOp*);
+    void (*KernelCompute)(void*, OrtKernelContext*);
+    void (*KernelDestroy)(void*);
+    int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
+    int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
+    int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
+    int (*GetVariadicInputMinArity)(const OrtCustomOp*);
+    int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
+    int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
+    int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
+    OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+    OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+    void* InferOutputShapeFn;
+    int (*GetStartVersion)(const OrtCustomOp*);
+    int (*GetEndVersion)(const OrtCustomOp*);
+    void* GetMayInplace;
+    void* ReleaseMayInplace;
+    void* GetAliasMap;
+    void* ReleaseAliasMap;
+};
+static_assert(sizeof(OrtCustomOp) == 208, "OrtCustomOp: 4 bytes, padding and 25 pointers");
+
+const OrtApi* g_api = nullptr;
+
+struct Tensor {
+    void* data;
+    int type;
+    std::vector<int64_t> dims;
+    int64_t size() const {
+        int64_t n = 1;
+        for (int64_t d : dims) n *= d;
+        return n;
+    }
+};
+
+Tensor input(OrtKernelContext* context, size_t index) {
+    const OrtValue* value = nullptr;
+    slot<GetInput>(g_api, KERNEL_CONTEXT_GET_INPUT)(context, index, &value);
+    Tensor t{};
+    slot<GetData>(g_api, GET_TENSOR_MUTABLE_DATA)(const_cast<OrtValue*>(value), &t.data);
+    OrtShape* shape = nullptr;
+    slot<GetShape>(g_api, GET_TENSOR_TYPE_AND_SHAPE)(value, &shape);
+    size_t rank = 0;
+    slot<GetElementType>(g_api, GET_TENSOR_ELEMENT_TYPE)(shape, &t.type);
+    slot<GetDimensionsCount>(g_api, GET_DIMENSIONS_COUNT)(shape, &rank);
+    t.dims.resize(rank);
+    slot<GetDimensions>(g_api, GET_DIMENSIONS)(shape, t.dims.data(), rank);
+    slot<ReleaseShape>(g_api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO)(shape);
+    return t;
+}
+
+OrtStatus* error(const std::string& message) {
+    return slot<CreateStatus>(g_api, CREATE_STATUS)(ORT_FAIL, ("dspark.cpu::QMatMul: " + message).c_str());
+}
+
+struct Kernel {
+    int64_t columns;
+};
+
+struct Call {   // one Compute's work, for the ParallelFor callbacks
+    DsparkQWeight weight;
+    const float* x;
+    int64_t rows;
+    void* scratch;
+    float* y;
+};
+
+OrtStatus* compute(void* state, OrtKernelContext* context) {
+    const int64_t columns = static_cast<Kernel*>(state)->columns;
+    const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
+                 offsets = input(context, 3), sums = input(context, 4);
+    if (x.dims.empty() || q.dims.size() != 3 || scales.dims.size() != 3)
+        return error("expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16]");
+    const int64_t K = x.dims.back(), bits = q.dims[2] / 64;
+    if (q.dims[1] * 32 != K || (bits != 4 && bits != 8) || q.dims[0] * 16 < columns)
+        return error("x's K = " + std::to_string(K) + " does not match the weight's blocks (" +
+                     std::to_string(q.dims[1]) + " of 32, " + std::to_string(q.dims[2]) + " bytes)");
+    std::vector<int64_t> out_dims = x.dims;
+    out_dims.back() = columns;
+    OrtValue* out = nullptr;
+    slot<GetOutput>(g_api, KERNEL_CONTEXT_GET_OUTPUT)(context, 0, out_dims.data(), out_dims.size(), &out);
+    void* y = nullptr;
+    slot<GetData>(g_api, GET_TENSOR_MUTABLE_DATA)(out, &y);
+    const int64_t rows = x.size() / K;
+    if (rows == 0) return nullptr;
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(static_cast<size_t>(dspark_qmatmul_scratch(rows, K)));
+    Call call{{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
+               static_cast<const float*>(scales.data),
+               offsets.size() ? static_cast<const float*>(offsets.data) : nullptr,
+               sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr},
+              static_cast<const float*>(x.data), rows, scratch.data(), static_cast<float*>(y)};
+    dspark_qmatmul_quantize(call.x, rows, K, call.scratch);
+    auto tile = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        dspark_qmatmul_tiles(&c->weight, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+    };
+    return slot<ParallelFor>(g_api, KERNEL_CONTEXT_PARALLEL_FOR)(context, tile, size_t(q.dims[0]), 0, &call);
+}
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new Kernel{0};
+    if (OrtStatus* status = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns)) {
+        delete state;
+        return status;
+    }
+    *kernel = state;
+    return nullptr;
+}
+
+OrtCustomOp make_op() {
+    OrtCustomOp op{};
+    op.version = API_VERSION;
+    op.GetName = [](const OrtCustomOp*) { return "QMatMul"; };
+    op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };   // CPU
+    op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+    op.GetInputType = [](const OrtCustomOp*, size_t i) {
+        static const int types[] = {FLOAT, UINT8, FLOAT, FLOAT, INT32};
+        return types[i];
+    };
+    op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    op.GetOutputType = [](const OrtCustomOp*, size_t) { return FLOAT; };
+    op.KernelDestroy = [](void* state) { delete static_cast<Kernel*>(state); };
+    op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };    // required
+    op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
+    op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };        // default (CPU)
+    op.CreateKernelV2 = create_kernel;
+    op.KernelComputeV2 = compute;
+    return op;
+}
+
+const OrtCustomOp g_op = make_op();
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    g_api = base->GetApi(API_VERSION);
+    // ONNX Runtime before 1.17 has no API 17: nothing is registered (the lowering checks the
+    // version before it loads this library)
+    if (g_api == nullptr) return nullptr;
+    OrtCustomOpDomain* domain = nullptr;
+    if (OrtStatus* status = slot<CreateCustomOpDomain>(g_api, CREATE_CUSTOM_OP_DOMAIN)("dspark.cpu", &domain))
+        return status;
+    if (OrtStatus* status = slot<CustomOpDomainAdd>(g_api, CUSTOM_OP_DOMAIN_ADD)(domain, &g_op))
+        return status;
+    return slot<AddCustomOpDomain>(g_api, ADD_CUSTOM_OP_DOMAIN)(options, domain);
+}

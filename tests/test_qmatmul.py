@@ -1,0 +1,156 @@
+"""The compiled kernel for quantized weight products (``plugins/qmatmul``): what it computes, a
+row's result whatever rows share its call, the ONNX Runtime op and its lowering, the engine
+backend on it, and the build's fallback where no compiler is found."""
+import ctypes
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from plugins.ort_session import lowered_session
+from plugins.qmatmul import build, layout
+from plugins.qmatmul.ort_lowering import DOMAIN, OP
+
+LIBRARY = build.library()
+needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no compiler or no AVX2: the stock path runs")
+
+# (bits, offsets, K, N): the demo target's layer kinds, a narrow layer, a width not a multiple of 16
+SHAPES = [(4, False, 576, 960), (4, True, 576, 200), (8, False, 1536, 576), (8, False, 64, 17),
+          (4, True, 96, 40)]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int32), ("K", ctypes.c_int32), ("N", ctypes.c_int32),
+                ("q", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("wsums", ctypes.c_void_p)]
+
+
+def _kernel():
+    lib = ctypes.CDLL(str(LIBRARY))
+    lib.dspark_qmatmul_scratch.restype = ctypes.c_int64
+    lib.dspark_qmatmul_scratch.argtypes = [ctypes.c_int64] * 2
+    lib.dspark_qmatmul_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.dspark_qmatmul_tiles.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return lib
+
+
+def _run(lib, x: np.ndarray, packed: layout.Packed, splits=(1,)) -> np.ndarray:
+    """The kernel on ``x [M, K]``, its tiles in ``len(splits)`` calls of the given shares."""
+    rows, k = x.shape
+    pointer = lambda a: a.ctypes.data if a.size else None   # noqa: E731
+    weight = _Weight(packed.bits, k, packed.n, pointer(packed.q), pointer(packed.scales),
+                     pointer(packed.offsets), pointer(packed.sums))
+    scratch = np.empty(lib.dspark_qmatmul_scratch(rows, k), np.uint8)
+    y = np.full((rows, packed.n), np.nan, np.float32)
+    x = np.ascontiguousarray(x, np.float32)
+    lib.dspark_qmatmul_quantize(x.ctypes.data, rows, k, scratch.ctypes.data)
+    tiles = packed.q.shape[0]
+    bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * tiles).astype(int)
+    for first, last in zip(bounds[:-1], bounds[1:]):
+        lib.dspark_qmatmul_tiles(ctypes.byref(weight), scratch.ctypes.data, rows, y.ctypes.data, first, last)
+    return y
+
+
+def _weight(rng, bits, offsets, k, n):
+    low, high = (-8, 8) if bits == 4 else (-127, 128)
+    q = rng.integers(low, high, (k, n)).astype(np.int8)
+    scales = (rng.random((k // 32, n)) * 0.02).astype(np.float32)
+    return q, scales, (rng.standard_normal((k // 32, n)) * 0.01).astype(np.float32) if offsets else None
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, offsets, k, n", SHAPES)
+def test_the_kernel_computes_the_blocks_integer_products_and_a_row_alone_as_in_any_call(bits, offsets, k, n):
+    """Against ``layout.reference`` (float64) within float32 rounding; near the de-quantized
+    float product (int8 activations); and each row's values bit for bit the same alone, in a call
+    of 9 rows, and with the tiles split between calls (threads)."""
+    rng = np.random.default_rng(bits * 1000 + k + n)
+    lib = _kernel()
+    q, scales, offs = _weight(rng, bits, offsets, k, n)
+    packed = layout.pack(q, scales, bits, offs)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    x[3] = 0   # a zero block: scale 0
+    y = _run(lib, x, packed)
+    reference = layout.reference(x, q, scales, offs)
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    weight = q.astype(np.float32) * np.repeat(scales, 32, 0) + (0 if offs is None else np.repeat(offs, 32, 0))
+    exact = x @ weight
+    assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+    alone = np.stack([_run(lib, x[i:i + 1], packed)[0] for i in range(len(x))])
+    assert np.array_equal(alone, y)
+    assert np.array_equal(_run(lib, x[2:7], packed, splits=(1, 3, 2)), y[2:7])
+
+
+def test_int8_weights_of_minus_128_are_left_to_the_stock_kernels():
+    """The AVX2 path puts x's sign on the weight, which -128 would overflow: such a weight is not
+    taken (llama.cpp's Q8_0 and our RTN never write -128)."""
+    q = np.zeros((32, 16), np.int8)
+    assert layout.supported(q, 32, 8)
+    q[0, 0] = -128
+    assert not layout.supported(q, 32, 8) and layout.supported(q.clip(-8, 7), 32, 4)
+    assert not layout.supported(np.zeros((64, 16), np.int8), 64, 4)   # blocks of 64
+
+
+def _linear_graph(path, q, scales, offsets, bits):
+    """``y = x @ DequantizeLinear(q, scales) [+ block sums of x @ offsets]`` as ``export/quantize.py``
+    writes it, x ``[batch, rows, K]``, saved at ``path``."""
+    import ml_dtypes
+
+    k, n = q.shape
+    x = ir.Value(name="x", shape=ir.Shape(["batch", "rows", k]), type=ir.TensorType(ir.DataType.FLOAT))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 23}, name="linear")
+
+    def constant(name, array):
+        value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+        graph.register_initializer(value)
+        return value
+
+    dq = ir.node("DequantizeLinear", [constant("w_q", q.astype(ml_dtypes.int4) if bits == 4 else q),
+                                      constant("w_scales", scales)],
+                 attributes={"axis": 0, "block_size": 32})
+    matmul = ir.node("MatMul", [x, dq.outputs[0]])
+    nodes, y = [dq, matmul], matmul.outputs[0]
+    if offsets is not None:
+        blocks = ir.node("Reshape", [x, constant("shape", np.array([0, 0, -1, 32], np.int64))])
+        sums = ir.node("ReduceSum", [blocks.outputs[0], constant("axis", np.array([-1], np.int64))],
+                       attributes={"keepdims": 0})
+        offset = ir.node("MatMul", [sums.outputs[0], constant("w_offsets", offsets)])
+        add = ir.node("Add", [y, offset.outputs[0]])
+        nodes, y = nodes + [blocks, sums, offset, add], add.outputs[0]
+    graph.extend(nodes)
+    y.name = "y"
+    graph.outputs.append(y)
+    ir.save(ir.Model(graph, ir_version=10), path)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False)])
+def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path, bits, offsets):
+    """A linear layer in the engine's form, loaded with the kernel: one ``QMatMul`` node (the
+    offsets' block sums folded into it) giving the reference's values for ``[batch, rows, K]``
+    input, and the stock session (ONNX Runtime's ``MatMulNBits``) within int8 activations' error."""
+    rng = np.random.default_rng(bits + offsets)
+    q, scales, offs = _weight(rng, bits, offsets, 96, 40)
+    path = tmp_path / "linear.onnx"
+    _linear_graph(path, q, scales, offs, bits)
+    x = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    session = lowered_session(path, ort.SessionOptions(), kernel=LIBRARY)
+    y = session.run(None, {"x": x})[0]
+    reference = layout.reference(x.reshape(6, 96), q, scales, offs).reshape(2, 3, 40)
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    stock = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.abs(y - stock).max() < 0.02 * np.abs(stock).max()
+    model = ir.load(path)
+    from plugins.qmatmul.ort_lowering import lower
+    packed = lower(model)
+    assert [(n.domain, n.op_type) for n in model.graph] == [(DOMAIN, OP)] and len(packed) == 4
+
+
+def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    assert build.build() is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C++ compiler" in err and "stock kernels" in err
