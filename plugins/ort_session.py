@@ -2,7 +2,9 @@
 holds it (portable ONNX that every runtime reads), rewritten when it is loaded for ONNX Runtime's
 CPU kernels and ours:
 
-- the attention at batch 1 as ONNX Runtime's own kernels (``block_attention/ort_contrib.py``);
+- the attention at batch 1 as ONNX Runtime's own kernels (``block_attention/ort_contrib.py``), or,
+  for a batch of sequences in one call, as the compiled kernel over a pool of cache slots
+  (``block_attention/ort_cpu.py``);
 - the quantized linear layers as the compiled kernel (``qmatmul/``), where it is built for this
   machine; elsewhere they stay ``DequantizeLinear -> MatMul``, which ONNX Runtime fuses into its
   ``MatMulNBits``.
@@ -20,28 +22,33 @@ from pathlib import Path
 
 import numpy as np
 
-from .block_attention import ort_contrib
+from .block_attention import ort_contrib, ort_cpu
 from .qmatmul import ort_lowering as qmatmul
 
 
 def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None,
-                    kernel: Path | None = None):
+                    kernel: Path | None = None, batched: bool = False):
     """A session of the graph at ``path`` with its attention lowered (``rotary``: the decoder's
-    tables, ``ort_contrib.rotary_tables``) and, with ``kernel`` (``qmatmul.build.library()``), its
-    quantized layers on the compiled kernel; None when there is nothing to lower. ``options``
-    are this session's alone."""
+    tables, ``ort_contrib.rotary_tables``) and, with ``kernel`` (``plugins.cpu.build.library()``),
+    its quantized layers on the compiled kernel and, with ``batched`` too, its attention over a
+    pool of slots where the graph allows it (the session then has a ``slots`` input); None when
+    there is nothing to lower. ``options`` are this session's alone."""
     import mmap
 
     import onnx_ir as ir
     import onnxruntime as ort
 
     model = ir.load(path)
-    lowered = ort_contrib.lower(model, rotary)
     packed = qmatmul.lower(model) if kernel is not None else {}
+    # a batch in one call only where every product is the kernel's (ONNX Runtime's float MatMul
+    # gives a row other bits beside other rows)
+    pooled = kernel is not None and batched and not qmatmul.float_products(model) and ort_cpu.lower(model)
+    lowered = pooled or ort_contrib.lower(model, rotary)
     if not lowered and not packed:
         return None
-    if packed:
+    if pooled or packed:
         options.register_custom_ops_library(str(kernel))
+    if packed:
         options.add_external_initializers(list(packed),
                                           [ort.OrtValue.ortvalue_from_numpy(a) for a in packed.values()])
     files = sorted({value.const_value.location for value in model.graph.initializers.values()

@@ -18,20 +18,28 @@ things in ONNX Runtime's CPU kernels make a row's result depend on its call:
   attention is lowered to, ``plugins/block_attention/ort_contrib.py``) round differently, and
   ``GroupQueryAttention`` takes several new rows over a past only for one sequence.
 
-So every graph runs one sequence per call, lowered: each sequence has its own caches (its own
-``IOBinding``), and a step of ``B`` sequences is ``B`` calls into shared input and output buffers.
-A sequence then computes exactly what it computes alone, at any batch size and with any
-neighbours (``tests/test_quantize.py``, ``tests/test_gguf.py``); the cost is that the weights are
-read once per sequence rather than once per step (README, "Batching on the CPU").
+Where the compiled CPU kernels are built for this machine (``plugins/cpu``: ``scripts/setup.sh``,
+or on first use) and every weight product of the target is quantized, the target runs a whole
+batch in one call: its quantized layers on ``QMatMul`` (each weight block read once for all the
+rows of the call, each output row computed in a fixed order of its own) and its attention on
+``CausalAttention`` over a pool of cache slots (each sequence over its own visible rows only).
+A row's result is then the same alone, beside any rows, and in a one-row call, by construction,
+with no padding (``tests/test_quantize.py``, ``tests/test_gguf.py``, ``tests/test_cpu_kernels.py``).
+
+Elsewhere (a float engine, a hybrid or Gemma 4 target, the draft, a machine without the kernels)
+a graph runs one sequence per call, lowered: each sequence has its own caches (its own
+``IOBinding``), a step of ``B`` sequences is ``B`` calls into shared input and output buffers,
+and a one-row call is made a two-row one as above. A sequence then computes exactly what it
+computes alone there too, but the weights are read once per sequence rather than once per step.
 
 The KV caches live in ONNX Runtime ``OrtValue``s allocated once per batch; each call binds the same
 value as the cache input and the cache output, so ONNX Runtime updates them in place and nothing
 copies them. The other outputs are written into buffers kept per shape: a returned tensor is valid
 until the next call of the same step with the same shape.
 
-Quantized engines (``build --weights``) run with ONNX Runtime's fastest CPU path for them: each
-``DequantizeLinear -> MatMul`` fused into ``MatMulNBits`` with ``accuracy_level`` 4 (activations
-quantized to int8 per block and row, so a row's result is its own).
+Quantized engines (``build --weights``) without the compiled kernels run with ONNX Runtime's
+fastest CPU path for them: each ``DequantizeLinear -> MatMul`` fused into ``MatMulNBits`` with
+``accuracy_level`` 4 (activations quantized to int8 per block and row, as the kernel does).
 """
 from __future__ import annotations
 
@@ -42,8 +50,9 @@ import torch
 
 from export.manifest import cache_output, is_cache, weight_formats
 from plugins.block_attention.ort_contrib import target_rotary
+from plugins.block_attention.ort_cpu import SLOTS
+from plugins.cpu.build import library
 from plugins.ort_session import lowered_session
-from plugins.qmatmul.build import library
 
 from .engine_backend import EngineBackend, damaged
 
@@ -56,15 +65,16 @@ class OrtBackend(EngineBackend):
     # the loop's torch work between calls is small (argmax / sampling over a few rows); on more
     # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
     host_threads = 1
-    # sequences run one per call, so a batch is no faster than its prompts one after another
-    # (README, "Batching on the CPU"), and a batch of one ends with its own prompt
+    # where sequences run one per call a batch is no faster than its prompts one after another
+    # (README, "Batching on the CPU"), and a batch of one ends with its own prompt; a batched
+    # target (``batched``) takes the engine's whole batch
     default_batch = 1
 
     def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True,
                  kernel: bool = True):
         """``threads``: ONNX Runtime's intra-op threads (None: all cores); ``lower`` False runs the
-        graphs as the engine holds them, ``kernel`` False the quantized layers on ONNX Runtime's
-        own kernels rather than the compiled one (to compare the forms)."""
+        graphs as the engine holds them, ``kernel`` False on ONNX Runtime's own kernels rather than
+        the compiled ones, one sequence per call (to compare the forms)."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads {threads}: expected at least 1 (None: all cores)")
         super().__init__(engine)
@@ -81,6 +91,10 @@ class OrtBackend(EngineBackend):
             session = self._load(name, lowered=True) if lower else None
             self.lowered[name] = session is not None
             self.sessions[name] = session or self._load(name, lowered=False)
+        # the target's whole batch in one call, on a pool of cache slots (plugins/cpu)
+        self.batched = SLOTS in {value.name for value in self.sessions["target"].get_inputs()}
+        if self.batched:
+            self.default_batch = None
 
     def _options(self):
         import onnxruntime as ort
@@ -107,40 +121,49 @@ class OrtBackend(EngineBackend):
         path = self.file(self.manifest["graphs"][graph]["file"])
         try:
             if lowered:
-                return lowered_session(path, self._options(), self._rotary, self.kernel)
+                return lowered_session(path, self._options(), self._rotary, self.kernel,
+                                       batched=graph == "target")
             return ort.InferenceSession(str(path), self._options(), providers=["CPUExecutionProvider"])
         except Exception as err:   # ONNX Runtime's and onnx_ir's errors share no base
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
-        """Fresh zeroed caches for each of ``batch`` slots, bound in place to both graphs:
-        ``bindings[slot][graph]`` is that slot's."""
+        """Fresh zeroed caches for each of ``batch`` slots, bound in place: ``bindings[slot][graph]``
+        is that slot's; a batched target's are one pool, ``pool[slot]`` each slot's."""
         self.limits.check_batch(batch)
         self.bindings = [self._fresh_bindings() for _ in range(batch)]
+        if self.batched:
+            self.pool, self.pool_binding = self._bound_caches("target", batch)
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
 
     def clear(self, slot: int) -> None:
         """Fresh zeroed caches for ``slot`` alone (a new sequence there; the others keep theirs)."""
         self.bindings[slot] = self._fresh_bindings()
+        if self.batched:
+            for cache in self.pool:
+                cache[slot] = 0
         self._bound.clear()
 
     def _fresh_bindings(self) -> dict:
-        """One slot's ``IOBinding`` per graph, its caches zeroed ``OrtValue``s bound as both the
-        cache input and the cache output."""
+        """One slot's ``IOBinding`` per graph that runs a sequence per call."""
+        return {name: self._bound_caches(name, 1)[1] for name in self.sessions
+                if not (name == "target" and self.batched)}
+
+    def _bound_caches(self, graph: str, batch: int) -> tuple[list[np.ndarray], object]:
+        """Zeroed caches of ``batch`` sequences for ``graph`` and an ``IOBinding`` holding each as
+        both the cache input and the cache output (ONNX Runtime's ``OrtValue`` shares the array)."""
         import onnxruntime as ort
 
-        bindings = {}
-        for name, session in self.sessions.items():
-            binding = session.io_binding()
-            for cache in self.manifest["graphs"][name]["inputs"]:
-                if is_cache(cache["name"]):
-                    shape = [1 if s == "batch" else s for s in cache["shape"]]
-                    value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=self._numpy(cache)))
-                    binding.bind_ortvalue_input(cache["name"], value)
-                    binding.bind_ortvalue_output(cache_output(cache["name"]), value)
-            bindings[name] = binding
-        return bindings
+        binding, caches = self.sessions[graph].io_binding(), []
+        for cache in self.manifest["graphs"][graph]["inputs"]:
+            if is_cache(cache["name"]):
+                caches.append(np.zeros([batch if s == "batch" else s for s in cache["shape"]],
+                                       dtype=self._numpy(cache)))
+                value = ort.OrtValue.ortvalue_from_numpy(caches[-1])
+                binding.bind_ortvalue_input(cache["name"], value)
+                binding.bind_ortvalue_output(cache_output(cache["name"]), value)
+        return caches, binding
 
     def _run(self, graph: str, feeds: dict[str, torch.Tensor], outputs: tuple[str, ...],
              sizes: dict[str, int], slots: list[int] | None = None):
@@ -154,6 +177,8 @@ class OrtBackend(EngineBackend):
         if key not in self._buffers:
             self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
         inputs, results = self._buffers[key]
+        if graph == "target" and self.batched:
+            return self._run_batch(inputs, outputs, results, key, slots, feeds)
         if self._bound.get(graph) != (key, slots):
             for row, slot in enumerate(slots):
                 binding = self.bindings[slot][graph]
@@ -169,6 +194,20 @@ class OrtBackend(EngineBackend):
             session.run_with_iobinding(self.bindings[slot][graph])
         return [torch.from_numpy(buffer) for buffer in results]
 
+    def _run_batch(self, inputs: dict, outputs: tuple[str, ...], results: list, key: tuple,
+                   slots: list[int], feeds: dict[str, torch.Tensor]):
+        """``_run`` of the batched target: one call for every sequence, ``slots`` an input."""
+        if self._bound.get("target") != key:
+            for name, buffer in (*inputs.items(), *zip(outputs, results)):
+                bind = self.pool_binding.bind_input if name in inputs else self.pool_binding.bind_output
+                bind(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+            self._bound["target"] = key
+        for name, tensor in feeds.items():
+            np.copyto(inputs[name], tensor.numpy(), casting="same_kind")
+        inputs[SLOTS][:] = slots
+        self.sessions["target"].run_with_iobinding(self.pool_binding)
+        return [torch.from_numpy(buffer) for buffer in results]
+
     def _make_buffers(self, graph, feeds, outputs, sizes):
         specs = {t["name"]: t for t in (*self.manifest["graphs"][graph]["inputs"],
                                         *self.manifest["graphs"][graph]["outputs"])}
@@ -176,7 +215,10 @@ class OrtBackend(EngineBackend):
         def buffer(name):
             return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=self._numpy(specs[name]))
 
-        return {name: buffer(name) for name in feeds}, [buffer(name) for name in outputs]
+        inputs = {name: buffer(name) for name in feeds}
+        if graph == "target" and self.batched:
+            inputs[SLOTS] = np.empty(sizes["batch"], np.int64)
+        return inputs, [buffer(name) for name in outputs]
 
     @staticmethod
     def _numpy(tensor: dict):
@@ -188,7 +230,7 @@ class OrtBackend(EngineBackend):
                     slots: list[int] | None = None):
         batch, rows = input_ids.shape
         wanted = logit_rows.shape[1]
-        if int(start.max()) + 1 < self.limits.capacity:
+        if not self.batched and int(start.max()) + 1 < self.limits.capacity:
             # one-row calls take another kernel path (module docstring): made two-row calls; the
             # copy's recurrent state is never kept (state_rows names the real rows)
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids

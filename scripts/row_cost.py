@@ -1,11 +1,12 @@
-"""What a verify row costs on this machine: the target step's time at each row count, and the draft
-step's, through the runtime's own backend (batch 1, caches bound in place, a one-row step run as
-two rows, as ``generate`` runs it), in interleaved rounds so that a slow spell of a shared machine
-falls on all row counts alike. Speculation pays where a row costs less than the tokens it is
+"""What a verify row costs on this machine: the target step's time at each row count and batch
+size, and the draft step's, through the runtime's own backend (caches bound in place, as
+``generate`` runs it: a batch in one call where the compiled kernels run it, else one call per
+sequence with a one-row step run as two rows), in interleaved rounds so that a slow spell of a
+shared machine falls on all row counts alike. Speculation pays where a row costs less than the tokens it is
 expected to add: its acceptance times a one-token step.
 
     python scripts/row_cost.py --engine engines/demo [engines/other ...] --rows 1 2 3 4 5 \\
-        [--stock] [--portable]
+        [--batch 1 2 4] [--stock] [--portable]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", nargs="+", required=True, help="one or more, timed interleaved")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences per step")
     p.add_argument("--context", type=int, default=128, help="cached rows before each timed step")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
@@ -43,9 +45,13 @@ def main() -> None:
     if args.context + max(args.rows) > capacity or min(args.rows) < 1:
         sys.exit(f"--rows / --context: expected 1 <= rows and context + rows <= the engines' "
                  f"capacity {capacity}")
+    most = min(backend.limits.max_batch for backend in backends.values())
+    if min(args.batch) < 1 or max(args.batch) > most:
+        sys.exit(f"--batch: expected 1 .. {most} (the engines' --max-batch)")
     steps = {}
     for key, backend in backends.items():
-        steps |= {(*key, name): step for name, step in _steps(backend, args.rows, args.context).items()}
+        for name, step in _steps(backend, args.rows, sorted(set(args.batch)), args.context).items():
+            steps[(*key, *name) if isinstance(name, tuple) else (*key, name)] = step
     times = {name: [] for name in steps}
     for round_ in range(args.rounds + 3):   # the first rounds warm up, untimed
         for name, step in steps.items():
@@ -55,47 +61,54 @@ def main() -> None:
                 times[name].append(time.perf_counter() - began)
     ms = {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
     print(f"median of {args.rounds} interleaved rounds, {args.threads} threads, {args.context} cached rows")
-    for engine, form in backends:
-        print(f"{engine}, {FORMS[form]}:")
-        previous = None
-        for rows in sorted(set(args.rows)):
-            label = "1 row (run as 2)" if rows == 1 else f"{rows} rows"
-            line = f"  target, {label:17s} {ms[engine, form, rows]:7.2f} ms"
-            if previous is not None:
-                extra = (ms[engine, form, rows] - ms[engine, form, previous]) / (rows - previous)
-                line += f"  (+{extra:.2f} ms a row)"
-            print(line)
-            previous = rows
-        print(f"  draft step {ms[engine, form, 'draft']:21.2f} ms")
+    for (engine, form), backend in backends.items():
+        print(f"{engine}, {FORMS[form]}{'' if backend.batched else ', one call per sequence'}:")
+        one = ms[engine, form, 1, min(args.rows)]
+        for batch in sorted(set(args.batch)):
+            previous = None
+            for rows in sorted(set(args.rows)):
+                label = f"{batch} x {rows} row{'s' if rows > 1 else ''}"
+                label += " (run as 2)" if rows == 1 and not backend.batched else ""
+                step = ms[engine, form, batch, rows]
+                line = f"  target, {label:20s} {step:7.2f} ms  {step / one:5.2f}x"
+                if previous is not None:
+                    extra = (step - ms[engine, form, batch, previous]) / (rows - previous)
+                    line += f"  (+{extra:.2f} ms a row)"
+                print(line)
+                previous = rows
+        print(f"  draft step {ms[engine, form, 'draft']:24.2f} ms")
 
 
-FORMS = {"lowered": "lowered (the compiled kernel where built)", "stock": "lowered, ONNX Runtime's kernels",
+FORMS = {"lowered": "lowered (the compiled kernels where built)", "stock": "lowered, ONNX Runtime's kernels",
          "portable": "portable graphs"}
 
 
-def _steps(backend: OrtBackend, rows: list[int], context: int) -> dict:
-    """Calls that time ``backend``'s target step at each row count and its draft step, after a
-    prefill of ``context`` random tokens (the caches are not advanced: each call is the same)."""
+def _steps(backend: OrtBackend, rows: list[int], batches: list[int], context: int) -> dict:
+    """Calls that time ``backend``'s target step at each (batch, row count) and its draft step,
+    after a prefill of ``context`` random tokens in each slot (the caches are not advanced: each
+    call is the same)."""
     generator = torch.Generator().manual_seed(0)
     draft = backend.manifest["draft"]
     vocab = draft["target_vocab_size"]
-    backend.start(1)
-    prompt = torch.randint(vocab, (1, context), generator=generator)
-    slot, last = torch.tensor([0]), torch.tensor([[context - 1]])   # a hybrid's state: slot 0
-    _, aux = backend.target_step(prompt, torch.tensor([0]), last, slot, last)
-    start = torch.tensor([context])
+    backend.start(max(batches))
+    last = torch.tensor([[context - 1]])
+    for slot in range(max(batches)):   # a hybrid's state: state slot 0
+        prompt = torch.randint(vocab, (1, context), generator=generator)
+        _, aux = backend.target_step(prompt, torch.tensor([0]), last, torch.tensor([0]), last, slots=[slot])
 
-    def target(count: int):
+    def target(batch: int, count: int):
         """A verify step (every row's logits; a hybrid's state after every row) up to k + 1 rows,
         a prefill chunk's rows beyond (a hybrid keeps only the last row's state)."""
-        ids, rows = torch.randint(vocab, (1, count), generator=generator), torch.arange(count)[None]
-        kept = rows if count <= backend.limits.k + 1 else rows[:, -1:]
-        return lambda: backend.target_step(ids, start, rows, slot, kept)
+        ids = torch.randint(vocab, (batch, count), generator=generator)
+        positions = torch.arange(count)[None].repeat(batch, 1)
+        kept = positions if count <= backend.limits.k + 1 else positions[:, -1:]
+        start, state = torch.full((batch,), context), torch.zeros(batch, dtype=torch.long)
+        return lambda: backend.target_step(ids, start, positions, state, kept, slots=list(range(batch)))
 
-    draft_feeds = (aux[:, -1:], start - 1, torch.tensor([1]), prompt[:, -1], torch.zeros(1),
+    draft_feeds = (aux[:, -1:], torch.tensor([context - 1]), torch.tensor([1]), prompt[:, -1], torch.zeros(1),
                    torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
-    return {**{count: target(count) for count in sorted(set(rows))},
-            "draft": lambda: backend.draft_step(*draft_feeds)}
+    return {**{(batch, count): target(batch, count) for batch in batches for count in sorted(set(rows))},
+            "draft": lambda: backend.draft_step(*draft_feeds, slots=[0])}
 
 
 if __name__ == "__main__":

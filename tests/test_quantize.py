@@ -15,8 +15,8 @@ from export import manifest, quantize
 from export.build import build
 from export.onnx_check import VerificationError
 from export.onnx_export import Limits
+from plugins.cpu.build import library
 from plugins.qmatmul import ort_lowering as qmatmul_lowering
-from plugins.qmatmul.build import library
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 
@@ -337,7 +337,9 @@ def test_bad_flags_are_refused_in_one_line(tiny, tmp_path, flags, words):
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
     """The tests above run the engines as the backend loads them: each ``DequantizeLinear ->
-    MatMul`` becomes the kernel's ``QMatMul`` (none is left to ONNX Runtime's ``MatMulNBits``)."""
+    MatMul`` becomes the kernel's ``QMatMul`` (none is left to ONNX Runtime's ``MatMulNBits``),
+    and the target runs a batch of sequences in one call (``plugins/cpu``); a float engine one
+    sequence per call."""
     import onnx_ir as ir
 
     out = engines(weights)[0]
@@ -347,3 +349,4 @@ def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
         packed = qmatmul_lowering.lower(model)
         assert layers and len(packed) == 4 * layers
         assert not any(node.op_type in ("DequantizeLinear", "MatMulNBits") for node in model.graph)
+    assert OrtBackend(out).batched and not OrtBackend(engines("float")[0]).batched

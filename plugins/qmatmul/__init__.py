@@ -4,7 +4,7 @@
 ``kernel.cpp`` computes (what llama.cpp's CPU kernels do: int8 activations per block, integer
 dot products, each weight block read once for every row of a call, and each output row in a
 fixed order of its own, so a sequence's result is the same alone and in any batch);
-``layout.py`` repacks a weight for it and says in numpy what it computes; ``ort_op.cpp`` is its
-ONNX Runtime custom op, ``ort_lowering.py`` the rewrite of an engine graph's quantized layers
-into it at load, and ``build.py`` compiles it (``scripts/setup.sh``, or on first use).
+``layout.py`` repacks a weight for it and says in numpy what it computes; ``ort_lowering.py``
+rewrites an engine graph's quantized layers into it when the graph is loaded. Its ONNX Runtime
+op and build are ``plugins/cpu``'s.
 """

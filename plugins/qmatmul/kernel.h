@@ -2,7 +2,9 @@
 #pragma once
 #include <cstdint>
 
+#ifndef DSPARK_API
 #define DSPARK_API __attribute__((visibility("default")))
+#endif
 
 extern "C" {
 

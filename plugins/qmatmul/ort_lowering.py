@@ -52,6 +52,19 @@ def lower(model) -> dict[str, np.ndarray]:
     return packed_weights
 
 
+def float_products(model) -> int:
+    """How many matrix products of ``model``'s main graph multiply by a constant weight other
+    than through the kernel (``MatMul`` / ``Gemm`` of an initializer, or of its ``Transpose``)."""
+    def constant(value) -> bool:
+        producer = value.producer() if value is not None else None
+        if producer is not None and producer.op_type == "Transpose":
+            value = producer.inputs[0]
+        return value is not None and value.is_initializer()
+
+    return sum(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx") and len(node.inputs) > 1
+               and constant(node.inputs[1]) for node in model.graph)
+
+
 def _quantized_product(node):
     """``(DequantizeLinear, q, scales, bits, block)`` when ``node`` is a float32 ``MatMul`` of an
     input by a blocked ``DequantizeLinear`` of constants (axis 0, no zero point) that it alone

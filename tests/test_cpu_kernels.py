@@ -1,15 +1,19 @@
-"""The compiled kernel for quantized weight products (``plugins/qmatmul``): what it computes, a
-row's result whatever rows share its call, the ONNX Runtime op and its lowering, the engine
-backend on it, and the build's fallback where no compiler is found."""
+"""The compiled CPU kernels (``plugins/cpu``): the quantized weight products (``plugins/qmatmul``)
+and the batched causal attention (``plugins/block_attention/cpu_kernel.cpp``): what they compute,
+a row's result whatever rows share its call, their ONNX Runtime ops and lowerings, and the
+build's fallback where no compiler is found."""
 import ctypes
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+import torch
 
+from plugins.block_attention.reference import block_attention
+from plugins.cpu import build
 from plugins.ort_session import lowered_session
-from plugins.qmatmul import build, layout
+from plugins.qmatmul import layout
 from plugins.qmatmul.ort_lowering import DOMAIN, OP
 
 LIBRARY = build.library()
@@ -154,3 +158,56 @@ def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, t
     assert build.build() is None
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no C++ compiler" in err and "stock kernels" in err
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("B", "R", "heads", "kv_heads", "D", "P", "C")] + \
+        [("scale", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in
+                                       ("q", "k_new", "v_new", "k_cache", "v_cache", "start", "slots", "out")]
+
+
+def _attend(lib, q, k_new, v_new, k_cache, v_cache, start, slots, scale):
+    """The kernel's three phases as ``ort_ops.cpp`` runs them (heads in reverse order: any order of
+    the tasks gives the same); returns ``out`` and writes the caches in place."""
+    out = np.full_like(q, np.nan)
+    arrays = [q, k_new, v_new, k_cache, v_cache, start, slots, out]
+    call = _Attention(q.shape[0], q.shape[2], q.shape[1], k_new.shape[1], q.shape[3], k_cache.shape[0],
+                      k_cache.shape[2], scale, *(a.ctypes.data for a in arrays))
+    lib.dspark_attention_check.restype = ctypes.c_char_p
+    lib.dspark_attention_scratch.restype = ctypes.c_int64
+    lib.dspark_attention_head.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int64, ctypes.c_void_p]
+    assert lib.dspark_attention_check(ctypes.byref(call)) is None
+    lib.dspark_attention_write(ctypes.byref(call))
+    scratch = np.empty(lib.dspark_attention_scratch(ctypes.byref(call)) // 4, np.float32)
+    for task in reversed(range(q.shape[0] * q.shape[1])):
+        lib.dspark_attention_head(ctypes.byref(call), task, scratch.ctypes.data)
+    return out
+
+
+@needs_kernel
+def test_the_attention_kernel_is_block_attentions_causal_form_and_a_row_its_own():
+    """Against ``reference.py`` (causal) on a pool of 3 slots, the batch on slots 2 and 0 with
+    other starts: the output and the caches each sequence's slot gets; and a sequence's output the
+    same bits alone as beside another, whatever their lengths."""
+    rng = np.random.default_rng(0)
+    heads, kv_heads, d, capacity, rows = 6, 2, 32, 40, 5
+    q = rng.standard_normal((2, heads, rows, d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((2, kv_heads, rows, d)).astype(np.float32) for _ in range(2))
+    pool = [rng.standard_normal((3, kv_heads, capacity, d)).astype(np.float32) for _ in range(2)]
+    start, slots = np.array([7, 30], np.int64), np.array([2, 0], np.int64)
+    lib = ctypes.CDLL(str(LIBRARY))
+    k_pool, v_pool = (p.copy() for p in pool)
+    out = _attend(lib, q, k_new, v_new, k_pool, v_pool, start, slots, 0.2)
+    for b, slot in enumerate(slots):
+        expected = block_attention(*(torch.from_numpy(a[b:b + 1]) for a in (q, k_new, v_new)),
+                                   *(torch.from_numpy(p[slot:slot + 1]) for p in pool),
+                                   torch.from_numpy(start[b:b + 1]), causal=True, scale=0.2)
+        np.testing.assert_allclose(out[b], expected[0][0].numpy(), rtol=1e-5, atol=1e-5)
+        written = slice(0, start[b] + rows)   # rows past a sequence's end are scratch
+        np.testing.assert_array_equal(k_pool[slot, :, written], expected[1][0, :, written].numpy())
+        np.testing.assert_array_equal(v_pool[slot, :, written], expected[2][0, :, written].numpy())
+    np.testing.assert_array_equal(k_pool[1], pool[0][1])   # the slot no sequence ran on
+    for b in range(2):
+        alone = _attend(lib, q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1], pool[0].copy(), pool[1].copy(),
+                        start[b:b + 1], slots[b:b + 1], 0.2)
+        assert np.array_equal(alone[0], out[b])

@@ -1,5 +1,6 @@
-"""Compile the kernel for the machine it runs on: ``python -m plugins.qmatmul.build`` (what
-``scripts/setup.sh`` runs), or on first use.
+"""Compile the CPU kernels (``plugins/qmatmul``, ``plugins/block_attention/cpu_kernel.cpp``) and
+their ONNX Runtime ops (``ort_ops.cpp``) into one library for the machine it runs on:
+``python -m plugins.cpu.build`` (what ``scripts/setup.sh`` runs), or on first use.
 
 The library is built with ``-march=native``, so a build made on one CPU may die with SIGILL on
 another; it is kept under a key of the sources, the compiler and this CPU's flags
@@ -18,8 +19,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "kernel.cpp", HERE / "ort_op.cpp")
+PLUGINS = Path(__file__).resolve().parents[1]
+SOURCES = (PLUGINS / "qmatmul" / "kernel.cpp", PLUGINS / "block_attention" / "cpu_kernel.cpp",
+           PLUGINS / "cpu" / "ort_ops.cpp")
+HEADERS = (PLUGINS / "qmatmul" / "kernel.h", PLUGINS / "block_attention" / "cpu_kernel.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
@@ -36,7 +39,7 @@ def _compiler() -> str | None:
 def _key(compiler: str) -> str:
     """The sources, the compiler's version and flags, and this CPU's instruction sets."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update(f"{version}{FLAGS}{_cpu_flags()}".encode())
@@ -57,7 +60,7 @@ def build(quiet: bool = False) -> Path | None:
     compiler = _compiler()
     if compiler is None:
         return _unavailable("no C++ compiler (g++) found", quiet)
-    target = cache_dir() / f"libdspark_qmatmul-{_key(compiler)}.so"
+    target = cache_dir() / f"libdspark_cpu-{_key(compiler)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,15 +78,15 @@ def build(quiet: bool = False) -> Path | None:
 
 def _unavailable(why: str, quiet: bool) -> None:
     if not quiet:
-        print(f"plugins/qmatmul: {why}; quantized layers run on ONNX Runtime's stock kernels "
-              f"(slower rows)", file=sys.stderr)
+        print(f"plugins/cpu: {why}; the engines run on ONNX Runtime's stock kernels (slower rows, "
+              f"one call per sequence)", file=sys.stderr)
     return None
 
 
 @cache
 def library() -> Path | None:
-    """``build()``, once per process (a disabled kernel, ``DSPARK_QMATMUL=0``: None, silently)."""
-    if os.environ.get("DSPARK_QMATMUL", "1") == "0":
+    """``build()``, once per process (disabled, ``DSPARK_CPU_KERNELS=0``: None, silently)."""
+    if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
         return None
     return build()
 
@@ -92,4 +95,4 @@ if __name__ == "__main__":
     path = build()
     if path is None:
         sys.exit(0)   # setup goes on: the stock kernels run instead
-    print(f"plugins/qmatmul: built for this CPU: {path}")
+    print(f"plugins/cpu: built for this CPU: {path}")

@@ -1,20 +1,21 @@
-// `dspark.cpu::QMatMul` as an ONNX Runtime custom op (SessionOptions.register_custom_ops_library).
+// The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
+// (SessionOptions.register_custom_ops_library): `QMatMul` (plugins/qmatmul) and `CausalAttention`
+// (plugins/block_attention/cpu_kernel.cpp).
 //
 // No installable package ships ONNX Runtime's C API header, so the few types used here are
 // declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
 // pointers that only ever grows, and each function used is called through its slot. Slots and
 // layouts were checked against onnxruntime 1.32.0 (tests/test_qmatmul.py runs this op there).
 //
-// Inputs: x float [..., K]; the weight in the kernel's layout (layout.py): q uint8
-// [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16], offsets float (same, or empty),
-// sums int32 (same for 8 bits, or empty). Attribute `columns`: N. Output: float [..., N].
-// The tiles are spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
+// The work is spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
-#include "kernel.h"
+#include "../block_attention/cpu_kernel.h"
+#include "../qmatmul/kernel.h"
 
 namespace {
 
@@ -34,7 +35,7 @@ struct OrtApiBase {
 };
 
 constexpr uint32_t API_VERSION = 17;   // KernelContext_ParallelFor is 1.17's
-constexpr int FLOAT = 1, UINT8 = 2, INT32 = 6;   // ONNXTensorElementDataType
+constexpr int FLOAT = 1, UINT8 = 2, INT32 = 6, INT64 = 7;   // ONNXTensorElementDataType
 constexpr int ORT_FAIL = 1;
 
 // The OrtApi slots used, and their signatures.
@@ -45,6 +46,7 @@ using CreateStatus = OrtStatus* (*)(int code, const char* message);
 using CreateCustomOpDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);
 using CustomOpDomainAdd = OrtStatus* (*)(OrtCustomOpDomain*, const void* op);
 using AddCustomOpDomain = OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*);
+using GetAttributeFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
 using GetAttributeInt64 = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
 using GetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
 using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
@@ -58,7 +60,8 @@ using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size
 enum Slot {
     CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
     GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61,
-    GET_DIMENSIONS = 62, GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+    GET_DIMENSIONS = 62, GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85,
+    KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
     KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91,
     RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
 };
@@ -124,11 +127,27 @@ Tensor input(OrtKernelContext* context, size_t index) {
     return t;
 }
 
-OrtStatus* error(const std::string& message) {
-    return slot<CreateStatus>(g_api, CREATE_STATUS)(ORT_FAIL, ("dspark.cpu::QMatMul: " + message).c_str());
+OrtStatus* error(const char* op, const std::string& message) {
+    return slot<CreateStatus>(g_api, CREATE_STATUS)(ORT_FAIL, ("dspark.cpu::" + std::string(op) + ": " + message).c_str());
 }
 
-struct Kernel {
+void* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims) {
+    OrtValue* value = nullptr;
+    slot<GetOutput>(g_api, KERNEL_CONTEXT_GET_OUTPUT)(context, index, dims.data(), dims.size(), &value);
+    void* data = nullptr;
+    slot<GetData>(g_api, GET_TENSOR_MUTABLE_DATA)(value, &data);
+    return data;
+}
+
+OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, void* data) {
+    return slot<ParallelFor>(g_api, KERNEL_CONTEXT_PARALLEL_FOR)(context, fn, total, 0, data);
+}
+
+// ---- QMatMul: x float [..., K]; the weight in the kernel's layout (qmatmul/layout.py): q uint8
+// [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16], offsets float (same, or empty),
+// sums int32 (same for 8 bits, or empty). Attribute `columns`: N. Output: float [..., N].
+
+struct QMatMul {
     int64_t columns;
 };
 
@@ -140,22 +159,19 @@ struct Call {   // one Compute's work, for the ParallelFor callbacks
     float* y;
 };
 
-OrtStatus* compute(void* state, OrtKernelContext* context) {
-    const int64_t columns = static_cast<Kernel*>(state)->columns;
+OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
+    const int64_t columns = static_cast<QMatMul*>(state)->columns;
     const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
                  offsets = input(context, 3), sums = input(context, 4);
     if (x.dims.empty() || q.dims.size() != 3 || scales.dims.size() != 3)
-        return error("expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16]");
+        return error("QMatMul", "expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16]");
     const int64_t K = x.dims.back(), bits = q.dims[2] / 64;
     if (q.dims[1] * 32 != K || (bits != 4 && bits != 8) || q.dims[0] * 16 < columns)
-        return error("x's K = " + std::to_string(K) + " does not match the weight's blocks (" +
+        return error("QMatMul", "x's K = " + std::to_string(K) + " does not match the weight's blocks (" +
                      std::to_string(q.dims[1]) + " of 32, " + std::to_string(q.dims[2]) + " bytes)");
     std::vector<int64_t> out_dims = x.dims;
     out_dims.back() = columns;
-    OrtValue* out = nullptr;
-    slot<GetOutput>(g_api, KERNEL_CONTEXT_GET_OUTPUT)(context, 0, out_dims.data(), out_dims.size(), &out);
-    void* y = nullptr;
-    slot<GetData>(g_api, GET_TENSOR_MUTABLE_DATA)(out, &y);
+    void* y = output(context, 0, out_dims);
     const int64_t rows = x.size() / K;
     if (rows == 0) return nullptr;
     thread_local std::vector<uint8_t> scratch;
@@ -170,11 +186,11 @@ OrtStatus* compute(void* state, OrtKernelContext* context) {
         auto* c = static_cast<Call*>(data);
         dspark_qmatmul_tiles(&c->weight, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
     };
-    return slot<ParallelFor>(g_api, KERNEL_CONTEXT_PARALLEL_FOR)(context, tile, size_t(q.dims[0]), 0, &call);
+    return parallel_for(context, tile, size_t(q.dims[0]), &call);
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new Kernel{0};
+OrtStatus* create_qmatmul(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new QMatMul{0};
     if (OrtStatus* status = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns)) {
         delete state;
         return status;
@@ -183,28 +199,92 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
     return nullptr;
 }
 
-OrtCustomOp make_op() {
+// ---- CausalAttention: q [B, H, R, D], k_new / v_new [B, Hkv, R, D], k_cache / v_cache
+// [P, Hkv, C, D] (a pool of slots), start [B], slots [B] int64. Attribute `scale`. Outputs: out
+// [B, H, R, D] and the two caches, which the runtime binds to the input caches' buffers (written
+// in place; an output of its own gets a copy of the input first).
+
+struct CausalAttention {
+    float scale;
+};
+
+OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
+    const Tensor q = input(context, 0), k_new = input(context, 1), v_new = input(context, 2),
+                 k_cache = input(context, 3), v_cache = input(context, 4), start = input(context, 5),
+                 slots = input(context, 6);
+    if (q.dims.size() != 4 || k_new.dims.size() != 4 || k_cache.dims.size() != 4 || k_new.dims != v_new.dims
+            || k_cache.dims != v_cache.dims || start.size() != q.dims[0] || slots.size() != q.dims[0])
+        return error("CausalAttention", "expected q [B, H, R, D], k_new / v_new [B, Hkv, R, D], caches "
+                     "[P, Hkv, C, D], start [B] and slots [B]");
+    auto* k_out = static_cast<float*>(output(context, 1, k_cache.dims));
+    auto* v_out = static_cast<float*>(output(context, 2, v_cache.dims));
+    if (k_out != k_cache.data) std::memcpy(k_out, k_cache.data, k_cache.size() * sizeof(float));
+    if (v_out != v_cache.data) std::memcpy(v_out, v_cache.data, v_cache.size() * sizeof(float));
+    struct Call {
+        DsparkAttention a;
+        std::vector<float> scratch;   // per task
+        int64_t stride;
+    } call;
+    call.a = {q.dims[0], q.dims[2], q.dims[1], k_new.dims[1], q.dims[3], k_cache.dims[0], k_cache.dims[2],
+              static_cast<CausalAttention*>(state)->scale, static_cast<const float*>(q.data),
+              static_cast<const float*>(k_new.data), static_cast<const float*>(v_new.data), k_out, v_out,
+              static_cast<const int64_t*>(start.data), static_cast<const int64_t*>(slots.data),
+              static_cast<float*>(output(context, 0, q.dims))};
+    if (const char* wrong = dspark_attention_check(&call.a)) return error("CausalAttention", wrong);
+    dspark_attention_write(&call.a);
+    const int64_t tasks = call.a.B * call.a.heads;
+    call.stride = dspark_attention_scratch(&call.a) / int64_t(sizeof(float));
+    call.scratch.resize(size_t(tasks * call.stride));
+    auto head = [](void* data, size_t task) {
+        auto* c = static_cast<Call*>(data);
+        dspark_attention_head(&c->a, int64_t(task), c->scratch.data() + int64_t(task) * c->stride);
+    };
+    return parallel_for(context, head, size_t(tasks), &call);
+}
+
+OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new CausalAttention{0.f};
+    if (OrtStatus* status = slot<GetAttributeFloat>(g_api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "scale", &state->scale)) {
+        delete state;
+        return status;
+    }
+    *kernel = state;
+    return nullptr;
+}
+
+// ---- registration
+
+template <typename State>
+OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(const OrtCustomOp*),
+                    int (*input_type)(const OrtCustomOp*, size_t), size_t (*outputs)(const OrtCustomOp*),
+                    decltype(OrtCustomOp::CreateKernelV2) create, decltype(OrtCustomOp::KernelComputeV2) compute) {
     OrtCustomOp op{};
     op.version = API_VERSION;
-    op.GetName = [](const OrtCustomOp*) { return "QMatMul"; };
+    op.GetName = name;
     op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };   // CPU
-    op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
-    op.GetInputType = [](const OrtCustomOp*, size_t i) {
-        static const int types[] = {FLOAT, UINT8, FLOAT, FLOAT, INT32};
-        return types[i];
-    };
-    op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    op.GetInputTypeCount = inputs;
+    op.GetInputType = input_type;
+    op.GetOutputTypeCount = outputs;
     op.GetOutputType = [](const OrtCustomOp*, size_t) { return FLOAT; };
-    op.KernelDestroy = [](void* state) { delete static_cast<Kernel*>(state); };
+    op.KernelDestroy = [](void* state) { delete static_cast<State*>(state); };
     op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };    // required
     op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
     op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };        // default (CPU)
-    op.CreateKernelV2 = create_kernel;
+    op.CreateKernelV2 = create;
     op.KernelComputeV2 = compute;
     return op;
 }
 
-const OrtCustomOp g_op = make_op();
+const OrtCustomOp g_ops[] = {
+    make_op<QMatMul>(
+        [](const OrtCustomOp*) { return "QMatMul"; }, [](const OrtCustomOp*) -> size_t { return 5; },
+        [](const OrtCustomOp*, size_t i) { return (const int[]){FLOAT, UINT8, FLOAT, FLOAT, INT32}[i]; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_qmatmul, qmatmul),
+    make_op<CausalAttention>(
+        [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
+        [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },
+        [](const OrtCustomOp*) -> size_t { return 3; }, create_attention, causal_attention),
+};
 
 }  // namespace
 
@@ -217,7 +297,8 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
     OrtCustomOpDomain* domain = nullptr;
     if (OrtStatus* status = slot<CreateCustomOpDomain>(g_api, CREATE_CUSTOM_OP_DOMAIN)("dspark.cpu", &domain))
         return status;
-    if (OrtStatus* status = slot<CustomOpDomainAdd>(g_api, CUSTOM_OP_DOMAIN_ADD)(domain, &g_op))
-        return status;
+    for (const OrtCustomOp& op : g_ops)
+        if (OrtStatus* status = slot<CustomOpDomainAdd>(g_api, CUSTOM_OP_DOMAIN_ADD)(domain, &op))
+            return status;
     return slot<AddCustomOpDomain>(g_api, ADD_CUSTOM_OP_DOMAIN)(options, domain);
 }

@@ -1,0 +1,127 @@
+// Causal block attention on the CPU for a batch of sequences, each on its own cache slot: the
+// `dspark::BlockAttention` of reference.py (causal, no window) in the form a batched step needs.
+//
+// Each query row attends over exactly its own sequence's visible positions (0 .. start + i), in
+// one fixed order (scores, then the maximum, the exponentials and their sum, then the weighted
+// values, each position after the one before), so a row's output is the same alone and in any
+// batch: nothing is padded to the batch's longest sequence, as ONNX Runtime's portable attention
+// does. The caches are a pool of slots [P, Hkv, C, D]; batch row b reads and writes slot slots[b].
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_kernel.h"
+
+namespace {
+
+constexpr int LANES = 16;
+typedef float Vec __attribute__((vector_size(LANES * sizeof(float))));
+
+inline Vec load(const float* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof(Vec));
+    return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+inline float hsum(Vec v) {   // a fixed tree: lanes i and i + 8, then + 4, + 2, + 1
+    float s[LANES];
+    std::memcpy(s, &v, sizeof(Vec));
+    for (int width = LANES / 2; width; width /= 2)
+        for (int i = 0; i < width; ++i) s[i] += s[i + width];
+    return s[0];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by its degree-6 Taylor polynomial, 2^n through the exponent bits.
+inline Vec exp_nonpositive(Vec x) {
+    const Vec lowest = splat(-87.f);
+    const Vec clamped = x < lowest ? lowest : x;
+    const Vec shift = splat(12582912.f);   // 1.5 * 2^23: adding and subtracting it rounds to an integer
+    const Vec n = (clamped * 1.44269504f + shift) - shift;
+    const Vec r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
+    Vec p = splat(1.f / 720);
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    typedef int32_t Ints __attribute__((vector_size(LANES * sizeof(int32_t))));
+    const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+    Vec scale;
+    std::memcpy(&scale, &bits, sizeof(Vec));
+    const Vec result = p * scale;
+    return x < lowest ? splat(0.f) : result;
+}
+
+// One query row of one head over `count` cache rows: out [D] = softmax(scale * q.K^T) V.
+void attend_row(const float* q, const float* keys, const float* values, int64_t count, int64_t D,
+                float scale, float* scores, float* out) {
+    for (int64_t j = 0; j < count; ++j) {
+        const float* k = keys + j * D;
+        Vec acc{};
+        for (int64_t d = 0; d < D; d += LANES) acc += load(q + d) * load(k + d);
+        scores[j] = hsum(acc) * scale;
+    }
+    float top = -INFINITY;
+    for (int64_t j = 0; j < count; ++j) top = scores[j] > top ? scores[j] : top;
+    const int64_t padded = (count + LANES - 1) / LANES * LANES;
+    for (int64_t j = count; j < padded; ++j) scores[j] = -INFINITY;
+    Vec total{};
+    for (int64_t j = 0; j < padded; j += LANES) {
+        const Vec e = exp_nonpositive(load(scores + j) - top);
+        store(scores + j, e);
+        total += e;
+    }
+    const float inverse = 1.f / hsum(total);
+    std::memset(out, 0, D * sizeof(float));
+    for (int64_t j = 0; j < count; ++j) {
+        const Vec p = splat(scores[j]);
+        for (int64_t d = 0; d < D; d += LANES) store(out + d, load(out + d) + p * load(values + j * D + d));
+    }
+    for (int64_t d = 0; d < D; d += LANES) store(out + d, load(out + d) * inverse);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* dspark_attention_check(const DsparkAttention* a) {
+    if (a->D % LANES) return "the head size is not a multiple of 16";
+    if (a->heads % a->kv_heads) return "the query heads are not a multiple of the key/value heads";
+    for (int64_t b = 0; b < a->B; ++b) {
+        if (a->slots[b] < 0 || a->slots[b] >= a->P) return "a slot outside the cache pool";
+        if (a->start[b] < 0 || a->start[b] + a->R > a->C) return "a sequence's rows past the cache's capacity";
+    }
+    return nullptr;
+}
+
+void dspark_attention_write(const DsparkAttention* a) {
+    for (int64_t b = 0; b < a->B; ++b)
+        for (int64_t g = 0; g < a->kv_heads; ++g) {
+            const int64_t cache_row = ((a->slots[b] * a->kv_heads + g) * a->C + a->start[b]) * a->D;
+            const int64_t new_row = (b * a->kv_heads + g) * a->R * a->D;
+            std::memcpy(a->k_cache + cache_row, a->k_new + new_row, a->R * a->D * sizeof(float));
+            std::memcpy(a->v_cache + cache_row, a->v_new + new_row, a->R * a->D * sizeof(float));
+        }
+}
+
+int64_t dspark_attention_scratch(const DsparkAttention* a) {
+    return (a->C + LANES) * int64_t(sizeof(float));
+}
+
+void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratch) {
+    const int64_t b = task / a->heads, h = task % a->heads, g = h / (a->heads / a->kv_heads);
+    const int64_t cache = (a->slots[b] * a->kv_heads + g) * a->C * a->D;
+    for (int64_t i = 0; i < a->R; ++i) {
+        const int64_t row = ((b * a->heads + h) * a->R + i) * a->D;
+        attend_row(a->q + row, a->k_cache + cache, a->v_cache + cache, a->start[b] + i + 1, a->D,
+                   a->scale, scratch, a->out + row);
+    }
+}
+
+}  // extern "C"
