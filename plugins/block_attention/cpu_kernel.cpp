@@ -35,6 +35,28 @@ inline float hsum(Vec v) {   // a fixed tree: lanes i and i + 8, then + 4, + 2, 
     return s[0];
 }
 
+// Sixteen vectors -> one whose lane j is the sum of vector j's lanes, by a fixed tree of halves
+// (lanes 0-7 + 8-15, then quarters, pairs, single lanes): a key's score never mixes with another's.
+inline Vec sums16(Vec v[16]) {
+#define HALVES(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
+                      __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define QUARTERS(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + \
+                        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) + \
+                     __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define SINGLES(a, b) (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + \
+                       __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+    Vec halves[8], quarters[4], pairs[2];
+    for (int i = 0; i < 8; ++i) halves[i] = HALVES(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) quarters[i] = QUARTERS(halves[2 * i], halves[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) pairs[i] = PAIRS(quarters[2 * i], quarters[2 * i + 1]);
+    return SINGLES(pairs[0], pairs[1]);
+#undef HALVES
+#undef QUARTERS
+#undef PAIRS
+#undef SINGLES
+}
+
 // exp(x) for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
 // exp(r) by its degree-6 Taylor polynomial, 2^n through the exponent bits.
 inline Vec exp_nonpositive(Vec x) {
@@ -58,18 +80,30 @@ inline Vec exp_nonpositive(Vec x) {
     return x < lowest ? splat(0.f) : result;
 }
 
+// out[0, 16 NV) += sum_j p[j] * values[j][0, 16 NV), the accumulators in registers.
+template <int NV>
+void weighted_values(const float* p, const float* values, int64_t count, int64_t D, float inverse, float* out) {
+    Vec acc[NV] = {};
+    for (int64_t j = 0; j < count; ++j) {
+        const Vec weight = splat(p[j]);
+        for (int i = 0; i < NV; ++i) acc[i] += weight * load(values + j * D + LANES * i);
+    }
+    for (int i = 0; i < NV; ++i) store(out + LANES * i, acc[i] * inverse);
+}
+
 // One query row of one head over `count` cache rows: out [D] = softmax(scale * q.K^T) V.
+// `scores` holds count rounded up to 16 floats.
 void attend_row(const float* q, const float* keys, const float* values, int64_t count, int64_t D,
                 float scale, float* scores, float* out) {
-    for (int64_t j = 0; j < count; ++j) {
-        const float* k = keys + j * D;
-        Vec acc{};
-        for (int64_t d = 0; d < D; d += LANES) acc += load(q + d) * load(k + d);
-        scores[j] = hsum(acc) * scale;
+    const int64_t padded = (count + LANES - 1) / LANES * LANES;
+    for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+        Vec partial[LANES] = {};
+        for (int64_t j = j0; j < j0 + LANES && j < count; ++j)
+            for (int64_t d = 0; d < D; d += LANES) partial[j - j0] += load(q + d) * load(keys + j * D + d);
+        store(scores + j0, sums16(partial) * scale);
     }
     float top = -INFINITY;
     for (int64_t j = 0; j < count; ++j) top = scores[j] > top ? scores[j] : top;
-    const int64_t padded = (count + LANES - 1) / LANES * LANES;
     for (int64_t j = count; j < padded; ++j) scores[j] = -INFINITY;
     Vec total{};
     for (int64_t j = 0; j < padded; j += LANES) {
@@ -78,12 +112,14 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
         total += e;
     }
     const float inverse = 1.f / hsum(total);
-    std::memset(out, 0, D * sizeof(float));
-    for (int64_t j = 0; j < count; ++j) {
-        const Vec p = splat(scores[j]);
-        for (int64_t d = 0; d < D; d += LANES) store(out + d, load(out + d) + p * load(values + j * D + d));
+    for (int64_t d = 0; d < D; d += 4 * LANES) {
+        switch ((D - d) / LANES < 4 ? (D - d) / LANES : 4) {
+            case 4: weighted_values<4>(scores, values + d, count, D, inverse, out + d); break;
+            case 3: weighted_values<3>(scores, values + d, count, D, inverse, out + d); break;
+            case 2: weighted_values<2>(scores, values + d, count, D, inverse, out + d); break;
+            default: weighted_values<1>(scores, values + d, count, D, inverse, out + d); break;
+        }
     }
-    for (int64_t d = 0; d < D; d += LANES) store(out + d, load(out + d) * inverse);
 }
 
 }  // namespace

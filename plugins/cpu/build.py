@@ -69,8 +69,8 @@ def build(quiet: bool = False) -> Path | None:
         result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
                                 capture_output=True, text=True)
         if result.returncode:
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            first = errors[0] if errors else result.stderr.strip()
+            lines = result.stderr.strip().splitlines() or ["no output"]
+            first = next((line for line in lines if "error" in line.lower()), lines[0])
             return _unavailable(f"{compiler} failed: {first}", quiet)
         built.replace(target)   # atomic: a concurrent first use sees the whole library or none
     return target

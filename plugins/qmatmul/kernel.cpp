@@ -209,40 +209,53 @@ XRows x_rows(void* scratch, int64_t M, int64_t K) {
 
 // One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
 // tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
-template <typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
-void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
+// ROWS rows (a template argument, so that their accumulators stay in registers) of one tile.
+template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
+void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int64_t t) {
     const int64_t K = w.K, N = w.N, blocks = K / BLOCK, block_bytes = w.bits * 64;
     const uint8_t* wq = w.q + t * blocks * block_bytes;
     const float* ws = w.scales + t * blocks * TILE;
     const float* wo = OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
     const int32_t* wsum = w.wsums ? w.wsums + t * blocks * TILE : nullptr;
-    const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_GROUP) {
-        const int rows = int(M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP);
-        Floats acc[ROW_GROUP];
-        for (int r = 0; r < rows; ++r) acc[r] = zero_floats();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
-            const Floats dw = load_floats(ws + b * TILE);
-            for (int r = 0; r < rows; ++r) {
-                const int64_t m = m0 + r, mb = m * blocks + b;
-                const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
-                acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
-                if (OFFSETS) acc[r] = fma(load_floats(wo + b * TILE), broadcast(x.sum[mb]), acc[r]);
-            }
+    Floats acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = zero_floats();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
+        const Floats dw = load_floats(ws + b * TILE);
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t m = m0 + r, mb = m * blocks + b;
+            const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
+            acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
+            if (OFFSETS) acc[r] = fma(load_floats(wo + b * TILE), broadcast(x.sum[mb]), acc[r]);
         }
-        for (int r = 0; r < rows; ++r) {
-            float* out = y + (m0 + r) * N + n0;
-            if (width == TILE) {
-                store_floats(out, acc[r]);
-            } else {
-                alignas(64) float tmp[TILE];
-                store_floats(tmp, acc[r]);
-                std::memcpy(out, tmp, width * sizeof(float));
-            }
+    }
+    const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+    for (int r = 0; r < ROWS; ++r) {
+        float* out = y + (m0 + r) * N + n0;
+        if (width == TILE) {
+            store_floats(out, acc[r]);
+        } else {
+            alignas(64) float tmp[TILE];
+            store_floats(tmp, acc[r]);
+            std::memcpy(out, tmp, width * sizeof(float));
         }
     }
 }
+
+// One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
+// tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
+template <typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
+void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
+    int64_t m0 = 0;
+    for (; m0 + ROW_GROUP <= M; m0 += ROW_GROUP) row_group<ROW_GROUP, Block, load, OFFSETS>(w, x, m0, y, t);
+    switch (M - m0) {
+        case 3: row_group<3, Block, load, OFFSETS>(w, x, m0, y, t); break;
+        case 2: row_group<2, Block, load, OFFSETS>(w, x, m0, y, t); break;
+        case 1: row_group<1, Block, load, OFFSETS>(w, x, m0, y, t); break;
+        default: break;
+    }
+}
+
 
 }  // namespace
 
