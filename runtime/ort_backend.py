@@ -19,14 +19,14 @@ things in ONNX Runtime's CPU kernels make a row's result depend on its call:
   ``GroupQueryAttention`` takes several new rows over a past only for one sequence.
 
 Where the compiled CPU kernels are built for this machine (``plugins/cpu``: ``scripts/setup.sh``,
-or on first use) and every weight product of the target is quantized, the target runs a whole
-batch in one call: its quantized layers on ``QMatMul`` (each weight block read once for all the
+or on first use) and the target is a dense fp32 decoder, the target runs a whole batch in one
+call: its weight products on ``QMatMul`` / ``FMatMul`` (each weight block read once for all the
 rows of the call, each output row computed in a fixed order of its own) and its attention on
 ``CausalAttention`` over a pool of cache slots (each sequence over its own visible rows only).
 A row's result is then the same alone, beside any rows, and in a one-row call, by construction,
 with no padding (``tests/test_quantize.py``, ``tests/test_gguf.py``, ``tests/test_cpu_kernels.py``).
 
-Elsewhere (a float engine, a hybrid or Gemma 4 target, the draft, a machine without the kernels)
+Elsewhere (a hybrid, Gemma 4 or fp16 target, the draft, a machine without the kernels)
 a graph runs one sequence per call, lowered: each sequence has its own caches (its own
 ``IOBinding``), a step of ``B`` sequences is ``B`` calls into shared input and output buffers,
 and a one-row call is made a two-row one as above. A sequence then computes exactly what it
@@ -84,7 +84,7 @@ class OrtBackend(EngineBackend):
                              f"Runtime CPU backend; build with --dtype fp32 or fp16")
         self.threads = threads
         self.quantized = set(weight_formats(m).values()) != {"float"}
-        self.kernel = library() if kernel and lower and self.quantized else None
+        self.kernel = library() if kernel and lower else None
         self._rotary = target_rotary(m["target"], m["limits"]["max_seq_len"])
         self.sessions, self.lowered = {}, {}   # graph -> its session, and whether it runs lowered
         for name in m["graphs"]:

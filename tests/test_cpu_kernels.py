@@ -87,6 +87,34 @@ def test_the_kernel_computes_the_blocks_integer_products_and_a_row_alone_as_in_a
     assert np.array_equal(_run(lib, x[2:7], packed, splits=(1, 3, 2)), y[2:7])
 
 
+@needs_kernel
+@pytest.mark.parametrize("k, n", [(576, 960), (63, 17)])
+def test_the_float_kernel_sums_in_one_order_per_row(k, n):
+    """``FMatMul``: float32 weights, x's rows within float32 rounding of float64, and each row's
+    values the same bits alone, in a call of 9 rows and with the tiles split (an odd K too)."""
+    lib = _kernel()
+    lib.dspark_fmatmul_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    rng = np.random.default_rng(k)
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    packed = layout.pack_float(weight)
+
+    def run(x, splits=(1,)):
+        y = np.full((len(x), n), np.nan, np.float32)
+        x = np.ascontiguousarray(x)
+        bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * len(packed)).astype(int)
+        for first, last in zip(bounds[:-1], bounds[1:]):
+            lib.dspark_fmatmul_tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data, first, last)
+        return y
+
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    y = run(x)
+    exact = x.astype(np.float64) @ weight.astype(np.float64)
+    np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    assert np.array_equal(np.stack([run(x[i:i + 1])[0] for i in range(9)]), y)
+    assert np.array_equal(run(x[1:8], splits=(2, 1)), y[1:8])
+
+
 def test_int8_weights_of_minus_128_are_left_to_the_stock_kernels():
     """The AVX2 path puts x's sign on the weight, which -128 would overflow: such a weight is not
     taken (llama.cpp's Q8_0 and our RTN never write -128)."""

@@ -56,19 +56,22 @@ def test_the_limits_read_from_the_manifest_are_the_modules_own(case):
 
 
 def test_caches_are_bound_in_place(case):
-    """Each sequence's caches are buffers of its own, each bound as input and output: after a step
-    the outputs are the very buffers bound in start(), each sequence's holding its new rows."""
+    """The caches are buffers bound as input and output: after a step the outputs are the very
+    buffers bound in start(), each sequence's rows holding its new rows. A batched target's are
+    one pool (a slot per sequence, ``plugins/cpu``), else each sequence has buffers of its own."""
     backend, _ = case
     backend.start(2)
     count = sum(is_cache(t["name"]) for t in backend.manifest["graphs"]["target"]["inputs"])
-    before = [[v.data_ptr() for v in bindings["target"].get_outputs()[:count]]
-              for bindings in backend.bindings]
+    bindings = [backend.pool_binding] if backend.batched else [b["target"] for b in backend.bindings]
+    before = [[v.data_ptr() for v in binding.get_outputs()[:count]] for binding in bindings]
     backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]), torch.tensor([[2], [0]]))
-    after = [bindings["target"].get_outputs()[:count] for bindings in backend.bindings]
+    after = [binding.get_outputs()[:count] for binding in bindings]
     assert [[v.data_ptr() for v in values] for values in after] == before
-    assert len({pointer for pointers in before for pointer in pointers}) == 2 * count
-    k0 = after[1][0].numpy()
-    assert abs(k0[0, :, 4:7]).sum() > 0 and abs(k0[0, :, :4]).sum() == 0  # sequence 1 wrote at its start
+    assert len({pointer for pointers in before for pointer in pointers}) == len(bindings) * count
+    k0 = after[-1][0].numpy()[-1]   # sequence 1's first key cache
+    assert abs(k0[:, 4:7]).sum() > 0 and abs(k0[:, :4]).sum() == 0  # sequence 1 wrote at its start
+    if backend.batched:
+        assert before[0][0] == backend.pool[0].ctypes.data
 
 
 def test_engine_limits_are_enforced(case):

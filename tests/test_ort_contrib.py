@@ -10,6 +10,7 @@ import torch
 from export.manifest import is_cache
 from export.onnx_export import Limits
 from plugins.block_attention import ort_contrib
+from plugins.cpu import build
 from runtime.ort_backend import OrtBackend
 
 from conftest import ENGINE_CASES
@@ -44,10 +45,13 @@ def test_each_layer_of_both_graphs_is_lowered_the_targets_with_its_rotations(eng
     assert backend.lowered == {"target": True, "draft": True}
 
 
-def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine):
-    """Prefill chunks, one-row and multi-row steps at batch 1 (the lowered session) against the
-    same steps through the portable graph: logits, taps and every cache row written so far."""
-    lowered, portable = OrtBackend(engine), OrtBackend(engine, lower=False)
+@pytest.mark.parametrize("kernel", [False, True], ids=["onnx-runtime-kernels", "compiled-kernels"])
+def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine, kernel):
+    """Prefill chunks, one-row and multi-row steps at batch 1 (the lowered session: ONNX
+    Runtime's attention, or the compiled kernels' batched form) against the same steps through
+    the portable graph: logits, taps and every cache row written so far."""
+    lowered, portable = OrtBackend(engine, kernel=kernel), OrtBackend(engine, lower=False)
+    assert lowered.batched == (kernel and build.library() is not None)
     for backend in (lowered, portable):
         backend.start(1)
     assert lowered.sessions["target"] is not portable.sessions["target"]
@@ -59,18 +63,20 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
         torch.testing.assert_close(logits, logits_p, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(aux, aux_p, rtol=1e-4, atol=1e-4)
         position += rows
-    caches = [v.numpy()[:, :, :position] for v in lowered.bindings[0]["target"].get_outputs()[:4]]
+    binding = lowered.pool_binding if lowered.batched else lowered.bindings[0]["target"]
+    caches = [v.numpy()[:, :, :position] for v in binding.get_outputs()[:4]]
     caches_p = [v.numpy()[:, :, :position] for v in portable.bindings[0]["target"].get_outputs()[:4]]
     assert all(np.abs(c).sum() > 0 for c in caches)
     for cache, cache_p in zip(caches, caches_p):
         np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
 
 
-def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engine):
+@pytest.mark.parametrize("kernel", [False, True], ids=["onnx-runtime-kernels", "compiled-kernels"])
+def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engine, kernel):
     """Draft steps after a prefill and after verify steps of several lengths, sampled (so that
     the probabilities are finite and compared), at batch 1 lowered and portable: the same
     proposals and probabilities, and the same context rows in the caches."""
-    lowered, portable = OrtBackend(engine), OrtBackend(engine, lower=False)
+    lowered, portable = OrtBackend(engine, kernel=kernel), OrtBackend(engine, lower=False)
     draft = lowered.manifest["draft"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (1, 30), generator=generator)

@@ -19,8 +19,9 @@ SLOTS = "slots"
 def lower(model) -> bool:
     """Replace every ``BlockAttention`` of ``model``'s main graph by ``CausalAttention`` over a
     pool of slots and add the ``slots [batch]`` input; False, unchanged, unless every one is
-    causal without a sliding window and reads its caches straight from the graph's inputs (the
-    target of a dense decoder: a hybrid or Gemma 4 target, or the draft, keeps its form)."""
+    causal without a sliding window, float32, and reads its caches straight from the graph's
+    inputs, and the graph has no other custom op or cache (the target of a dense decoder: a
+    hybrid, MoE or Gemma 4 target, an fp16 one, or the draft, keeps its form)."""
     import onnx_ir as ir
 
     graph = model.graph
@@ -28,9 +29,14 @@ def lower(model) -> bool:
     inputs = {value.name for value in graph.inputs}
     if not nodes or not all(node.attributes["causal"].value and not node.attributes.get_int("window", 0)
                             and node.inputs[3].name in inputs and node.inputs[4].name in inputs
-                            for node in nodes):
+                            and node.inputs[0].dtype == ir.DataType.FLOAT for node in nodes):
         return False
     caches = {value for node in nodes for value in node.inputs[3:5]}
+    # a dense decoder alone: no other custom op (a hybrid's recurrence, MoE experts) and no other
+    # cache (a recurrent state) whose rows would still follow the call's batch
+    if (any(node.domain == DOMAIN and node.op_type != NAME for node in graph)
+            or {value for value in graph.inputs if "_cache_" in value.name} != caches):
+        return False
     # the tracer reads the batch size off a cache; it is the call's, the caches the pool's
     batch_sizes = [node for cache in caches for node in (use.node for use in cache.uses())
                    if node.op_type == "Shape"]

@@ -1,6 +1,6 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
-// (SessionOptions.register_custom_ops_library): `QMatMul` (plugins/qmatmul) and `CausalAttention`
-// (plugins/block_attention/cpu_kernel.cpp).
+// (SessionOptions.register_custom_ops_library): `QMatMul` and `FMatMul` (plugins/qmatmul) and
+// `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
 //
 // No installable package ships ONNX Runtime's C API header, so the few types used here are
 // declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
@@ -147,7 +147,7 @@ OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), si
 // [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16], offsets float (same, or empty),
 // sums int32 (same for 8 bits, or empty). Attribute `columns`: N. Output: float [..., N].
 
-struct QMatMul {
+struct Product {   // QMatMul and FMatMul: the output's columns
     int64_t columns;
 };
 
@@ -160,7 +160,7 @@ struct Call {   // one Compute's work, for the ParallelFor callbacks
 };
 
 OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
-    const int64_t columns = static_cast<QMatMul*>(state)->columns;
+    const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
                  offsets = input(context, 3), sums = input(context, 4);
     if (x.dims.empty() || q.dims.size() != 3 || scales.dims.size() != 3)
@@ -190,13 +190,38 @@ OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
 }
 
 OrtStatus* create_qmatmul(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new QMatMul{0};
+    auto* state = new Product{0};
     if (OrtStatus* status = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns)) {
         delete state;
         return status;
     }
     *kernel = state;
     return nullptr;
+}
+
+// ---- FMatMul: x float [..., K]; w float [tiles, K, 16] (qmatmul/layout.py's pack_float).
+// Attribute `columns`: N. Output: float [..., N].
+
+OrtStatus* fmatmul(void* state, OrtKernelContext* context) {
+    const int64_t columns = static_cast<Product*>(state)->columns;
+    const Tensor x = input(context, 0), w = input(context, 1);
+    if (x.dims.empty() || w.dims.size() != 3 || w.dims[2] != 16 || w.dims[1] != x.dims.back()
+            || w.dims[0] * 16 < columns)
+        return error("FMatMul", "expected x [..., K] and w [tiles, K, 16]");
+    std::vector<int64_t> out_dims = x.dims;
+    out_dims.back() = columns;
+    struct Call {
+        const float *w, *x;
+        int64_t K, N, rows;
+        float* y;
+    } call{static_cast<const float*>(w.data), static_cast<const float*>(x.data), x.dims.back(), columns,
+           x.size() / x.dims.back(), static_cast<float*>(output(context, 0, out_dims))};
+    if (call.rows == 0) return nullptr;
+    auto tile = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+    };
+    return parallel_for(context, tile, size_t(w.dims[0]), &call);
 }
 
 // ---- CausalAttention: q [B, H, R, D], k_new / v_new [B, Hkv, R, D], k_cache / v_cache
@@ -276,10 +301,14 @@ OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(co
 }
 
 const OrtCustomOp g_ops[] = {
-    make_op<QMatMul>(
+    make_op<Product>(
         [](const OrtCustomOp*) { return "QMatMul"; }, [](const OrtCustomOp*) -> size_t { return 5; },
         [](const OrtCustomOp*, size_t i) { return (const int[]){FLOAT, UINT8, FLOAT, FLOAT, INT32}[i]; },
         [](const OrtCustomOp*) -> size_t { return 1; }, create_qmatmul, qmatmul),
+    make_op<Product>(
+        [](const OrtCustomOp*) { return "FMatMul"; }, [](const OrtCustomOp*) -> size_t { return 2; },
+        [](const OrtCustomOp*, size_t) { return FLOAT; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_qmatmul, fmatmul),
     make_op<CausalAttention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },

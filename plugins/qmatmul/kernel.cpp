@@ -118,6 +118,8 @@ inline Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats broadcast(float v) { return _mm512_set1_ps(v); }
 inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats add(Floats a, Floats b) { return _mm512_add_ps(a, b); }
+
 #define DSPARK_QMATMUL_ISA "avx512-vnni"
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -184,6 +186,8 @@ inline Floats fma(Floats a, Floats b, Floats c) {
 inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Floats broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+inline Floats add(Floats a, Floats b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+
 #define DSPARK_QMATMUL_ISA "avx2"
 
 #else
@@ -257,9 +261,54 @@ void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t
 }
 
 
+// ROWS rows of one tile of float weights ([tiles, K, 16]): x's values broadcast against 16
+// columns, k in order on two chains (even, odd, added at the end), so that the fma latency is
+// hidden at one row too; a row's order is the same at any row count.
+template <int ROWS>
+void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t) {
+    Floats even[ROWS], odd[ROWS];
+    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = zero_floats();
+    auto column = [&](int64_t k) { return load_floats(w + (t * K + k) * TILE); };
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        const Floats a = column(k), b = column(k + 1);
+        for (int r = 0; r < ROWS; ++r) {
+            even[r] = fma(a, broadcast(x[(m0 + r) * K + k]), even[r]);
+            odd[r] = fma(b, broadcast(x[(m0 + r) * K + k + 1]), odd[r]);
+        }
+    }
+    if (k < K) {
+        const Floats a = column(k);
+        for (int r = 0; r < ROWS; ++r) even[r] = fma(a, broadcast(x[(m0 + r) * K + k]), even[r]);
+    }
+    const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+    for (int r = 0; r < ROWS; ++r) {
+        alignas(64) float tmp[TILE];
+        store_floats(tmp, add(even[r], odd[r]));
+        std::memcpy(y + (m0 + r) * N + n0, tmp, width * sizeof(float));
+    }
+}
+
+void float_tile(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t t) {
+    int64_t m0 = 0;
+    for (; m0 + ROW_GROUP <= M; m0 += ROW_GROUP) float_rows<ROW_GROUP>(w, K, N, x, m0, y, t);
+    switch (M - m0) {
+        case 3: float_rows<3>(w, K, N, x, m0, y, t); break;
+        case 2: float_rows<2>(w, K, N, x, m0, y, t); break;
+        case 1: float_rows<1>(w, K, N, x, m0, y, t); break;
+        default: break;
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+void dspark_fmatmul_tiles(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y,
+                          int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) float_tile(w, K, N, x, M, y, t);
+}
+
 
 const char* dspark_qmatmul_isa() { return DSPARK_QMATMUL_ISA; }
 

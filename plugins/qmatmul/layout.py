@@ -11,6 +11,7 @@ or ``maddubs`` takes), so the layout is, per tile of 16 columns and block of 32 
   and each column's sum of ``q`` over the block (the kernel's unsigned-operand correction);
 
 and the scales and offsets as ``[tiles, blocks, 16]``. The last tile is padded with zero weights.
+A float weight (``FMatMul``) is ``[tiles, K, 16]``: each tile's 16 columns side by side per ``k``.
 """
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ def pack(q: np.ndarray, scales: np.ndarray, bits: int, offsets: np.ndarray | Non
         sums = per_tile(q.reshape(blocks, BLOCK, -1).sum(axis=1)[:, :n], np.int32)
     return Packed(bits, n, np.ascontiguousarray(packed), per_tile(scales, np.float32),
                   np.zeros(0, np.float32) if offsets is None else per_tile(offsets, np.float32), sums)
+
+
+def pack_float(matrix: np.ndarray) -> np.ndarray:
+    """A float32 weight ``[K, N]`` -> ``[tiles, K, 16]`` (``FMatMul``'s layout; the last tile padded)."""
+    k, n = matrix.shape
+    padded = np.pad(matrix.astype(np.float32), ((0, 0), (0, -n % TILE)))
+    return np.ascontiguousarray(padded.reshape(k, -1, TILE).transpose(1, 0, 2))
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

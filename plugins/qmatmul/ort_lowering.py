@@ -1,7 +1,8 @@
-"""ONNX Runtime's form of a quantized linear layer with the compiled kernel: each
-``DequantizeLinear -> MatMul`` that ``export/quantize.py`` writes (plus, for GGUF Q4_1, the
-input's block sums times the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node
-whose weights are in the kernel's layout (``layout.py``).
+"""ONNX Runtime's form of a linear layer with the compiled kernels: each ``DequantizeLinear ->
+MatMul`` that ``export/quantize.py`` writes (plus, for GGUF Q4_1, the input's block sums times
+the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
+constant float32 weight (``MatMul``, ``MatMul`` of its ``Transpose``, ``Gemm`` with ``transB``)
+one ``dspark.cpu::FMatMul``, their weights in the kernels' layouts (``layout.py``).
 
 The rewrite happens when a graph is loaded, like the attention's (``block_attention/ort_contrib.py``):
 the engine file keeps the standard form that every runtime reads, and a machine without the
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import pack, supported
+from .layout import pack, pack_float, supported
 
 DOMAIN, OP = "dspark.cpu", "QMatMul"
 BITS = {"INT4": 4, "INT8": 8}
@@ -19,8 +20,9 @@ BITS = {"INT4": 4, "INT8": 8}
 
 def lower(model) -> dict[str, np.ndarray]:
     """Replace, in ``model`` (``onnx_ir.Model``) main graph, every float32 linear layer the kernel
-    takes (``layout.supported``) by a ``QMatMul``. Returns the new weights by name: the graph
-    holds them as placeholders, for the session to be given them as arrays."""
+    takes (``layout.supported``) by a ``QMatMul``, and every float32 product by a constant by an
+    ``FMatMul``. Returns the new weights by name: the graph holds them as external data of the
+    ``PACKED`` file, which ``packed_file`` makes for the session to be given in memory."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
@@ -45,11 +47,63 @@ def lower(model) -> dict[str, np.ndarray]:
         replaced = [node] if last is node else [node, offsets.uses()[0].node, last]
         ir.convenience.replace_nodes_and_values(graph, node, replaced, [new], [last.outputs[0]], new.outputs)
         packed_weights |= arrays
+    packed_weights |= _lower_float_products(graph)
+    for name, offset in _offsets_of(packed_weights).items():   # their places in ``packed_file``
+        _placeholder(graph, name, packed_weights[name], offset)
     if packed_weights:
         model.opset_imports[DOMAIN] = 1
         # the DequantizeLinear and block sums, and their weights
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     return packed_weights
+
+
+def _lower_float_products(graph) -> dict[str, np.ndarray]:
+    """Each float32 product by a constant weight as ``FMatMul`` (a ``Gemm``'s bias added after it);
+    a weight several products read is packed once."""
+    import onnx_ir as ir
+
+    packed: dict[str, np.ndarray] = {}
+    for node in list(graph):
+        found = _float_weight(node)
+        if found is None:
+            continue
+        weight, transposed = found
+        name = f"{weight.name}{'_t' if transposed else ''}_fmatmul"
+        if name not in packed:
+            matrix = weight.const_value.numpy()
+            packed[name] = pack_float(matrix.T if transposed else matrix)
+            _placeholder(graph, name, packed[name])
+        columns = weight.const_value.shape[0 if transposed else 1]
+        new = [ir.node("FMatMul", [node.inputs[0], graph.initializers[name]], domain=DOMAIN,
+                       attributes={"columns": columns}, name=f"{node.name}_fmatmul")]
+        if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
+            new.append(ir.node("Add", [new[0].outputs[0], node.inputs[2]], name=f"{node.name}_bias"))
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, new[-1].outputs)
+    return packed
+
+
+def _float_weight(node):
+    """``(weight, stored transposed)`` when ``node`` multiplies a float32 input by a constant
+    float32 2-D weight: ``MatMul`` of it or of its ``Transpose``, or ``Gemm(transB=1)`` with unit
+    alpha and beta; else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+        return None
+    weight, transposed = node.inputs[1], False
+    producer = weight.producer() if weight is not None else None
+    if (node.op_type == "MatMul" and producer is not None and producer.op_type == "Transpose"
+            and list(producer.attributes.get_ints("perm", [])) == [1, 0]):
+        weight, transposed = producer.inputs[0], True
+    if (weight is None or not weight.is_initializer() or weight.const_value is None
+            or weight.const_value.dtype.name != "FLOAT" or len(weight.const_value.shape) != 2
+            or node.inputs[0].dtype is None or node.inputs[0].dtype.name != "FLOAT"):
+        return None
+    if node.op_type == "Gemm":
+        attributes = {name: attr.value for name, attr in node.attributes.items()}
+        if (attributes.get("transB", 0) != 1 or attributes.get("transA", 0)
+                or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0):
+            return None
+        transposed = True
+    return weight, transposed
 
 
 def float_products(model) -> int:
@@ -104,13 +158,38 @@ def _offsets(node):
     return offsets, add
 
 
-def _placeholder(graph, name: str, array: np.ndarray):
-    """An initializer of ``array``'s type and shape whose data the session is given apart."""
+PACKED = "packed-at-load"   # the packed weights' file, in memory only (``ort_session.py``)
+
+
+def packed_file(packed: dict[str, np.ndarray]) -> np.ndarray:
+    """The packed weights end to end, each at the offset its placeholder names (64-byte aligned)."""
+    offsets = _offsets_of(packed)
+    size = max((offsets[name] + array.nbytes for name, array in packed.items()), default=0)
+    buffer = np.zeros(size, np.uint8)
+    for name, array in packed.items():
+        data = np.ascontiguousarray(array).view(np.uint8).ravel()
+        buffer[offsets[name]:offsets[name] + data.size] = data
+    return buffer
+
+
+def _offsets_of(packed: dict[str, np.ndarray]) -> dict[str, int]:
+    offsets, at = {}, 0
+    for name, array in packed.items():
+        offsets[name] = at
+        at += -(-array.nbytes // 64) * 64
+    return offsets
+
+
+def _placeholder(graph, name: str, array: np.ndarray, offset: int = 0):
+    """The initializer ``name``: ``array``'s type and shape, its data at ``offset`` of the
+    ``PACKED`` file the session is given in memory (registered on first use, placed at the end)."""
     import onnx_ir as ir
 
-    dtype = ir.DataType.from_numpy(array.dtype)
-    tensor = ir.ExternalTensor("given-to-the-session", 0, array.nbytes, dtype, shape=ir.Shape(array.shape),
-                               name=name)
+    tensor = ir.ExternalTensor(PACKED, offset, array.nbytes, ir.DataType.from_numpy(array.dtype),
+                               shape=ir.Shape(array.shape), name=name)
+    if name in graph.initializers:
+        graph.initializers[name].const_value = tensor
+        return graph.initializers[name]
     value = ir.Value(name=name, const_value=tensor)
     graph.register_initializer(value)
     return value
