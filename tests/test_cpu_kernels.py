@@ -104,7 +104,8 @@ def test_the_float_kernel_sums_in_one_order_per_row(k, n):
         x = np.ascontiguousarray(x)
         bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * len(packed)).astype(int)
         for first, last in zip(bounds[:-1], bounds[1:]):
-            lib.dspark_fmatmul_tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data, first, last)
+            lib.dspark_fmatmul_tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data,
+                                     first, last)
         return y
 
     x = rng.standard_normal((9, k)).astype(np.float32)
