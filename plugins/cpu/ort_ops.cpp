@@ -199,15 +199,15 @@ OrtStatus* create_qmatmul(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
     return nullptr;
 }
 
-// ---- FMatMul: x float [..., K]; w float [tiles, K, 16] (qmatmul/layout.py's pack_float).
+// ---- FMatMul: x float [..., K]; w float [tiles, K, 32] (qmatmul/layout.py's pack_float).
 // Attribute `columns`: N. Output: float [..., N].
 
 OrtStatus* fmatmul(void* state, OrtKernelContext* context) {
     const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), w = input(context, 1);
-    if (x.dims.empty() || w.dims.size() != 3 || w.dims[2] != 16 || w.dims[1] != x.dims.back()
-            || w.dims[0] * 16 < columns)
-        return error("FMatMul", "expected x [..., K] and w [tiles, K, 16]");
+    if (x.dims.empty() || w.dims.size() != 3 || w.dims[2] != 32 || w.dims[1] != x.dims.back()
+            || w.dims[0] * 32 < columns)
+        return error("FMatMul", "expected x [..., K] and w [tiles, K, 32]");
     std::vector<int64_t> out_dims = x.dims;
     out_dims.back() = columns;
     struct Call {

@@ -118,7 +118,6 @@ inline Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats broadcast(float v) { return _mm512_set1_ps(v); }
 inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
-inline Floats add(Floats a, Floats b) { return _mm512_add_ps(a, b); }
 
 #define DSPARK_QMATMUL_ISA "avx512-vnni"
 
@@ -186,7 +185,6 @@ inline Floats fma(Floats a, Floats b, Floats c) {
 inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Floats broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
-inline Floats add(Floats a, Floats b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 
 #define DSPARK_QMATMUL_ISA "avx2"
 
@@ -261,30 +259,29 @@ void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t
 }
 
 
-// ROWS rows of one tile of float weights ([tiles, K, 16]): x's values broadcast against 16
-// columns, k in order on two chains (even, odd, added at the end), so that the fma latency is
-// hidden at one row too; a row's order is the same at any row count.
+// ROWS rows of one tile of float weights ([tiles, K, 32]): each of x's values broadcast once
+// against the tile's 32 columns (two vectors), k in order; a row's order is the same at any row
+// count. Two vectors per row keep two fma chains going at one row too.
+constexpr int FLOAT_TILE = 2 * TILE;
+
 template <int ROWS>
 void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t) {
-    Floats even[ROWS], odd[ROWS];
-    for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = zero_floats();
-    auto column = [&](int64_t k) { return load_floats(w + (t * K + k) * TILE); };
-    int64_t k = 0;
-    for (; k + 1 < K; k += 2) {
-        const Floats a = column(k), b = column(k + 1);
+    Floats left[ROWS], right[ROWS];
+    for (int r = 0; r < ROWS; ++r) left[r] = right[r] = zero_floats();
+    for (int64_t k = 0; k < K; ++k) {
+        const float* column = w + (t * K + k) * FLOAT_TILE;
+        const Floats a = load_floats(column), b = load_floats(column + TILE);
         for (int r = 0; r < ROWS; ++r) {
-            even[r] = fma(a, broadcast(x[(m0 + r) * K + k]), even[r]);
-            odd[r] = fma(b, broadcast(x[(m0 + r) * K + k + 1]), odd[r]);
+            const Floats value = broadcast(x[(m0 + r) * K + k]);
+            left[r] = fma(a, value, left[r]);
+            right[r] = fma(b, value, right[r]);
         }
     }
-    if (k < K) {
-        const Floats a = column(k);
-        for (int r = 0; r < ROWS; ++r) even[r] = fma(a, broadcast(x[(m0 + r) * K + k]), even[r]);
-    }
-    const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+    const int64_t n0 = t * FLOAT_TILE, width = N - n0 < FLOAT_TILE ? N - n0 : FLOAT_TILE;
     for (int r = 0; r < ROWS; ++r) {
-        alignas(64) float tmp[TILE];
-        store_floats(tmp, add(even[r], odd[r]));
+        alignas(64) float tmp[FLOAT_TILE];
+        store_floats(tmp, left[r]);
+        store_floats(tmp + TILE, right[r]);
         std::memcpy(y + (m0 + r) * N + n0, tmp, width * sizeof(float));
     }
 }

@@ -11,7 +11,7 @@ or ``maddubs`` takes), so the layout is, per tile of 16 columns and block of 32 
   and each column's sum of ``q`` over the block (the kernel's unsigned-operand correction);
 
 and the scales and offsets as ``[tiles, blocks, 16]``. The last tile is padded with zero weights.
-A float weight (``FMatMul``) is ``[tiles, K, 16]``: each tile's 16 columns side by side per ``k``.
+A float weight (``FMatMul``) is ``[tiles, K, 32]``: each tile's 32 columns side by side per ``k``.
 """
 from __future__ import annotations
 
@@ -67,11 +67,14 @@ def pack(q: np.ndarray, scales: np.ndarray, bits: int, offsets: np.ndarray | Non
                   np.zeros(0, np.float32) if offsets is None else per_tile(offsets, np.float32), sums)
 
 
+FLOAT_TILE = 32
+
+
 def pack_float(matrix: np.ndarray) -> np.ndarray:
-    """A float32 weight ``[K, N]`` -> ``[tiles, K, 16]`` (``FMatMul``'s layout; the last tile padded)."""
+    """A float32 weight ``[K, N]`` -> ``[tiles, K, 32]`` (``FMatMul``'s layout; the last tile padded)."""
     k, n = matrix.shape
-    padded = np.pad(matrix.astype(np.float32), ((0, 0), (0, -n % TILE)))
-    return np.ascontiguousarray(padded.reshape(k, -1, TILE).transpose(1, 0, 2))
+    padded = np.pad(matrix.astype(np.float32), ((0, 0), (0, -n % FLOAT_TILE)))
+    return np.ascontiguousarray(padded.reshape(k, -1, FLOAT_TILE).transpose(1, 0, 2))
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
