@@ -263,6 +263,13 @@ void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t
 // against the tile's 32 columns (two vectors), k in order; a row's order is the same at any row
 // count. Two vectors per row keep two fma chains going at one row too.
 constexpr int FLOAT_TILE = 2 * TILE;
+// rows per pass over a tile: a tile's weights (K x 32 floats) come from L2 once per pass, so as
+// many rows as the registers hold (two accumulators a row)
+#if defined(__AVX512F__)
+constexpr int FLOAT_ROWS = 8;
+#else
+constexpr int FLOAT_ROWS = 4;
+#endif
 
 template <int ROWS>
 void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t) {
@@ -286,15 +293,18 @@ void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0
     }
 }
 
+// The rows past the last whole group: REST of them, dispatched to float_rows<REST>.
+template <int R>
+void float_rest(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t,
+                int rest) {
+    if (rest == R) return float_rows<R>(w, K, N, x, m0, y, t);
+    if constexpr (R > 1) float_rest<R - 1>(w, K, N, x, m0, y, t, rest);
+}
+
 void float_tile(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t t) {
     int64_t m0 = 0;
-    for (; m0 + ROW_GROUP <= M; m0 += ROW_GROUP) float_rows<ROW_GROUP>(w, K, N, x, m0, y, t);
-    switch (M - m0) {
-        case 3: float_rows<3>(w, K, N, x, m0, y, t); break;
-        case 2: float_rows<2>(w, K, N, x, m0, y, t); break;
-        case 1: float_rows<1>(w, K, N, x, m0, y, t); break;
-        default: break;
-    }
+    for (; m0 + FLOAT_ROWS <= M; m0 += FLOAT_ROWS) float_rows<FLOAT_ROWS>(w, K, N, x, m0, y, t);
+    if (M > m0) float_rest<FLOAT_ROWS - 1>(w, K, N, x, m0, y, t, int(M - m0));
 }
 
 }  // namespace
