@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plugins.qmatmul.ort_lowering import linear_weight
+
 # the weight formats live where the command line checks them without loading anything
 from .build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from .onnx_check import to_numpy
@@ -343,7 +345,7 @@ def _linear_groups(graph, keep: Set[str]) -> list[list[tuple]]:
     its own and of the same input size, in one group."""
     groups: dict[object, list[tuple]] = {}
     for node in graph:
-        found = _linear_weight(node)
+        found = linear_weight(node)
         if found is None or found[0].name in keep:
             continue
         weight, transposed = found
@@ -367,28 +369,6 @@ def _packed(blocks: Blocks) -> np.ndarray:
     import ml_dtypes
 
     return blocks.q.astype(ml_dtypes.int4) if blocks.bits == 4 else blocks.q
-
-
-def _linear_weight(node) -> tuple[object, bool] | None:
-    """``(weight value, stored transposed)`` when ``node`` is a linear layer with a constant 2-D
-    weight, else None. A weight the tracer shares between layers (the draft's K/V projections, the
-    Markov head of every unrolled draft) reaches them through one ``Transpose`` of the constant."""
-    if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
-        return None
-    weight, transposed = node.inputs[1], False
-    producer = weight.producer()
-    if (node.op_type == "MatMul" and producer is not None and producer.op_type == "Transpose"
-            and [int(p) for p in producer.attributes.get_ints("perm", [])] == [1, 0]):
-        weight, transposed = producer.inputs[0], True
-    if not weight.is_initializer() or weight.const_value is None or len(weight.const_value.shape) != 2:
-        return None
-    if node.op_type == "MatMul":
-        return weight, transposed
-    attributes = {name: attr.value for name, attr in node.attributes.items()}
-    if (node.op_type == "Gemm" and attributes.get("transB", 0) == 1 and not attributes.get("transA", 0)
-            and attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0):
-        return weight, True
-    return None
 
 
 def held_out_texts(tokenizer, max_tokens: int) -> list[list[int]] | None:

@@ -50,11 +50,15 @@ def _run(lib, x: np.ndarray, packed: layout.Packed, splits=(1,)) -> np.ndarray:
     y = np.full((rows, packed.n), np.nan, np.float32)
     x = np.ascontiguousarray(x, np.float32)
     lib.dspark_qmatmul_quantize(x.ctypes.data, rows, k, scratch.ctypes.data)
-    tiles = packed.q.shape[0]
-    bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * tiles).astype(int)
-    for first, last in zip(bounds[:-1], bounds[1:]):
+    for first, last in _shares(packed.q.shape[0], splits):
         lib.dspark_qmatmul_tiles(ctypes.byref(weight), scratch.ctypes.data, rows, y.ctypes.data, first, last)
     return y
+
+
+def _shares(tiles: int, splits) -> list[tuple[int, int]]:
+    """``[first, last)`` ranges of ``tiles`` in the proportions ``splits`` (as threads take them)."""
+    bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * tiles).astype(int)
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
 def _weight(rng, bits, offsets, k, n):
@@ -102,8 +106,7 @@ def test_the_float_kernel_sums_in_one_order_per_row(k, n):
     def run(x, splits=(1,)):
         y = np.full((len(x), n), np.nan, np.float32)
         x = np.ascontiguousarray(x)
-        bounds = np.round(np.cumsum([0, *splits]) / sum(splits) * len(packed)).astype(int)
-        for first, last in zip(bounds[:-1], bounds[1:]):
+        for first, last in _shares(len(packed), splits):
             lib.dspark_fmatmul_tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data,
                                      first, last)
         return y

@@ -151,14 +151,6 @@ struct Product {   // QMatMul and FMatMul: the output's columns
     int64_t columns;
 };
 
-struct Call {   // one Compute's work, for the ParallelFor callbacks
-    DsparkQWeight weight;
-    const float* x;
-    int64_t rows;
-    void* scratch;
-    float* y;
-};
-
 OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
@@ -176,7 +168,13 @@ OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     if (rows == 0) return nullptr;
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(static_cast<size_t>(dspark_qmatmul_scratch(rows, K)));
-    Call call{{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
+    struct Call {   // one Compute's work, for the ParallelFor callbacks
+        DsparkQWeight weight;
+        const float* x;
+        int64_t rows;
+        void* scratch;
+        float* y;
+    } call{{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
                static_cast<const float*>(scales.data),
                offsets.size() ? static_cast<const float*>(offsets.data) : nullptr,
                sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr},
@@ -189,14 +187,21 @@ OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     return parallel_for(context, tile, size_t(q.dims[0]), &call);
 }
 
-OrtStatus* create_qmatmul(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new Product{0};
-    if (OrtStatus* status = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns)) {
+// `state` as the kernel, unless reading its attribute failed (`read`: that status).
+template <typename State>
+OrtStatus* created(State* state, OrtStatus* read, void** kernel) {
+    if (read) {
         delete state;
-        return status;
+        return read;
     }
     *kernel = state;
     return nullptr;
+}
+
+OrtStatus* create_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new Product{0};
+    return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns),
+                   kernel);
 }
 
 // ---- FMatMul: x float [..., K]; w float [tiles, K, 32] (qmatmul/layout.py's pack_float).
@@ -269,12 +274,8 @@ OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
 
 OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
     auto* state = new CausalAttention{0.f};
-    if (OrtStatus* status = slot<GetAttributeFloat>(g_api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "scale", &state->scale)) {
-        delete state;
-        return status;
-    }
-    *kernel = state;
-    return nullptr;
+    return created(state, slot<GetAttributeFloat>(g_api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "scale", &state->scale),
+                   kernel);
 }
 
 // ---- registration
@@ -304,11 +305,11 @@ const OrtCustomOp g_ops[] = {
     make_op<Product>(
         [](const OrtCustomOp*) { return "QMatMul"; }, [](const OrtCustomOp*) -> size_t { return 5; },
         [](const OrtCustomOp*, size_t i) { return (const int[]){FLOAT, UINT8, FLOAT, FLOAT, INT32}[i]; },
-        [](const OrtCustomOp*) -> size_t { return 1; }, create_qmatmul, qmatmul),
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, qmatmul),
     make_op<Product>(
         [](const OrtCustomOp*) { return "FMatMul"; }, [](const OrtCustomOp*) -> size_t { return 2; },
         [](const OrtCustomOp*, size_t) { return FLOAT; },
-        [](const OrtCustomOp*) -> size_t { return 1; }, create_qmatmul, fmatmul),
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, fmatmul),
     make_op<CausalAttention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 #include "kernel.h"
 
@@ -119,7 +120,6 @@ inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats broadcast(float v) { return _mm512_set1_ps(v); }
 inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
 
-#define DSPARK_QMATMUL_ISA "avx512-vnni"
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // Two 8-lane halves per 16-column tile; maddubs (u8 x s8 -> pairs of int16) + madd (-> int32).
@@ -186,7 +186,6 @@ inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm25
 inline Floats broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 
-#define DSPARK_QMATMUL_ISA "avx2"
 
 #else
 #error "plugins/qmatmul needs AVX2 and FMA (the build falls back to ONNX Runtime's own kernels)"
@@ -209,8 +208,6 @@ XRows x_rows(void* scratch, int64_t M, int64_t K) {
             reinterpret_cast<float*>(base + M * K + 8 * M * blocks)};
 }
 
-// One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
-// tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
 // ROWS rows (a template argument, so that their accumulators stay in registers) of one tile.
 template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
 void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int64_t t) {
@@ -244,20 +241,25 @@ void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int
     }
 }
 
+// All M rows of a tile, GROUP at a time, then the rest: `rows(std::integral_constant<int, R>{},
+// m0)` runs R rows from m0, R a template argument so that their accumulators stay in registers.
+template <int GROUP, typename Rows>
+void in_groups(int64_t M, Rows rows) {
+    int64_t m0 = 0;
+    for (; m0 + GROUP <= M; m0 += GROUP) rows(std::integral_constant<int, GROUP>{}, m0);
+    if constexpr (GROUP > 1) {
+        if (M > m0) in_groups<GROUP - 1>(M - m0, [&](auto count, int64_t m) { rows(count, m0 + m); });
+    }
+}
+
 // One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
 // tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
 template <typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
 void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
-    int64_t m0 = 0;
-    for (; m0 + ROW_GROUP <= M; m0 += ROW_GROUP) row_group<ROW_GROUP, Block, load, OFFSETS>(w, x, m0, y, t);
-    switch (M - m0) {
-        case 3: row_group<3, Block, load, OFFSETS>(w, x, m0, y, t); break;
-        case 2: row_group<2, Block, load, OFFSETS>(w, x, m0, y, t); break;
-        case 1: row_group<1, Block, load, OFFSETS>(w, x, m0, y, t); break;
-        default: break;
-    }
+    in_groups<ROW_GROUP>(M, [&](auto count, int64_t m0) {
+        row_group<decltype(count)::value, Block, load, OFFSETS>(w, x, m0, y, t);
+    });
 }
-
 
 // ROWS rows of one tile of float weights ([tiles, K, 32]): each of x's values broadcast once
 // against the tile's 32 columns (two vectors), k in order; a row's order is the same at any row
@@ -293,18 +295,10 @@ void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0
     }
 }
 
-// The rows past the last whole group: REST of them, dispatched to float_rows<REST>.
-template <int R>
-void float_rest(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t,
-                int rest) {
-    if (rest == R) return float_rows<R>(w, K, N, x, m0, y, t);
-    if constexpr (R > 1) float_rest<R - 1>(w, K, N, x, m0, y, t, rest);
-}
-
 void float_tile(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t t) {
-    int64_t m0 = 0;
-    for (; m0 + FLOAT_ROWS <= M; m0 += FLOAT_ROWS) float_rows<FLOAT_ROWS>(w, K, N, x, m0, y, t);
-    if (M > m0) float_rest<FLOAT_ROWS - 1>(w, K, N, x, m0, y, t, int(M - m0));
+    in_groups<FLOAT_ROWS>(M, [&](auto count, int64_t m0) {
+        float_rows<decltype(count)::value>(w, K, N, x, m0, y, t);
+    });
 }
 
 }  // namespace
@@ -316,8 +310,6 @@ void dspark_fmatmul_tiles(const float* w, int64_t K, int64_t N, const float* x, 
     for (int64_t t = first; t < last; ++t) float_tile(w, K, N, x, M, y, t);
 }
 
-
-const char* dspark_qmatmul_isa() { return DSPARK_QMATMUL_ISA; }
 
 int64_t dspark_qmatmul_scratch(int64_t M, int64_t K) {
     return M * K + 3 * M * (K / BLOCK) * 4;

@@ -20,8 +20,6 @@ struct DsparkQWeight {
     const int32_t* wsums;   // [tiles, K / 32, 16] for 8 bits, else null
 };
 
-// The instruction set the library was built for ("avx512-vnni" or "avx2").
-DSPARK_API const char* dspark_qmatmul_isa();
 // Bytes of scratch for M rows of K.
 DSPARK_API int64_t dspark_qmatmul_scratch(int64_t M, int64_t K);
 // Quantize x's rows into the scratch, once per call, before the tiles.

@@ -83,27 +83,36 @@ def _lower_float_products(graph) -> dict[str, np.ndarray]:
 
 
 def _float_weight(node):
-    """``(weight, stored transposed)`` when ``node`` multiplies a float32 input by a constant
-    float32 2-D weight: ``MatMul`` of it or of its ``Transpose``, or ``Gemm(transB=1)`` with unit
-    alpha and beta; else None."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
-        return None
-    weight, transposed = node.inputs[1], False
-    producer = weight.producer() if weight is not None else None
-    if (node.op_type == "MatMul" and producer is not None and producer.op_type == "Transpose"
-            and list(producer.attributes.get_ints("perm", [])) == [1, 0]):
-        weight, transposed = producer.inputs[0], True
-    if (weight is None or not weight.is_initializer() or weight.const_value is None
-            or weight.const_value.dtype.name != "FLOAT" or len(weight.const_value.shape) != 2
+    """``linear_weight(node)`` where the input and the weight are float32, else None."""
+    found = linear_weight(node)
+    if (found is None or found[0].const_value.dtype.name != "FLOAT"
             or node.inputs[0].dtype is None or node.inputs[0].dtype.name != "FLOAT"):
         return None
-    if node.op_type == "Gemm":
-        attributes = {name: attr.value for name, attr in node.attributes.items()}
-        if (attributes.get("transB", 0) != 1 or attributes.get("transA", 0)
-                or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0):
-            return None
-        transposed = True
-    return weight, transposed
+    return found
+
+
+def linear_weight(node) -> tuple[object, bool] | None:
+    """``(weight value, stored transposed)`` when ``node`` is a linear layer with a constant 2-D
+    weight (``MatMul`` of it or of its ``Transpose``, or ``Gemm(transB=1)`` with unit alpha and
+    beta), else None: what ``export/quantize.py`` quantizes and ``FMatMul`` takes. A weight the
+    tracer shares between layers (the draft's K/V projections, the Markov head of every unrolled
+    draft) reaches them through one ``Transpose`` of the constant."""
+    if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    weight, transposed = node.inputs[1], False
+    producer = weight.producer()
+    if (node.op_type == "MatMul" and producer is not None and producer.op_type == "Transpose"
+            and [int(p) for p in producer.attributes.get_ints("perm", [])] == [1, 0]):
+        weight, transposed = producer.inputs[0], True
+    if not weight.is_initializer() or weight.const_value is None or len(weight.const_value.shape) != 2:
+        return None
+    if node.op_type == "MatMul":
+        return weight, transposed
+    attributes = {name: attr.value for name, attr in node.attributes.items()}
+    if (node.op_type == "Gemm" and attributes.get("transB", 0) == 1 and not attributes.get("transA", 0)
+            and attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0):
+        return weight, True
+    return None
 
 
 def float_products(model) -> int:
