@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plugins.cpu.build import library
 from plugins.ort_session import lowered_session
 
 from .errors import VerificationError
@@ -38,10 +39,12 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     graph's (tokens, probabilities) outputs, compared as ``_comparable_drafts`` says. The graph
     is also run as the ORT backend runs it, one sequence per call with its attention lowered to
     ONNX Runtime's own kernels (``plugins/block_attention/ort_contrib.py``; ``rotary``: the
-    decoder's cos / sin tables that form takes), on the first sequence of ``inputs``. Its quantized
-    layers stay ONNX Runtime's there: the compiled kernel quantizes activations to int8, as
-    llama.cpp does, which is a cost in quality the manifest measures, not a difference from
-    the graph (``tests/test_qmatmul.py`` checks the kernel against what it defines).
+    decoder's cos / sin tables that form takes), on the first sequence of ``inputs``. An fp16
+    graph's products run there on the compiled kernel, as the runtime runs them (``HMatMul``, its
+    weights in fp16). Quantized layers stay ONNX Runtime's: the compiled kernel quantizes
+    activations to int8, as llama.cpp does, which is a cost in quality the manifest measures, not
+    a difference from the graph (``tests/test_cpu_kernels.py`` checks the kernel against what it
+    defines).
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
@@ -58,7 +61,8 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
     worst = _compare(path, got, expected, dtype, drafts)
-    lowered = lowered_session(path, _options(), rotary)
+    del session   # one session's weights at a time
+    lowered = lowered_session(path, _options(), rotary, library() if dtype == "float16" else None)
     if lowered is not None:   # the outputs but the caches, whose rows past the new ones are scratch
         names = [name for name in expected if not is_cache(name)]
         first = dict(zip(names, lowered.run(names, {name: value[:1] for name, value in feeds.items()})))

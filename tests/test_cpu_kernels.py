@@ -92,29 +92,35 @@ def test_the_kernel_computes_the_blocks_integer_products_and_a_row_alone_as_in_a
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("k, n", [(576, 960), (63, 17)])
-def test_the_float_kernel_sums_in_one_order_per_row(k, n):
-    """``FMatMul``: float32 weights, x's rows within float32 rounding of float64, and each row's
-    values the same bits alone, in a call of 9 rows and with the tiles split (an odd K too)."""
+def test_the_float_kernel_sums_in_one_order_per_row(k, n, dtype):
+    """``FMatMul`` (float32 weights) and ``HMatMul`` (fp16 weights, kept in fp16, and an fp16
+    output): x's rows within the output type's rounding of float64, and each row's values the
+    same bits alone, in a call of 9 rows and with the tiles split (an odd K too)."""
     lib = _kernel()
-    lib.dspark_fmatmul_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    half = dtype == np.float16
+    tiles = lib.dspark_hmatmul_tiles if half else lib.dspark_fmatmul_tiles
+    tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     rng = np.random.default_rng(k)
-    weight = rng.standard_normal((k, n)).astype(np.float32)
+    weight = rng.standard_normal((k, n)).astype(dtype)
     packed = layout.pack_float(weight)
+    assert packed.dtype == dtype and np.array_equal(layout.pack_float(np.ascontiguousarray(weight.T), True),
+                                                    packed)
 
     def run(x, splits=(1,)):
-        y = np.full((len(x), n), np.nan, np.float32)
-        x = np.ascontiguousarray(x)
+        y = np.full((len(x), n), np.nan, dtype)
+        x = np.ascontiguousarray(x, np.float32)
         for first, last in _shares(len(packed), splits):
-            lib.dspark_fmatmul_tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data,
-                                     first, last)
+            tiles(packed.ctypes.data, k, n, x.ctypes.data, len(x), y.ctypes.data, first, last)
         return y
 
-    x = rng.standard_normal((9, k)).astype(np.float32)
+    x = rng.standard_normal((9, k)).astype(dtype)
     y = run(x)
     exact = x.astype(np.float64) @ weight.astype(np.float64)
-    np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    rtol = 1e-3 if half else 1e-4   # fp16's rounding of the output: 2^-11
+    np.testing.assert_allclose(y, exact, rtol=rtol, atol=rtol * np.abs(exact).max())
     assert np.array_equal(np.stack([run(x[i:i + 1])[0] for i in range(9)]), y)
     assert np.array_equal(run(x[1:8], splits=(2, 1)), y[1:8])
 
@@ -243,3 +249,75 @@ def test_the_attention_kernel_is_block_attentions_causal_form_and_a_row_its_own(
         alone = _attend(lib, q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1], pool[0].copy(), pool[1].copy(),
                         start[b:b + 1], slots[b:b + 1], 0.2)
         assert np.array_equal(alone[0], out[b])
+
+
+def _fp16_graph(path, table: np.ndarray, weight: np.ndarray):
+    """An fp16 decoder's ends, its weights in a file beside it: ``h = table[concat(a, b)] * 2``,
+    ``y = h @ weight`` and ``logits = y @ table^T`` (tied embeddings), saved at ``path``."""
+    f16 = ir.TensorType(ir.DataType.FLOAT16)
+    ids_type = ir.TensorType(ir.DataType.INT64)
+    a, b = (ir.Value(name=n, shape=ir.Shape([1, "rows"]), type=ids_type) for n in "ab")
+    graph = ir.Graph([a, b], [], nodes=[], opset_imports={"": 23}, name="fp16")
+
+    def constant(name, array):
+        value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+        graph.register_initializer(value)
+        return value
+
+    ids = ir.node("Concat", [a, b], attributes={"axis": 1})
+    rows = ir.node("Gather", [constant("table", table), ids.outputs[0]])
+    scaled = ir.node("Mul", [rows.outputs[0], constant("scale", np.array(2, np.float16))])
+    y = ir.node("MatMul", [scaled.outputs[0], constant("weight", weight)])
+    transposed = ir.node("Transpose", [graph.initializers["table"]], attributes={"perm": [1, 0]})
+    logits = ir.node("MatMul", [y.outputs[0], transposed.outputs[0]])
+    graph.extend([ids, rows, scaled, y, transposed, logits])
+    ids.outputs[0].type = a.type
+    for node in (rows, scaled, y, transposed, logits):
+        node.outputs[0].type = f16
+    for node, name in ((y, "y"), (logits, "logits")):
+        node.outputs[0].name = name
+        graph.outputs.append(node.outputs[0])
+    ir.save(ir.Model(graph, ir_version=10), path, external_data=f"{path.name}.data")
+
+
+@needs_kernel
+def test_an_fp16_graph_keeps_its_weights_in_fp16(tmp_path):
+    """An fp16 engine's products run on ``HMatMul``, their weights packed in fp16 and given to
+    ONNX Runtime in place, and its embeddings stay the fp16 table mapped from the file. ONNX
+    Runtime's own way holds a float32 copy of each (its fp16 ``MatMul`` runs in float32, and a
+    ``Gather`` of computed indices beside float32 ops too): twice the weights."""
+    rng = np.random.default_rng(16)
+    table = rng.standard_normal((96, 64)).astype(np.float16)
+    weight = (rng.standard_normal((64, 64)) / 8).astype(np.float16)
+    path = tmp_path / "fp16.onnx"
+    _fp16_graph(path, table, weight)
+    feeds = {"a": np.array([[5, 7]]), "b": np.array([[95, 0, 3]])}
+
+    def session(kernel):
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"optimized-{kernel is not None}.onnx")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         f"optimized-{kernel is not None}.data")
+        if kernel is None:
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), options
+        return lowered_session(path, options, kernel=kernel), options
+
+    def float32_weights(options):
+        model = ir.load(options.optimized_model_filepath)
+        return sorted(name for name, value in model.graph.initializers.items()
+                      if value.const_value.dtype == ir.DataType.FLOAT and value.const_value.size > 1)
+
+    stock, stock_options = session(None)
+    ours, options = session(LIBRARY)
+    assert float32_weights(stock_options)   # the copies this avoids
+    assert float32_weights(options) == []
+    ops = {node.op_type for node in ir.load(options.optimized_model_filepath).graph}
+    assert "HMatMul" in ops and "MatMul" not in ops
+    y, logits = ours.run(["y", "logits"], feeds)
+    h = table[[5, 7, 95, 0, 3]].astype(np.float64) * 2
+    expected_y = (h @ weight.astype(np.float64)).astype(np.float16)
+    np.testing.assert_allclose(y[0], expected_y, rtol=1e-3, atol=1e-3)
+    expected = y[0].astype(np.float64) @ table.astype(np.float64).T
+    np.testing.assert_allclose(logits[0], expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max())
+    stock_y, stock_logits = stock.run(["y", "logits"], feeds)
+    np.testing.assert_allclose(logits, stock_logits, rtol=2e-2, atol=2e-2 * np.abs(stock_logits).max())

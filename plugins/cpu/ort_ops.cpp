@@ -1,17 +1,18 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
-// (SessionOptions.register_custom_ops_library): `QMatMul` and `FMatMul` (plugins/qmatmul) and
+// (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul) and
 // `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
 //
 // No installable package ships ONNX Runtime's C API header, so the few types used here are
 // declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
 // pointers that only ever grows, and each function used is called through its slot. Slots and
-// layouts were checked against onnxruntime 1.32.0 (tests/test_qmatmul.py runs this op there).
+// layouts were checked against onnxruntime 1.32.0 (tests/test_cpu_kernels.py runs these ops there).
 //
 // The work is spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../block_attention/cpu_kernel.h"
@@ -35,7 +36,7 @@ struct OrtApiBase {
 };
 
 constexpr uint32_t API_VERSION = 17;   // KernelContext_ParallelFor is 1.17's
-constexpr int FLOAT = 1, UINT8 = 2, INT32 = 6, INT64 = 7;   // ONNXTensorElementDataType
+constexpr int FLOAT = 1, UINT8 = 2, INT32 = 6, INT64 = 7, FLOAT16 = 10;   // ONNXTensorElementDataType
 constexpr int ORT_FAIL = 1;
 
 // The OrtApi slots used, and their signatures.
@@ -205,26 +206,40 @@ OrtStatus* create_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
 }
 
 // ---- FMatMul: x float [..., K]; w float [tiles, K, 32] (qmatmul/layout.py's pack_float).
-// Attribute `columns`: N. Output: float [..., N].
+// Attribute `columns`: N. Output: float [..., N]. HMatMul: the same with fp16 x, w and output
+// (an fp16 graph's products, its weights kept in fp16).
 
-OrtStatus* fmatmul(void* state, OrtKernelContext* context) {
+template <typename T>   // float, or uint16_t for fp16
+OrtStatus* float_product(void* state, OrtKernelContext* context) {
+    constexpr bool half = std::is_same_v<T, uint16_t>;
+    const char* op = half ? "HMatMul" : "FMatMul";
     const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), w = input(context, 1);
     if (x.dims.empty() || w.dims.size() != 3 || w.dims[2] != 32 || w.dims[1] != x.dims.back()
             || w.dims[0] * 32 < columns)
-        return error("FMatMul", "expected x [..., K] and w [tiles, K, 32]");
+        return error(op, "expected x [..., K] and w [tiles, K, 32]");
     std::vector<int64_t> out_dims = x.dims;
     out_dims.back() = columns;
     struct Call {
-        const float *w, *x;
+        const T* w;
+        const float* x;
         int64_t K, N, rows;
-        float* y;
-    } call{static_cast<const float*>(w.data), static_cast<const float*>(x.data), x.dims.back(), columns,
-           x.size() / x.dims.back(), static_cast<float*>(output(context, 0, out_dims))};
+        T* y;
+    } call{static_cast<const T*>(w.data), static_cast<const float*>(x.data), x.dims.back(), columns,
+           x.size() / x.dims.back(), static_cast<T*>(output(context, 0, out_dims))};
     if (call.rows == 0) return nullptr;
+    thread_local std::vector<float> wide;   // fp16 x, widened once per call
+    if constexpr (half) {
+        wide.resize(size_t(x.size()));
+        dspark_half_to_float(static_cast<const uint16_t*>(x.data), x.size(), wide.data());
+        call.x = wide.data();
+    }
     auto tile = [](void* data, size_t t) {
         auto* c = static_cast<Call*>(data);
-        dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        if constexpr (half)
+            dspark_hmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        else
+            dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
     };
     return parallel_for(context, tile, size_t(w.dims[0]), &call);
 }
@@ -283,7 +298,8 @@ OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelIn
 template <typename State>
 OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(const OrtCustomOp*),
                     int (*input_type)(const OrtCustomOp*, size_t), size_t (*outputs)(const OrtCustomOp*),
-                    decltype(OrtCustomOp::CreateKernelV2) create, decltype(OrtCustomOp::KernelComputeV2) compute) {
+                    decltype(OrtCustomOp::CreateKernelV2) create, decltype(OrtCustomOp::KernelComputeV2) compute,
+                    int (*output_type)(const OrtCustomOp*, size_t) = [](const OrtCustomOp*, size_t) { return FLOAT; }) {
     OrtCustomOp op{};
     op.version = API_VERSION;
     op.GetName = name;
@@ -291,7 +307,7 @@ OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(co
     op.GetInputTypeCount = inputs;
     op.GetInputType = input_type;
     op.GetOutputTypeCount = outputs;
-    op.GetOutputType = [](const OrtCustomOp*, size_t) { return FLOAT; };
+    op.GetOutputType = output_type;
     op.KernelDestroy = [](void* state) { delete static_cast<State*>(state); };
     op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };    // required
     op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
@@ -309,7 +325,12 @@ const OrtCustomOp g_ops[] = {
     make_op<Product>(
         [](const OrtCustomOp*) { return "FMatMul"; }, [](const OrtCustomOp*) -> size_t { return 2; },
         [](const OrtCustomOp*, size_t) { return FLOAT; },
-        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, fmatmul),
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, float_product<float>),
+    make_op<Product>(
+        [](const OrtCustomOp*) { return "HMatMul"; }, [](const OrtCustomOp*) -> size_t { return 2; },
+        [](const OrtCustomOp*, size_t) { return FLOAT16; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, float_product<uint16_t>,
+        [](const OrtCustomOp*, size_t) { return FLOAT16; }),
     make_op<CausalAttention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },

@@ -119,9 +119,12 @@ inline Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats broadcast(float v) { return _mm512_set1_ps(v); }
 inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats load_floats(const uint16_t* p) {   // 16 fp16 values
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // Two 8-lane halves per 16-column tile; maddubs (u8 x s8 -> pairs of int16) + madd (-> int32).
 struct Ints { __m256i lo, hi; };
 struct Floats { __m256 lo, hi; };
@@ -185,10 +188,14 @@ inline Floats fma(Floats a, Floats b, Floats c) {
 inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Floats broadcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+inline Floats load_floats(const uint16_t* p) {   // 16 fp16 values (F16C)
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 
 
 #else
-#error "plugins/qmatmul needs AVX2 and FMA (the build falls back to ONNX Runtime's own kernels)"
+#error "plugins/qmatmul needs AVX2, FMA and F16C (the build falls back to ONNX Runtime's own kernels)"
 #endif
 
 // x's rows quantized, in the scratch: int8 values, and per block the scale, the sum of the int8
@@ -261,11 +268,14 @@ void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t
     });
 }
 
-// ROWS rows of one tile of float weights ([tiles, K, 32]): each of x's values broadcast once
-// against the tile's 32 columns (two vectors), k in order; a row's order is the same at any row
-// count. Two vectors per row keep two fma chains going at one row too.
+// ROWS rows of one tile of float weights ([tiles, K, 32], float32 or fp16 values W): each of x's
+// values broadcast once against the tile's 32 columns (two vectors), k in order; a row's order is
+// the same at any row count. Two vectors per row keep two fma chains going at one row too. fp16
+// weights are widened as they are loaded (what llama.cpp's F16 path does on x86), so they stay
+// their own size in memory; the output Y (float32, or fp16 rounded to nearest even) is written
+// once per row.
 constexpr int FLOAT_TILE = 2 * TILE;
-// rows per pass over a tile: a tile's weights (K x 32 floats) come from L2 once per pass, so as
+// rows per pass over a tile: a tile's weights (K x 32 values) come from L2 once per pass, so as
 // many rows as the registers hold (two accumulators a row)
 #if defined(__AVX512F__)
 constexpr int FLOAT_ROWS = 8;
@@ -273,12 +283,20 @@ constexpr int FLOAT_ROWS = 8;
 constexpr int FLOAT_ROWS = 4;
 #endif
 
-template <int ROWS>
-void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0, float* y, int64_t t) {
+inline void store_row(float* y, const float* values, int64_t width) {
+    std::memcpy(y, values, width * sizeof(float));
+}
+
+inline void store_row(uint16_t* y, const float* values, int64_t width) {
+    for (int64_t i = 0; i < width; ++i) y[i] = _cvtss_sh(values[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+template <int ROWS, typename W, typename Y>
+void float_rows(const W* w, int64_t K, int64_t N, const float* x, int64_t m0, Y* y, int64_t t) {
     Floats left[ROWS], right[ROWS];
     for (int r = 0; r < ROWS; ++r) left[r] = right[r] = zero_floats();
     for (int64_t k = 0; k < K; ++k) {
-        const float* column = w + (t * K + k) * FLOAT_TILE;
+        const W* column = w + (t * K + k) * FLOAT_TILE;
         const Floats a = load_floats(column), b = load_floats(column + TILE);
         for (int r = 0; r < ROWS; ++r) {
             const Floats value = broadcast(x[(m0 + r) * K + k]);
@@ -291,14 +309,17 @@ void float_rows(const float* w, int64_t K, int64_t N, const float* x, int64_t m0
         alignas(64) float tmp[FLOAT_TILE];
         store_floats(tmp, left[r]);
         store_floats(tmp + TILE, right[r]);
-        std::memcpy(y + (m0 + r) * N + n0, tmp, width * sizeof(float));
+        store_row(y + (m0 + r) * N + n0, tmp, width);
     }
 }
 
-void float_tile(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y, int64_t t) {
-    in_groups<FLOAT_ROWS>(M, [&](auto count, int64_t m0) {
-        float_rows<decltype(count)::value>(w, K, N, x, m0, y, t);
-    });
+template <typename W, typename Y>
+void float_tiles(const W* w, int64_t K, int64_t N, const float* x, int64_t M, Y* y, int64_t first,
+                 int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+        in_groups<FLOAT_ROWS>(M, [&](auto count, int64_t m0) {
+            float_rows<decltype(count)::value>(w, K, N, x, m0, y, t);
+        });
 }
 
 }  // namespace
@@ -307,7 +328,16 @@ extern "C" {
 
 void dspark_fmatmul_tiles(const float* w, int64_t K, int64_t N, const float* x, int64_t M, float* y,
                           int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) float_tile(w, K, N, x, M, y, t);
+    float_tiles(w, K, N, x, M, y, first, last);
+}
+
+void dspark_hmatmul_tiles(const uint16_t* w, int64_t K, int64_t N, const float* x, int64_t M, uint16_t* y,
+                          int64_t first, int64_t last) {
+    float_tiles(w, K, N, x, M, y, first, last);
+}
+
+void dspark_half_to_float(const uint16_t* h, int64_t n, float* f) {
+    for (int64_t i = 0; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
 

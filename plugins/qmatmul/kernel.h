@@ -25,10 +25,15 @@ DSPARK_API int64_t dspark_qmatmul_scratch(int64_t M, int64_t K);
 // Quantize x's rows into the scratch, once per call, before the tiles.
 DSPARK_API void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch);
 // Tiles [first, last) of y [M, N] = x @ W for every row; any split of the tiles gives the same y.
+DSPARK_API void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
+                                     int64_t first, int64_t last);
 // Float weights as [tiles, K, 32]: tiles [first, last) of y [M, N] = x [M, K] @ W, each output
 // value a sum over k in order.
 DSPARK_API void dspark_fmatmul_tiles(const float* w, int64_t K, int64_t N, const float* x, int64_t M,
                                      float* y, int64_t first, int64_t last);
-DSPARK_API void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
-                                     int64_t first, int64_t last);
+// fp16 weights in the same layout, x widened to float32 beforehand (dspark_half_to_float), y fp16
+// (each value rounded once, to nearest even): an fp16 graph's MatMul with float32 sums.
+DSPARK_API void dspark_hmatmul_tiles(const uint16_t* w, int64_t K, int64_t N, const float* x, int64_t M,
+                                     uint16_t* y, int64_t first, int64_t last);
+DSPARK_API void dspark_half_to_float(const uint16_t* h, int64_t n, float* f);
 }

@@ -11,7 +11,8 @@ or ``maddubs`` takes), so the layout is, per tile of 16 columns and block of 32 
   and each column's sum of ``q`` over the block (the kernel's unsigned-operand correction);
 
 and the scales and offsets as ``[tiles, blocks, 16]``. The last tile is padded with zero weights.
-A float weight (``FMatMul``) is ``[tiles, K, 32]``: each tile's 32 columns side by side per ``k``.
+A float32 or fp16 weight (``FMatMul``, ``HMatMul``) is ``[tiles, K, 32]``: each tile's 32 columns
+side by side per ``k``.
 """
 from __future__ import annotations
 
@@ -70,11 +71,18 @@ def pack(q: np.ndarray, scales: np.ndarray, bits: int, offsets: np.ndarray | Non
 FLOAT_TILE = 32
 
 
-def pack_float(matrix: np.ndarray) -> np.ndarray:
-    """A float32 weight ``[K, N]`` -> ``[tiles, K, 32]`` (``FMatMul``'s layout; the last tile padded)."""
-    k, n = matrix.shape
-    padded = np.pad(matrix.astype(np.float32), ((0, 0), (0, -n % FLOAT_TILE)))
-    return np.ascontiguousarray(padded.reshape(k, -1, FLOAT_TILE).transpose(1, 0, 2))
+def pack_float(matrix: np.ndarray, transposed: bool = False) -> np.ndarray:
+    """A float weight ``[K, N]`` (``transposed``: stored as ``[N, K]``) -> ``[tiles, K, 32]`` in its
+    own dtype (float32 for ``FMatMul``, fp16 for ``HMatMul``), the last tile padded. One copy,
+    no temporaries: a weight mapped from its file costs its packed size only."""
+    columns = matrix.T if transposed else matrix   # [K, N], a view
+    k, n = columns.shape
+    full = n // FLOAT_TILE
+    packed = np.zeros((-(-n // FLOAT_TILE), k, FLOAT_TILE), matrix.dtype)
+    packed[:full] = columns[:, :full * FLOAT_TILE].reshape(k, full, FLOAT_TILE).transpose(1, 0, 2)
+    if n % FLOAT_TILE:
+        packed[full, :, :n % FLOAT_TILE] = columns[:, full * FLOAT_TILE:]
+    return packed
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

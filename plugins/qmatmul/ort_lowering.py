@@ -2,7 +2,8 @@
 MatMul`` that ``export/quantize.py`` writes (plus, for GGUF Q4_1, the input's block sums times
 the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
 constant float32 weight (``MatMul``, ``MatMul`` of its ``Transpose``, ``Gemm`` with ``transB``)
-one ``dspark.cpu::FMatMul``, their weights in the kernels' layouts (``layout.py``).
+one ``dspark.cpu::FMatMul`` (an fp16 one ``HMatMul``, its weight kept in fp16), their weights in
+the kernels' layouts (``layout.py``).
 
 The rewrite happens when a graph is loaded, like the attention's (``block_attention/ort_contrib.py``):
 the engine file keeps the standard form that every runtime reads, and a machine without the
@@ -18,11 +19,13 @@ DOMAIN, OP = "dspark.cpu", "QMatMul"
 BITS = {"INT4": 4, "INT8": 8}
 
 
-def lower(model) -> dict[str, np.ndarray]:
+def lower(model, location: str = "packed-at-load") -> dict[str, np.ndarray]:
     """Replace, in ``model`` (``onnx_ir.Model``) main graph, every float32 linear layer the kernel
-    takes (``layout.supported``) by a ``QMatMul``, and every float32 product by a constant by an
-    ``FMatMul``. Returns the new weights by name: the graph holds them as external data of the
-    ``PACKED`` file, which ``packed_file`` makes for the session to be given in memory."""
+    takes (``layout.supported``) by a ``QMatMul``, and every float32 or fp16 product by a constant
+    by an ``FMatMul`` or ``HMatMul``. Returns the new weights by name, which the session is to be
+    given as they are (``ort_session.py``): the graph holds each as external data at
+    ``location``, a file that must exist beside the graph (ONNX Runtime checks that, and reads
+    nothing from it)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
@@ -41,15 +44,14 @@ def lower(model) -> dict[str, np.ndarray]:
         stem = q.name.removesuffix("_q")
         arrays = {f"{stem}_qmatmul_{part}": getattr(packed, part)
                   for part in ("q", "scales", "offsets", "sums")}
-        inputs = [node.inputs[0]] + [_placeholder(graph, name, array) for name, array in arrays.items()]
+        inputs = [node.inputs[0]] + [_placeholder(graph, name, array, location)
+                                     for name, array in arrays.items()]
         new = ir.node(OP, inputs, domain=DOMAIN, attributes={"columns": packed.n},
                       name=f"{node.name}_qmatmul")
         replaced = [node] if last is node else [node, offsets.uses()[0].node, last]
         ir.convenience.replace_nodes_and_values(graph, node, replaced, [new], [last.outputs[0]], new.outputs)
         packed_weights |= arrays
-    packed_weights |= _lower_float_products(graph)
-    for name, offset in _offsets_of(packed_weights).items():   # their places in ``packed_file``
-        _placeholder(graph, name, packed_weights[name], offset)
+    packed_weights |= _lower_float_products(graph, location)
     if packed_weights:
         model.opset_imports[DOMAIN] = 1
         # the DequantizeLinear and block sums, and their weights
@@ -57,9 +59,9 @@ def lower(model) -> dict[str, np.ndarray]:
     return packed_weights
 
 
-def _lower_float_products(graph) -> dict[str, np.ndarray]:
-    """Each float32 product by a constant weight as ``FMatMul`` (a ``Gemm``'s bias added after it);
-    a weight several products read is packed once."""
+def _lower_float_products(graph, location: str) -> dict[str, np.ndarray]:
+    """Each float32 (fp16) product by a constant weight as ``FMatMul`` (``HMatMul``), a ``Gemm``'s
+    bias added after it; a weight several products read is packed once."""
     import onnx_ir as ir
 
     packed: dict[str, np.ndarray] = {}
@@ -70,11 +72,11 @@ def _lower_float_products(graph) -> dict[str, np.ndarray]:
         weight, transposed = found
         name = f"{weight.name}{'_t' if transposed else ''}_fmatmul"
         if name not in packed:
-            matrix = weight.const_value.numpy()
-            packed[name] = pack_float(matrix.T if transposed else matrix)
-            _placeholder(graph, name, packed[name])
+            packed[name] = pack_float(weight.const_value.numpy(), transposed)
+            _placeholder(graph, name, packed[name], location)
         columns = weight.const_value.shape[0 if transposed else 1]
-        new = [ir.node("FMatMul", [node.inputs[0], graph.initializers[name]], domain=DOMAIN,
+        op = FLOAT_OPS[weight.const_value.dtype.name]
+        new = [ir.node(op, [node.inputs[0], graph.initializers[name]], domain=DOMAIN,
                        attributes={"columns": columns}, name=f"{node.name}_fmatmul")]
         if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
             new.append(ir.node("Add", [new[0].outputs[0], node.inputs[2]], name=f"{node.name}_bias"))
@@ -82,11 +84,15 @@ def _lower_float_products(graph) -> dict[str, np.ndarray]:
     return packed
 
 
+FLOAT_OPS = {"FLOAT": "FMatMul", "FLOAT16": "HMatMul"}   # the weight's type -> the op
+
+
 def _float_weight(node):
-    """``linear_weight(node)`` where the input and the weight are float32, else None."""
+    """``linear_weight(node)`` where the input and the weight are both float32 or both fp16,
+    else None."""
     found = linear_weight(node)
-    if (found is None or found[0].const_value.dtype.name != "FLOAT"
-            or node.inputs[0].dtype is None or node.inputs[0].dtype.name != "FLOAT"):
+    if (found is None or found[0].const_value.dtype.name not in FLOAT_OPS
+            or node.inputs[0].dtype != found[0].const_value.dtype):
         return None
     return found
 
@@ -167,38 +173,13 @@ def _offsets(node):
     return offsets, add
 
 
-PACKED = "packed-at-load"   # the packed weights' file, in memory only (``ort_session.py``)
-
-
-def packed_file(packed: dict[str, np.ndarray]) -> np.ndarray:
-    """The packed weights end to end, each at the offset its placeholder names (64-byte aligned)."""
-    offsets = _offsets_of(packed)
-    size = max((offsets[name] + array.nbytes for name, array in packed.items()), default=0)
-    buffer = np.zeros(size, np.uint8)
-    for name, array in packed.items():
-        data = np.ascontiguousarray(array).view(np.uint8).ravel()
-        buffer[offsets[name]:offsets[name] + data.size] = data
-    return buffer
-
-
-def _offsets_of(packed: dict[str, np.ndarray]) -> dict[str, int]:
-    offsets, at = {}, 0
-    for name, array in packed.items():
-        offsets[name] = at
-        at += -(-array.nbytes // 64) * 64
-    return offsets
-
-
-def _placeholder(graph, name: str, array: np.ndarray, offset: int = 0):
-    """The initializer ``name``: ``array``'s type and shape, its data at ``offset`` of the
-    ``PACKED`` file the session is given in memory (registered on first use, placed at the end)."""
+def _placeholder(graph, name: str, array: np.ndarray, location: str):
+    """The initializer ``name``: ``array``'s type and shape, as external data at ``location``
+    (``lower`` says why)."""
     import onnx_ir as ir
 
-    tensor = ir.ExternalTensor(PACKED, offset, array.nbytes, ir.DataType.from_numpy(array.dtype),
+    tensor = ir.ExternalTensor(location, 0, array.nbytes, ir.DataType.from_numpy(array.dtype),
                                shape=ir.Shape(array.shape), name=name)
-    if name in graph.initializers:
-        graph.initializers[name].const_value = tensor
-        return graph.initializers[name]
     value = ir.Value(name=name, const_value=tensor)
     graph.register_initializer(value)
     return value
