@@ -91,20 +91,38 @@ void weighted_values(const float* p, const float* values, int64_t count, int64_t
     for (int i = 0; i < NV; ++i) store(out + LANES * i, acc[i] * inverse);
 }
 
+// The scores of keys [j0, j0 + 16), all below `count`, by d-chunks in order; each key's partial
+// vector in a register of its own (the keys unrolled), and each chunk of q loaded once.
+inline void scores16(const float* q, const float* keys, int64_t j0, int64_t D, float scale, float* scores) {
+    Vec partial[LANES] = {};
+    for (int64_t d = 0; d < D; d += LANES) {
+        const Vec qd = load(q + d);
+#pragma GCC unroll 16
+        for (int j = 0; j < LANES; ++j) partial[j] += qd * load(keys + (j0 + j) * D + d);
+    }
+    store(scores + j0, sums16(partial) * scale);
+}
+
 // One query row of one head over `count` cache rows: out [D] = softmax(scale * q.K^T) V.
 // `scores` holds count rounded up to 16 floats.
 void attend_row(const float* q, const float* keys, const float* values, int64_t count, int64_t D,
                 float scale, float* scores, float* out) {
-    const int64_t padded = (count + LANES - 1) / LANES * LANES;
-    for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+    const int64_t full = count / LANES * LANES, padded = (count + LANES - 1) / LANES * LANES;
+    for (int64_t j0 = 0; j0 < full; j0 += LANES) scores16(q, keys, j0, D, scale, scores);
+    if (full < count) {   // the last keys, fewer than 16: the same sums, the missing keys' zero
         Vec partial[LANES] = {};
-        for (int64_t j = j0; j < j0 + LANES && j < count; ++j)
-            for (int64_t d = 0; d < D; d += LANES) partial[j - j0] += load(q + d) * load(keys + j * D + d);
-        store(scores + j0, sums16(partial) * scale);
+        for (int64_t j = full; j < count; ++j)
+            for (int64_t d = 0; d < D; d += LANES) partial[j - full] += load(q + d) * load(keys + j * D + d);
+        store(scores + full, sums16(partial) * scale);
+    }
+    for (int64_t j = count; j < padded; ++j) scores[j] = -INFINITY;
+    Vec highest = splat(-INFINITY);   // the maximum: exact in any order
+    for (int64_t j = 0; j < padded; j += LANES) {
+        const Vec s = load(scores + j);
+        highest = s > highest ? s : highest;
     }
     float top = -INFINITY;
-    for (int64_t j = 0; j < count; ++j) top = scores[j] > top ? scores[j] : top;
-    for (int64_t j = count; j < padded; ++j) scores[j] = -INFINITY;
+    for (int i = 0; i < LANES; ++i) top = highest[i] > top ? highest[i] : top;
     Vec total{};
     for (int64_t j = 0; j < padded; j += LANES) {
         const Vec e = exp_nonpositive(load(scores + j) - top);

@@ -267,7 +267,7 @@ OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
     if (v_out != v_cache.data) std::memcpy(v_out, v_cache.data, v_cache.size() * sizeof(float));
     struct Call {
         DsparkAttention a;
-        std::vector<float> scratch;   // per task
+        float* scratch;   // per task
         int64_t stride;
     } call;
     call.a = {q.dims[0], q.dims[2], q.dims[1], k_new.dims[1], q.dims[3], k_cache.dims[0], k_cache.dims[2],
@@ -279,10 +279,12 @@ OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
     dspark_attention_write(&call.a);
     const int64_t tasks = call.a.B * call.a.heads;
     call.stride = dspark_attention_scratch(&call.a) / int64_t(sizeof(float));
-    call.scratch.resize(size_t(tasks * call.stride));
+    thread_local std::vector<float> scratch;   // kept between calls: only grows, never cleared
+    if (scratch.size() < size_t(tasks * call.stride)) scratch.resize(size_t(tasks * call.stride));
+    call.scratch = scratch.data();
     auto head = [](void* data, size_t task) {
         auto* c = static_cast<Call*>(data);
-        dspark_attention_head(&c->a, int64_t(task), c->scratch.data() + int64_t(task) * c->stride);
+        dspark_attention_head(&c->a, int64_t(task), c->scratch + int64_t(task) * c->stride);
     };
     return parallel_for(context, head, size_t(tasks), &call);
 }
