@@ -5,9 +5,10 @@ CPU kernels and ours:
 - the attention at batch 1 as ONNX Runtime's own kernels (``block_attention/ort_contrib.py``), or,
   for a batch of sequences in one call, as the compiled kernel over a pool of cache slots
   (``block_attention/ort_cpu.py``);
-- the linear layers as the compiled kernels (``qmatmul/``), where they are built for this
-  machine; elsewhere they stay ``DequantizeLinear -> MatMul`` (which ONNX Runtime fuses into its
-  ``MatMulNBits``) or ``MatMul``.
+- the linear layers as the compiled kernels (``qmatmul/``), and a quantized MoE layer's experts
+  on the same kernel (``moe/ort_cpu.py``), where they are built for this machine; elsewhere they
+  stay ``DequantizeLinear -> MatMul`` (which ONNX Runtime fuses into its ``MatMulNBits``),
+  ``MatMul``, or the experts' ONNX function.
 
 A graph loaded from memory has its weights looked up in a folder, and ONNX Runtime maps them from
 their files there: pages of the file, which the system reclaims under pressure. It refuses a
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .block_attention import ort_contrib, ort_cpu
+from .moe import ort_cpu as moe
 from .qmatmul import ort_lowering as qmatmul
 
 
@@ -42,7 +44,7 @@ def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] |
 
     model = ir.load(path)
     folder, anchor = _weights_folder(model, path)
-    packed = qmatmul.lower(model, anchor) if kernel is not None else {}
+    packed = qmatmul.lower(model, anchor) | moe.lower(model, anchor) if kernel is not None else {}
     tables = _fp16_tables(model)
     # a batch in one call only where every product is the kernel's (ONNX Runtime's float MatMul
     # gives a row other bits beside other rows)

@@ -3,10 +3,11 @@ release's expert shapes, by tokens per step, beside the same op made to run ever
 token (what a dense compute of the experts would read): the selected experts only are read, so a
 decode step reads ``k`` experts and a 9-row verify step at most ``9 k``. With ``--weights`` also
 the int8 / int4 forms (``MoeExpertsInt8`` / ``Int4``, as ``build --weights`` writes them), which
-de-quantize only the experts they read.
+de-quantize only the experts they read, and with ``--compiled`` those forms on the compiled
+kernels too (``plugins/moe/ort_cpu.py``), interleaved.
 
     python scripts/moe_cost.py [--experts 128 --top-k 8 --hidden 2048 --size 768] [--tokens 1 9 64]
-                               [--weights float int8 int4]
+                               [--weights float int8 int4] [--compiled]
 """
 from __future__ import annotations
 
@@ -33,11 +34,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", nargs="+", default=["float"], choices=["float", "int8", "int4"])
     p.add_argument("--block", type=int, default=32)
+    p.add_argument("--compiled", action="store_true",
+                   help="also the int8 / int4 forms on the compiled kernels (plugins/cpu)")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     stacks = {"gate_up": torch.randn(args.experts, 2 * args.size, args.hidden, generator=g) * 0.02,
               "down": torch.randn(args.experts, args.hidden, args.size, generator=g) * 0.02}
     sessions = {form: _session(form, stacks, args) for form in args.weights}
+    if args.compiled:
+        sessions |= {f"{form}+": _session(form, stacks, args, compiled=True)
+                     for form in args.weights if form != "float"}
     feeds = {}
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=g)
@@ -57,22 +63,26 @@ def main() -> None:
             if round_ >= 2:
                 samples.append(time.perf_counter() - began)
     print(f"{args.experts} experts of {args.size} (top {args.top_k}), hidden {args.hidden}, fp32 "
-          f"activations, {args.threads} threads, median (min-max) of {args.rounds} interleaved rounds")
+          f"activations, {args.threads} threads, median (min-max) of {args.rounds} interleaved rounds"
+          f"{'; +: on the compiled kernels' if args.compiled else ''}")
     for (weights, (tokens, form)), samples in times.items():
         touched = feeds[tokens, form][1]
         print(f"  {weights:5s} {tokens:4d} tokens, {form:12s}: {statistics.median(samples) * 1e3:8.1f} ms "
               f"({min(samples) * 1e3:.1f}-{max(samples) * 1e3:.1f}; {touched} experts read)")
 
 
-def _session(weights: str, stacks: dict[str, torch.Tensor], args):
-    """An ONNX Runtime session of one ``MoeExperts`` node (or its int8 / int4 form) over ``stacks``."""
+def _session(weights: str, stacks: dict[str, torch.Tensor], args, compiled: bool = False):
+    """An ONNX Runtime session of one ``MoeExperts`` node (or its int8 / int4 form) over
+    ``stacks``; ``compiled``: lowered to the compiled kernels."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     from export import quantize
+    from plugins.cpu.build import library
     from plugins.moe import onnx_function
     from plugins.onnx_domain import PLUGIN_ATTRIBUTES
+    from plugins.ort_session import lowered_session
 
     if weights == "float":
         name, inputs = onnx_function.NAME, onnx_function.INPUTS
@@ -100,6 +110,8 @@ def _session(weights: str, stacks: dict[str, torch.Tensor], args):
     with tempfile.TemporaryDirectory() as folder:   # the experts are over protobuf's 2 GB
         path = Path(folder) / "moe.onnx"
         onnx.save_model(model, path, save_as_external_data=True)
+        if compiled:
+            return lowered_session(path, options, kernel=library())
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 

@@ -14,6 +14,7 @@ from test_greedy_invariant import OracleDrafts
 from export.checkpoint import CheckpointError
 from export.onnx_export import Limits
 from export.pair import load_pair
+from plugins.cpu.build import library
 from runtime.ort_backend import OrtBackend
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
@@ -257,6 +258,12 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
     assert {f"layers.{i}.mlp.gate.weight" for i in range(layers)} <= floats
     # per layer: the experts' two stacks, the shared expert's three, two projections at least; lm_head
     assert result.quantized_layers["target"] >= layers * (2 + 3 + 2) + 1
+    if library() is not None:   # the experts on the compiled kernel (plugins/moe/ort_cpu.py)
+        import onnx_ir as ir
+
+        from plugins.moe import ort_cpu
+        model = ir.load(tmp_path / "target.onnx")
+        assert len(ort_cpu.lower(model, "target.onnx.data")) == 6 * layers
     backend = OrtBackend(tmp_path)
     for batch in (1, 3):
         prompts = PROMPTS[:batch]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from plugins.cpu.build import library
 from plugins.moe import onnx_function
 from plugins.moe.reference import moe_experts
 from plugins.onnx_domain import PLUGIN_ATTRIBUTES
@@ -16,15 +17,15 @@ EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 16, 4, 32, 24
 BLOCK = 8   # the quantized forms' block: divides both input sizes
 
 
-def routed(tokens: int, seed: int = 0):
+def routed(tokens: int, seed: int = 0, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE):
     """Tokens routed as a Qwen3-MoE router routes them: softmax, top-k, renormalised."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
     probs = torch.randn(tokens, EXPERTS, generator=g).softmax(-1)
     weights, experts = probs.topk(TOP_K, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=g) * HIDDEN ** -0.5
-    down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=g) * INTERMEDIATE ** -0.5
+    gate_up = torch.randn(EXPERTS, 2 * intermediate, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(EXPERTS, hidden, intermediate, generator=g) * intermediate ** -0.5
     return x, experts, weights, gate_up, down
 
 
@@ -160,3 +161,50 @@ def test_triton_kernel_reads_the_quantized_layout(bits):
                             device=device)
     triton_kernel.moe_experts(*on[:5], out, workspace, *on[5:], bits=bits, block_n=16, block_k=16)
     np.testing.assert_allclose(out.cpu().numpy(), expected.numpy(), atol=1e-5)
+
+
+@pytest.mark.skipif(library() is None, reason="no compiler or no AVX2: the stock path runs")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_compiled_kernel_runs_the_quantized_experts_a_token_as_alone(tmp_path, bits):
+    """Loaded with the compiled kernels, a ``MoeExpertsInt{bits}`` with constant experts in blocks
+    of 32 becomes one ``dspark.cpu::MoeExperts``: it computes the reference's experts within its
+    int8 activations' error, and a token's output is the same bits alone as among 9 tokens."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from export import quantize
+    from plugins.ort_session import lowered_session
+
+    x, experts, weights, gate_up, down = routed(9, seed=3, hidden=64, intermediate=32)
+    stacks = [quantize.dequantized(m, bits, 32).detach() for m in (gate_up, down)]
+    model = _onnx_model(TensorProto.FLOAT, bits)
+    for name, stack in zip(onnx_function.MATRICES, stacks):
+        q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, 32))
+        for suffix, array in (("_q", q), ("_scales", scales)):
+            model.graph.initializer.append(numpy_helper.from_array(array, name + suffix))
+    kept = [i for i in model.graph.input if i.name in ("x", "experts", "weights")]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    path = tmp_path / "moe.onnx"
+    onnx.save(model, path)
+    session = lowered_session(path, ort.SessionOptions(), kernel=library())
+    import onnx_ir as ir
+
+    from plugins.moe import ort_cpu
+    lowered = ir.load(path)
+    assert len(ort_cpu.lower(lowered, path.name)) == 6
+    assert [(n.domain, n.op_type) for n in lowered.graph] == [("dspark.cpu", "MoeExperts")]
+
+    def run(rows):
+        feeds = {"x": x[rows].numpy(), "experts": experts[rows].numpy(), "weights": weights[rows].numpy()}
+        return session.run(None, feeds)[0]
+
+    out = run(slice(None))
+    expected = moe_experts(x, experts, weights, *stacks).numpy()
+    assert np.abs(out - expected).max() < 0.02 * np.abs(expected).max()
+    stock = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy(), "experts": experts.numpy(), "weights": weights.numpy()})[0]
+    # the function de-quantizes in float32; the kernel quantizes x to int8, as llama.cpp does
+    assert 0 < np.abs(out - stock).max() < 0.02 * np.abs(expected).max()
+    assert np.array_equal(np.concatenate([run(slice(t, t + 1)) for t in range(9)]), out)
+    assert np.array_equal(run(slice(2, 7)), out[2:7])

@@ -1,6 +1,6 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
-// (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul) and
-// `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
+// (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul),
+// `MoeExperts` (plugins/moe/ort_cpu.py) and `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
 //
 // No installable package ships ONNX Runtime's C API header, so the few types used here are
 // declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
@@ -10,6 +10,7 @@
 // The work is spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -244,6 +245,108 @@ OrtStatus* float_product(void* state, OrtKernelContext* context) {
     return parallel_for(context, tile, size_t(w.dims[0]), &call);
 }
 
+// ---- MoeExperts: a MoE layer's routed experts on QMatMul's kernel. x float [T, H]; experts int64
+// and weights float [T, k]; each expert's gate_up and down as QMatMul's q, scales and sums, stacked
+// on a leading expert axis (plugins/moe/ort_cpu.py). Attribute `intermediate`: I (gate_up has 2I
+// columns, gate then up). Output: float [T, H], out_t = sum over t's experts e, ascending, of
+// weight * down_e(silu(gate) * up), each row computed as QMatMul computes it: a token's result does
+// not depend on the other tokens of the call.
+
+struct Experts {
+    int64_t intermediate;
+};
+
+struct ExpertWeight {   // one stacked matrix's inputs
+    Tensor q, scales, sums;
+    int64_t tiles() const { return q.dims[1]; }
+    DsparkQWeight of(int64_t e, int64_t K, int64_t N) const {
+        const int64_t per = q.dims[1] * q.dims[2];   // blocks of the expert
+        const bool eight = q.dims[3] == 512;
+        return {eight ? 8 : 4, int32_t(K), int32_t(N), static_cast<const uint8_t*>(q.data) + e * per * q.dims[3],
+                static_cast<const float*>(scales.data) + e * per * 16, nullptr,
+                eight ? static_cast<const int32_t*>(sums.data) + e * per * 16 : nullptr};
+    }
+};
+
+// y [rows, N] = x @ w on the kernel, the tiles over ONNX Runtime's threads.
+OrtStatus* product(OrtKernelContext* context, const DsparkQWeight& w, int64_t tiles, const float* x,
+                   int64_t rows, float* y, std::vector<uint8_t>& scratch) {
+    scratch.resize(size_t(dspark_qmatmul_scratch(rows, w.K)));
+    dspark_qmatmul_quantize(x, rows, w.K, scratch.data());
+    struct Call {
+        const DsparkQWeight* w;
+        const void* scratch;
+        int64_t rows;
+        float* y;
+    } call{&w, scratch.data(), rows, y};
+    auto tile = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        dspark_qmatmul_tiles(c->w, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+    };
+    return parallel_for(context, tile, size_t(tiles), &call);
+}
+
+OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
+    const int64_t I = static_cast<Experts*>(state)->intermediate;
+    const Tensor x = input(context, 0), experts = input(context, 1), weights = input(context, 2);
+    const ExpertWeight gate_up{input(context, 3), input(context, 4), input(context, 5)},
+                       down{input(context, 6), input(context, 7), input(context, 8)};
+    if (x.dims.size() != 2 || experts.dims.size() != 2 || experts.dims != weights.dims || experts.dims[0] != x.dims[0]
+            || gate_up.q.dims.size() != 4 || down.q.dims.size() != 4 || gate_up.q.dims[0] != down.q.dims[0]
+            || gate_up.q.dims[2] * 32 != x.dims[1] || down.q.dims[2] * 32 != I || gate_up.q.dims[1] * 16 < 2 * I
+            || down.q.dims[1] * 16 < x.dims[1])
+        return error("MoeExperts", "expected x [T, H], experts and weights [T, k], and each expert's gate_up "
+                     "[2I, H] and down [H, I] in QMatMul's layout");
+    const int64_t T = x.dims[0], H = x.dims[1], k = experts.dims[1], E = gate_up.q.dims[0];
+    auto* out = static_cast<float*>(output(context, 0, x.dims));
+    std::memset(out, 0, size_t(T * H) * sizeof(float));
+    const auto* chosen = static_cast<const int64_t*>(experts.data);
+    const auto* weight = static_cast<const float*>(weights.data);
+    std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));   // expert -> (token, weight)
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t e = chosen[t * k + j];
+            if (e < 0 || e >= E) return error("MoeExperts", "an expert id outside 0 .. " + std::to_string(E - 1));
+            routed[size_t(e)].push_back({t, weight[t * k + j]});
+        }
+    thread_local std::vector<float> xs, h, a, y;
+    thread_local std::vector<uint8_t> scratch;
+    for (int64_t e = 0; e < E; ++e) {   // ascending: each token adds its experts in one order
+        const auto& tokens = routed[size_t(e)];
+        const int64_t n = int64_t(tokens.size());
+        if (n == 0) continue;
+        xs.resize(size_t(n * H));
+        h.resize(size_t(n * 2 * I));
+        a.resize(size_t(n * I));
+        y.resize(size_t(n * H));
+        for (int64_t r = 0; r < n; ++r)
+            std::memcpy(xs.data() + r * H, static_cast<const float*>(x.data) + tokens[size_t(r)].first * H,
+                        size_t(H) * sizeof(float));
+        if (OrtStatus* status = product(context, gate_up.of(e, H, 2 * I), gate_up.tiles(), xs.data(), n, h.data(), scratch))
+            return status;
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t i = 0; i < I; ++i) {
+                const float gate = h[size_t(r * 2 * I + i)], up = h[size_t(r * 2 * I + I + i)];
+                a[size_t(r * I + i)] = gate / (1.f + std::exp(-gate)) * up;
+            }
+        if (OrtStatus* status = product(context, down.of(e, I, H), down.tiles(), a.data(), n, y.data(), scratch))
+            return status;
+        for (int64_t r = 0; r < n; ++r) {
+            float* row = out + tokens[size_t(r)].first * H;
+            const float w = tokens[size_t(r)].second;
+            for (int64_t c = 0; c < H; ++c) row[c] += w * y[size_t(r * H + c)];
+        }
+    }
+    return nullptr;
+}
+
+OrtStatus* create_experts(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new Experts{0};
+    return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "intermediate",
+                                                                                           &state->intermediate),
+                   kernel);
+}
+
 // ---- CausalAttention: q [B, H, R, D], k_new / v_new [B, Hkv, R, D], k_cache / v_cache
 // [P, Hkv, C, D] (a pool of slots), start [B], slots [B] int64. Attribute `scale`. Outputs: out
 // [B, H, R, D] and the two caches, which the runtime binds to the input caches' buffers (written
@@ -333,6 +436,12 @@ const OrtCustomOp g_ops[] = {
         [](const OrtCustomOp*, size_t) { return FLOAT16; },
         [](const OrtCustomOp*) -> size_t { return 1; }, create_product, float_product<uint16_t>,
         [](const OrtCustomOp*, size_t) { return FLOAT16; }),
+    make_op<Experts>(
+        [](const OrtCustomOp*) { return "MoeExperts"; }, [](const OrtCustomOp*) -> size_t { return 9; },
+        [](const OrtCustomOp*, size_t i) {
+            return (const int[]){FLOAT, INT64, FLOAT, UINT8, FLOAT, INT32, UINT8, FLOAT, INT32}[i];
+        },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_experts, moe_experts),
     make_op<CausalAttention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },

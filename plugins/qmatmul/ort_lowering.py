@@ -44,7 +44,7 @@ def lower(model, location: str = "packed-at-load") -> dict[str, np.ndarray]:
         stem = q.name.removesuffix("_q")
         arrays = {f"{stem}_qmatmul_{part}": getattr(packed, part)
                   for part in ("q", "scales", "offsets", "sums")}
-        inputs = [node.inputs[0]] + [_placeholder(graph, name, array, location)
+        inputs = [node.inputs[0]] + [placeholder(graph, name, array, location)
                                      for name, array in arrays.items()]
         new = ir.node(OP, inputs, domain=DOMAIN, attributes={"columns": packed.n},
                       name=f"{node.name}_qmatmul")
@@ -73,7 +73,7 @@ def _lower_float_products(graph, location: str) -> dict[str, np.ndarray]:
         name = f"{weight.name}{'_t' if transposed else ''}_fmatmul"
         if name not in packed:
             packed[name] = pack_float(weight.const_value.numpy(), transposed)
-            _placeholder(graph, name, packed[name], location)
+            placeholder(graph, name, packed[name], location)
         columns = weight.const_value.shape[0 if transposed else 1]
         op = FLOAT_OPS[weight.const_value.dtype.name]
         new = [ir.node(op, [node.inputs[0], graph.initializers[name]], domain=DOMAIN,
@@ -173,7 +173,7 @@ def _offsets(node):
     return offsets, add
 
 
-def _placeholder(graph, name: str, array: np.ndarray, location: str):
+def placeholder(graph, name: str, array: np.ndarray, location: str):
     """The initializer ``name``: ``array``'s type and shape, as external data at ``location``
     (``lower`` says why)."""
     import onnx_ir as ir
