@@ -3,7 +3,7 @@ release's expert shapes, by tokens per step, beside the same op made to run ever
 token (what a dense compute of the experts would read): the selected experts only are read, so a
 decode step reads ``k`` experts and a 9-row verify step at most ``9 k``. With ``--weights`` also
 the int8 / int4 forms (``MoeExpertsInt8`` / ``Int4``, as ``build --weights`` writes them), which
-de-quantize only the experts they read, and with ``--compiled`` those forms on the compiled
+de-quantize only the experts they read, and with ``--compiled`` every form on the compiled
 kernels too (``plugins/moe/ort_cpu.py``), interleaved.
 
     python scripts/moe_cost.py [--experts 128 --top-k 8 --hidden 2048 --size 768] [--tokens 1 9 64]
@@ -35,15 +35,14 @@ def main() -> None:
     p.add_argument("--weights", nargs="+", default=["float"], choices=["float", "int8", "int4"])
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--compiled", action="store_true",
-                   help="also the int8 / int4 forms on the compiled kernels (plugins/cpu)")
+                   help="also each form on the compiled kernels (plugins/cpu)")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     stacks = {"gate_up": torch.randn(args.experts, 2 * args.size, args.hidden, generator=g) * 0.02,
               "down": torch.randn(args.experts, args.hidden, args.size, generator=g) * 0.02}
     sessions = {form: _session(form, stacks, args) for form in args.weights}
     if args.compiled:
-        sessions |= {f"{form}+": _session(form, stacks, args, compiled=True)
-                     for form in args.weights if form != "float"}
+        sessions |= {f"{form}+": _session(form, stacks, args, compiled=True) for form in args.weights}
     feeds = {}
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=g)

@@ -1,6 +1,6 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
 // (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul),
-// `MoeExperts` (plugins/moe/ort_cpu.py) and `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
+// `QMoeExperts`, `FMoeExperts` and `HMoeExperts` (plugins/moe/ort_cpu.py) and `CausalAttention` (plugins/block_attention/cpu_kernel.cpp).
 //
 // No installable package ships ONNX Runtime's C API header, so the few types used here are
 // declared from its documentation (onnxruntime_c_api.h): `OrtApi` is a table of function
@@ -245,72 +245,119 @@ OrtStatus* float_product(void* state, OrtKernelContext* context) {
     return parallel_for(context, tile, size_t(w.dims[0]), &call);
 }
 
-// ---- MoeExperts: a MoE layer's routed experts on QMatMul's kernel. x float [T, H]; experts int64
-// and weights float [T, k]; each expert's gate_up and down as QMatMul's q, scales and sums, stacked
-// on a leading expert axis (plugins/moe/ort_cpu.py). Attribute `intermediate`: I (gate_up has 2I
-// columns, gate then up). Output: float [T, H], out_t = sum over t's experts e, ascending, of
-// weight * down_e(silu(gate) * up), each row computed as QMatMul computes it: a token's result does
-// not depend on the other tokens of the call.
+// ---- QMoeExperts, FMoeExperts, HMoeExperts: a MoE layer's routed experts on the products'
+// kernels (plugins/moe/ort_cpu.py). x [T, H]; experts int64 and weights [T, k]; each expert's
+// gate_up ([2I, H], gate then up) and down ([H, I]) in its product's layout, stacked on a leading
+// expert axis: QMatMul's q, scales and sums (QMoeExperts), FMatMul's float32 (FMoeExperts) or
+// fp16 (HMoeExperts) tiles. Attribute `intermediate`: I. Output [T, H], x's type:
+// out_t = sum over t's experts e, ascending, of weight * down_e(silu(gate) * up). Each row goes
+// through its kernel as a dense layer's does, in float32 (an fp16 x widened, the output rounded
+// once), so a token's result does not depend on the other tokens of the call.
 
 struct Experts {
     int64_t intermediate;
 };
 
-struct ExpertWeight {   // one stacked matrix's inputs
+// y [rows, N] = x @ one expert's matrix, the tiles over ONNX Runtime's threads.
+struct QuantizedStack {   // q [E, tiles, K / 32, bytes], scales and sums [E, tiles, K / 32, 16]
     Tensor q, scales, sums;
-    int64_t tiles() const { return q.dims[1]; }
-    DsparkQWeight of(int64_t e, int64_t K, int64_t N) const {
-        const int64_t per = q.dims[1] * q.dims[2];   // blocks of the expert
+    static constexpr int INPUTS = 3;
+    int64_t experts() const { return q.dims[0]; }
+    bool takes(int64_t K, int64_t N) const {
+        return q.dims.size() == 4 && q.dims[2] * 32 == K && q.dims[1] * 16 >= N;
+    }
+    OrtStatus* product(OrtKernelContext* context, int64_t e, int64_t K, int64_t N, const float* x,
+                       int64_t rows, float* y) const {
+        const int64_t per = q.dims[1] * q.dims[2];   // the expert's blocks
         const bool eight = q.dims[3] == 512;
-        return {eight ? 8 : 4, int32_t(K), int32_t(N), static_cast<const uint8_t*>(q.data) + e * per * q.dims[3],
-                static_cast<const float*>(scales.data) + e * per * 16, nullptr,
-                eight ? static_cast<const int32_t*>(sums.data) + e * per * 16 : nullptr};
+        const DsparkQWeight w{eight ? 8 : 4, int32_t(K), int32_t(N),
+                              static_cast<const uint8_t*>(q.data) + e * per * q.dims[3],
+                              static_cast<const float*>(scales.data) + e * per * 16, nullptr,
+                              eight ? static_cast<const int32_t*>(sums.data) + e * per * 16 : nullptr};
+        thread_local std::vector<uint8_t> scratch;
+        scratch.resize(size_t(dspark_qmatmul_scratch(rows, K)));
+        dspark_qmatmul_quantize(x, rows, K, scratch.data());
+        struct Call {
+            const DsparkQWeight* w;
+            const void* scratch;
+            int64_t rows;
+            float* y;
+        } call{&w, scratch.data(), rows, y};
+        auto tile = [](void* data, size_t t) {
+            auto* c = static_cast<Call*>(data);
+            dspark_qmatmul_tiles(c->w, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        };
+        return parallel_for(context, tile, size_t(q.dims[1]), &call);
     }
 };
 
-// y [rows, N] = x @ w on the kernel, the tiles over ONNX Runtime's threads.
-OrtStatus* product(OrtKernelContext* context, const DsparkQWeight& w, int64_t tiles, const float* x,
-                   int64_t rows, float* y, std::vector<uint8_t>& scratch) {
-    scratch.resize(size_t(dspark_qmatmul_scratch(rows, w.K)));
-    dspark_qmatmul_quantize(x, rows, w.K, scratch.data());
-    struct Call {
-        const DsparkQWeight* w;
-        const void* scratch;
-        int64_t rows;
-        float* y;
-    } call{&w, scratch.data(), rows, y};
-    auto tile = [](void* data, size_t t) {
-        auto* c = static_cast<Call*>(data);
-        dspark_qmatmul_tiles(c->w, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-    };
-    return parallel_for(context, tile, size_t(tiles), &call);
+template <typename W>   // float, or uint16_t for fp16
+struct FloatStack {   // [E, tiles, K, 32]
+    Tensor w;
+    static constexpr int INPUTS = 1;
+    int64_t experts() const { return w.dims[0]; }
+    bool takes(int64_t K, int64_t N) const {
+        return w.dims.size() == 4 && w.dims[2] == K && w.dims[3] == 32 && w.dims[1] * 32 >= N;
+    }
+    OrtStatus* product(OrtKernelContext* context, int64_t e, int64_t K, int64_t N, const float* x,
+                       int64_t rows, float* y) const {
+        struct Call {
+            const W* w;
+            const float* x;
+            int64_t K, N, rows;
+            float* y;
+        } call{static_cast<const W*>(w.data) + e * w.dims[1] * K * 32, x, K, N, rows, y};
+        auto tile = [](void* data, size_t t) {
+            auto* c = static_cast<Call*>(data);
+            if constexpr (std::is_same_v<W, float>)
+                dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+            else
+                dspark_hmatmul_float_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        };
+        return parallel_for(context, tile, size_t(w.dims[1]), &call);
+    }
+};
+
+template <typename Stack, int INPUTS>
+Stack stack_at(OrtKernelContext* context, size_t first) {
+    if constexpr (INPUTS == 3) return {input(context, first), input(context, first + 1), input(context, first + 2)};
+    else return {input(context, first)};
 }
 
+template <typename X, typename Stack>   // X: x's and the output's type (float or uint16_t for fp16)
 OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
+    const char* op = std::is_same_v<Stack, QuantizedStack> ? "QMoeExperts"
+                     : std::is_same_v<X, float> ? "FMoeExperts" : "HMoeExperts";
     const int64_t I = static_cast<Experts*>(state)->intermediate;
     const Tensor x = input(context, 0), experts = input(context, 1), weights = input(context, 2);
-    const ExpertWeight gate_up{input(context, 3), input(context, 4), input(context, 5)},
-                       down{input(context, 6), input(context, 7), input(context, 8)};
-    if (x.dims.size() != 2 || experts.dims.size() != 2 || experts.dims != weights.dims || experts.dims[0] != x.dims[0]
-            || gate_up.q.dims.size() != 4 || down.q.dims.size() != 4 || gate_up.q.dims[0] != down.q.dims[0]
-            || gate_up.q.dims[2] * 32 != x.dims[1] || down.q.dims[2] * 32 != I || gate_up.q.dims[1] * 16 < 2 * I
-            || down.q.dims[1] * 16 < x.dims[1])
-        return error("MoeExperts", "expected x [T, H], experts and weights [T, k], and each expert's gate_up "
-                     "[2I, H] and down [H, I] in QMatMul's layout");
-    const int64_t T = x.dims[0], H = x.dims[1], k = experts.dims[1], E = gate_up.q.dims[0];
-    auto* out = static_cast<float*>(output(context, 0, x.dims));
-    std::memset(out, 0, size_t(T * H) * sizeof(float));
+    const Stack gate_up = stack_at<Stack, Stack::INPUTS>(context, 3),
+                down = stack_at<Stack, Stack::INPUTS>(context, 3 + Stack::INPUTS);
+    if (x.dims.size() != 2 || experts.dims.size() != 2 || experts.dims != weights.dims
+            || experts.dims[0] != x.dims[0] || !gate_up.takes(x.dims[1], 2 * I) || !down.takes(I, x.dims[1])
+            || gate_up.experts() != down.experts())
+        return error(op, "expected x [T, H], experts and weights [T, k], and each expert's gate_up [2I, H] "
+                     "and down [H, I] stacked in the kernel's layout");
+    const int64_t T = x.dims[0], H = x.dims[1], k = experts.dims[1], E = gate_up.experts();
+    thread_local std::vector<float> wide, wide_weights, xs, h, a, y, acc;
+    const float* xf = static_cast<const float*>(x.data);
+    const float* weight = static_cast<const float*>(weights.data);
+    if constexpr (!std::is_same_v<X, float>) {   // fp16: widened once
+        wide.resize(size_t(T * H));
+        dspark_half_to_float(static_cast<const uint16_t*>(x.data), T * H, wide.data());
+        xf = wide.data();
+        wide_weights.resize(size_t(T * k));
+        dspark_half_to_float(static_cast<const uint16_t*>(weights.data), T * k, wide_weights.data());
+        weight = wide_weights.data();
+    }
     const auto* chosen = static_cast<const int64_t*>(experts.data);
-    const auto* weight = static_cast<const float*>(weights.data);
     std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));   // expert -> (token, weight)
     for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < k; ++j) {
             const int64_t e = chosen[t * k + j];
-            if (e < 0 || e >= E) return error("MoeExperts", "an expert id outside 0 .. " + std::to_string(E - 1));
+            if (e < 0 || e >= E) return error(op, "an expert id outside 0 .. " + std::to_string(E - 1));
             routed[size_t(e)].push_back({t, weight[t * k + j]});
         }
-    thread_local std::vector<float> xs, h, a, y;
-    thread_local std::vector<uint8_t> scratch;
+    acc.assign(size_t(T * H), 0.f);
     for (int64_t e = 0; e < E; ++e) {   // ascending: each token adds its experts in one order
         const auto& tokens = routed[size_t(e)];
         const int64_t n = int64_t(tokens.size());
@@ -320,23 +367,23 @@ OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
         a.resize(size_t(n * I));
         y.resize(size_t(n * H));
         for (int64_t r = 0; r < n; ++r)
-            std::memcpy(xs.data() + r * H, static_cast<const float*>(x.data) + tokens[size_t(r)].first * H,
-                        size_t(H) * sizeof(float));
-        if (OrtStatus* status = product(context, gate_up.of(e, H, 2 * I), gate_up.tiles(), xs.data(), n, h.data(), scratch))
-            return status;
+            std::memcpy(xs.data() + r * H, xf + tokens[size_t(r)].first * H, size_t(H) * sizeof(float));
+        if (OrtStatus* status = gate_up.product(context, e, H, 2 * I, xs.data(), n, h.data())) return status;
         for (int64_t r = 0; r < n; ++r)
             for (int64_t i = 0; i < I; ++i) {
                 const float gate = h[size_t(r * 2 * I + i)], up = h[size_t(r * 2 * I + I + i)];
                 a[size_t(r * I + i)] = gate / (1.f + std::exp(-gate)) * up;
             }
-        if (OrtStatus* status = product(context, down.of(e, I, H), down.tiles(), a.data(), n, y.data(), scratch))
-            return status;
+        if (OrtStatus* status = down.product(context, e, I, H, a.data(), n, y.data())) return status;
         for (int64_t r = 0; r < n; ++r) {
-            float* row = out + tokens[size_t(r)].first * H;
+            float* row = acc.data() + tokens[size_t(r)].first * H;
             const float w = tokens[size_t(r)].second;
             for (int64_t c = 0; c < H; ++c) row[c] += w * y[size_t(r * H + c)];
         }
     }
+    void* out = output(context, 0, x.dims);
+    if constexpr (std::is_same_v<X, float>) std::memcpy(out, acc.data(), acc.size() * sizeof(float));
+    else dspark_float_to_half(acc.data(), T * H, static_cast<uint16_t*>(out));
     return nullptr;
 }
 
@@ -437,11 +484,20 @@ const OrtCustomOp g_ops[] = {
         [](const OrtCustomOp*) -> size_t { return 1; }, create_product, float_product<uint16_t>,
         [](const OrtCustomOp*, size_t) { return FLOAT16; }),
     make_op<Experts>(
-        [](const OrtCustomOp*) { return "MoeExperts"; }, [](const OrtCustomOp*) -> size_t { return 9; },
+        [](const OrtCustomOp*) { return "QMoeExperts"; }, [](const OrtCustomOp*) -> size_t { return 9; },
         [](const OrtCustomOp*, size_t i) {
             return (const int[]){FLOAT, INT64, FLOAT, UINT8, FLOAT, INT32, UINT8, FLOAT, INT32}[i];
         },
-        [](const OrtCustomOp*) -> size_t { return 1; }, create_experts, moe_experts),
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_experts, moe_experts<float, QuantizedStack>),
+    make_op<Experts>(
+        [](const OrtCustomOp*) { return "FMoeExperts"; }, [](const OrtCustomOp*) -> size_t { return 5; },
+        [](const OrtCustomOp*, size_t i) { return i == 1 ? INT64 : FLOAT; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_experts, moe_experts<float, FloatStack<float>>),
+    make_op<Experts>(
+        [](const OrtCustomOp*) { return "HMoeExperts"; }, [](const OrtCustomOp*) -> size_t { return 5; },
+        [](const OrtCustomOp*, size_t i) { return i == 1 ? INT64 : FLOAT16; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_experts,
+        moe_experts<uint16_t, FloatStack<uint16_t>>, [](const OrtCustomOp*, size_t) { return FLOAT16; }),
     make_op<CausalAttention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },

@@ -1,58 +1,94 @@
-"""ONNX Runtime's form of a quantized MoE layer with the compiled kernels: each
-``dspark::MoeExpertsInt4`` / ``Int8`` node (``export/quantize.py`` writes them) whose expert stacks
-are constants in blocks of 32 becomes one ``dspark.cpu::MoeExperts`` node, each expert's two
-matrices repacked as ``QMatMul`` takes them (``plugins/qmatmul/layout.py``), stacked on an expert
-axis. The op runs each selected expert's tokens through the same kernel as a dense layer, so a
-token's output does not depend on the tokens beside it (``plugins/cpu/ort_ops.cpp``).
+"""ONNX Runtime's form of a MoE layer with the compiled kernels: each ``dspark::MoeExperts`` node
+whose expert stacks are constants becomes one ``dspark.cpu`` op that runs each selected expert's
+tokens through the dense layers' kernels (``plugins/cpu/ort_ops.cpp``), each expert's two matrices
+repacked at load time in their kernel's layout (``plugins/qmatmul/layout.py``) and stacked on an
+expert axis:
 
-Elsewhere the node keeps its ONNX function, a ``Loop`` over the selected experts that de-quantizes
-each one's blocks in float32 (``onnx_function.py``).
+- ``MoeExpertsInt4`` / ``Int8`` (``build --weights``, blocks of 32, float32 activations) ->
+  ``QMoeExperts``, on ``QMatMul``'s kernel;
+- ``MoeExperts`` of float32 / fp16 experts -> ``FMoeExperts`` / ``HMoeExperts``, on ``FMatMul``'s
+  kernel, fp16 weights kept in fp16.
+
+A token's output then does not depend on the tokens beside it. Elsewhere the node keeps its ONNX
+function, a ``Loop`` over the selected experts that de-quantizes (or casts) each one's weights to
+float32 (``onnx_function.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..qmatmul.layout import BLOCK, pack, supported
+from ..qmatmul.layout import BLOCK, pack, pack_float, supported
 from ..qmatmul.ort_lowering import DOMAIN, placeholder
 from .onnx_function import MATRICES, NAME
 
-OP = "MoeExperts"
+FLOAT_OPS = {"FLOAT": "FMoeExperts", "FLOAT16": "HMoeExperts"}   # the experts' type -> the op
 
 
 def lower(model, location: str) -> dict[str, np.ndarray]:
-    """Replace, in ``model`` (``onnx_ir.Model``) main graph, each float32 ``MoeExpertsInt{bits}``
-    whose experts the kernel takes by a ``dspark.cpu::MoeExperts``. Returns the packed weights by
-    name, held in the graph as ``qmatmul.lower``'s are (external data at ``location``)."""
+    """Replace, in ``model`` (``onnx_ir.Model``) main graph, each ``MoeExperts`` node the kernels
+    take by its ``dspark.cpu`` op. Returns the packed weights by name, held in the graph as
+    ``qmatmul.lower``'s are (external data at ``location``)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
     graph, packed = model.graph, {}
     for node in list(graph):
+        constant = all(v.is_initializer() and v.const_value is not None for v in node.inputs[3:])
+        if node.domain != "dspark" or not constant:
+            continue
         bits = {f"{NAME}Int{b}": b for b in (4, 8)}.get(node.op_type)
-        if bits is None or node.domain != "dspark" or node.inputs[0].dtype != ir.DataType.FLOAT:
+        if bits is not None:
+            found = _quantized(node, bits)
+        elif node.op_type == NAME:
+            found = _float(node)
+        else:
             continue
-        stacks = node.inputs[3:]
-        if not all(v.is_initializer() and v.const_value is not None for v in stacks):
+        if found is None:
             continue
-        matrices = [_unpacked(stacks[2 * i].const_value.numpy(), bits) for i in range(2)]
-        scales = [stacks[2 * i + 1].const_value.numpy() for i in range(2)]
-        if not all(q.shape[1] == BLOCK * s.shape[1] and supported(q.reshape(-1, q.shape[-1]), BLOCK, bits)
-                   for q, s in zip(matrices, scales)):
-            continue
+        op, arrays, intermediate = found
         inputs = list(node.inputs[:3])
-        for matrix, q, s in zip(MATRICES, matrices, scales):
-            experts = [pack(q[e], s[e], bits) for e in range(len(q))]
-            for part in ("q", "scales", "sums"):
-                name = f"{node.name}_{matrix}_{part}"
-                packed[name] = np.stack([getattr(e, part) for e in experts])
-                inputs.append(placeholder(graph, name, packed[name], location))
-        new = ir.node(OP, inputs, domain=DOMAIN, attributes={"intermediate": matrices[1].shape[1]},
+        for name, array in arrays.items():
+            packed[f"{node.name}_{name}"] = array
+            inputs.append(placeholder(graph, f"{node.name}_{name}", array, location))
+        new = ir.node(op, inputs, domain=DOMAIN, attributes={"intermediate": intermediate},
                       name=f"{node.name}_cpu")
         ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
     if packed:
         model.opset_imports[DOMAIN] = 1
-        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)   # the integer stacks
+        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)   # the stacks as the graph held them
     return packed
+
+
+def _quantized(node, bits: int):
+    """``("QMoeExperts", packed arrays, I)`` for float32 experts in blocks of 32, else None."""
+    import onnx_ir as ir
+
+    if node.inputs[0].dtype != ir.DataType.FLOAT:
+        return None
+    stacks = node.inputs[3:]
+    matrices = [_unpacked(stacks[2 * i].const_value.numpy(), bits) for i in range(2)]
+    scales = [stacks[2 * i + 1].const_value.numpy() for i in range(2)]
+    if not all(q.shape[1] == BLOCK * s.shape[1] and supported(q.reshape(-1, q.shape[-1]), BLOCK, bits)
+               for q, s in zip(matrices, scales)):
+        return None
+    arrays = {}
+    for matrix, q, s in zip(MATRICES, matrices, scales):
+        experts = [pack(q[e], s[e], bits) for e in range(len(q))]
+        arrays |= {f"{matrix}_{part}": np.stack([getattr(e, part) for e in experts])
+                   for part in ("q", "scales", "sums")}
+    return "QMoeExperts", arrays, matrices[1].shape[1]
+
+
+def _float(node):
+    """``("FMoeExperts" | "HMoeExperts", packed arrays, I)`` for float32 or fp16 experts (each
+    matrix stored ``[N, K]``, as ``nn.Linear`` stores it) of x's type, else None."""
+    gate_up, down = (v.const_value for v in node.inputs[3:5])
+    op = FLOAT_OPS.get(gate_up.dtype.name)
+    if op is None or node.inputs[0].dtype != gate_up.dtype or down.dtype != gate_up.dtype:
+        return None
+    arrays = {matrix: np.stack([pack_float(m, transposed=True) for m in stack.numpy()])
+              for matrix, stack in zip(MATRICES, (gate_up, down))}
+    return op, arrays, down.shape[2]
 
 
 def _unpacked(q: np.ndarray, bits: int) -> np.ndarray:

@@ -336,8 +336,17 @@ void dspark_hmatmul_tiles(const uint16_t* w, int64_t K, int64_t N, const float* 
     float_tiles(w, K, N, x, M, y, first, last);
 }
 
+void dspark_hmatmul_float_tiles(const uint16_t* w, int64_t K, int64_t N, const float* x, int64_t M, float* y,
+                                int64_t first, int64_t last) {
+    float_tiles(w, K, N, x, M, y, first, last);
+}
+
 void dspark_half_to_float(const uint16_t* h, int64_t n, float* f) {
     for (int64_t i = 0; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+}
+
+void dspark_float_to_half(const float* f, int64_t n, uint16_t* h) {
+    for (int64_t i = 0; i < n; ++i) h[i] = _cvtss_sh(f[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 

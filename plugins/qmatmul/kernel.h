@@ -35,5 +35,9 @@ DSPARK_API void dspark_fmatmul_tiles(const float* w, int64_t K, int64_t N, const
 // (each value rounded once, to nearest even): an fp16 graph's MatMul with float32 sums.
 DSPARK_API void dspark_hmatmul_tiles(const uint16_t* w, int64_t K, int64_t N, const float* x, int64_t M,
                                      uint16_t* y, int64_t first, int64_t last);
+// The same with a float32 y (a MoE expert's products, summed before they are rounded).
+DSPARK_API void dspark_hmatmul_float_tiles(const uint16_t* w, int64_t K, int64_t N, const float* x, int64_t M,
+                                           float* y, int64_t first, int64_t last);
 DSPARK_API void dspark_half_to_float(const uint16_t* h, int64_t n, float* f);
+DSPARK_API void dspark_float_to_half(const float* f, int64_t n, uint16_t* h);
 }
