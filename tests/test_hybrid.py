@@ -176,8 +176,9 @@ class OrtOracle(OrtBackend):
 
 
 def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
-    """The exported graphs (the recurrence and the selected experts as their ONNX functions, the
-    banks bound in place, one sequence per call) give transformers' output, speculative with every
+    """The exported graphs (the recurrence as its ONNX function, the selected experts on the compiled
+    kernel where it is built, else their function; the banks bound in place, one sequence per
+    call) give transformers' output, speculative with every
     acceptance count and target-only, at batch 1 and 3, over prefill chunks shorter than the
     prompts. One pair with every feature: Qwen3.5-MoE in the multimodal layout (Qwen3-MoE runs the
     same expert op beside the dense attention the other engine tests cover)."""
