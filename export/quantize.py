@@ -283,12 +283,13 @@ def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -
     blocks as ``MoeExpertsInt{bits}`` (``plugins/moe/onnx_function.py``); returns how many."""
     import onnx_ir as ir
 
+    from plugins.moe import MATRICES
     from plugins.moe import onnx_function as moe
     from plugins.onnx_domain import DOMAIN
 
     graph, replaced, used = model.graph, 0, set()
     for node in [n for n in graph if n.domain == DOMAIN and n.op_type == moe.NAME]:
-        stacks = [node.inputs[moe.INPUTS.index(m)] for m in moe.MATRICES]
+        stacks = [node.inputs[moe.INPUTS.index(m)] for m in MATRICES]
         if not all(s.is_initializer() and s.const_value is not None for s in stacks):
             continue
         quantized = [expert_blocks(s.const_value.numpy(), blocks_of) for s in stacks]

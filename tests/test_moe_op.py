@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto, helper
 
 from plugins.cpu.build import library
-from plugins.moe import onnx_function
+from plugins.moe import MATRICES, onnx_function
 from plugins.moe.reference import moe_experts
 from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 
@@ -94,7 +94,7 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
                                           for t in routed(tokens, seed=2))
     stacks = [quantize.dequantized(m, bits, BLOCK).detach() for m in (gate_up, down)]
     feeds = {"x": x, "experts": experts, "weights": weights}
-    for name, stack in zip(onnx_function.MATRICES, stacks):
+    for name, stack in zip(MATRICES, stacks):
         q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
         feeds |= {f"{name}_q": torch.from_numpy(q), f"{name}_scales": torch.from_numpy(scales)}
         assert q.dtype == np.int8
@@ -186,7 +186,7 @@ def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, o
     bits = {"int4": 4, "int8": 8}.get(form)
     stacks = [quantize.dequantized(m, bits, 32).detach() if bits else m for m in (gate_up, down)]
     model = _onnx_model(TensorProto.FLOAT16 if form == "float16" else TensorProto.FLOAT, bits)
-    for name, stack in zip(onnx_function.MATRICES, stacks):
+    for name, stack in zip(MATRICES, stacks):
         arrays = {name: stack.numpy()}
         if bits:
             q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, 32))

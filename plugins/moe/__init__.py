@@ -7,6 +7,11 @@ routing), each gathering its tokens, its two weight matrices and scattering its 
 back, so a verify step of 9 tokens at top-8 of 128 experts reads at most 72 experts' weights, not
 128, and a decode step 8.
 """
-from .torch_op import moe_experts
+# the ONNX op type (``dspark::MoeExperts``) and its two expert matrices, here so that ONNX
+# Runtime's lowering of it (``ort_cpu.py``, every engine load) finds them without importing onnxscript
+NAME = "MoeExperts"
+MATRICES = ("gate_up", "down")
+
+from .torch_op import moe_experts  # noqa: E402
 
 __all__ = ["moe_experts"]

@@ -18,11 +18,10 @@ from onnx import TensorProto, helper
 from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
+from . import NAME
 
-NAME = "MoeExperts"
 INPUTS = ["x", "experts", "weights", "gate_up", "down"]
 OUTPUTS = ["out"]
-MATRICES = ("gate_up", "down")
 QUANTIZED_INPUTS = ["x", "experts", "weights", "gate_up_q", "gate_up_scales", "down_q", "down_scales"]
 BITS = (8, 4)   # int4 two to a byte, stored as int8: TensorRT's parser widens uint8 constants to int32
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..qmatmul.layout import BLOCK, pack, pack_float, supported
 from ..qmatmul.ort_lowering import DOMAIN, placeholder
-from .onnx_function import MATRICES, NAME
+from . import MATRICES, NAME
 
 FLOAT_OPS = {"FLOAT": "FMoeExperts", "FLOAT16": "HMoeExperts"}   # the experts' type -> the op
 
