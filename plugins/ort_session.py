@@ -35,10 +35,11 @@ from .qmatmul import ort_lowering as qmatmul
 def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] | None = None,
                     kernel: Path | None = None, batched: bool = False):
     """A session of the graph at ``path`` with its attention lowered (``rotary``: the decoder's
-    tables, ``ort_contrib.rotary_tables``) and, with ``kernel`` (``plugins.cpu.build.library()``),
-    its linear layers on the compiled kernels and, with ``batched`` too, its attention over a
-    pool of slots where the graph allows it (the session then has a ``slots`` input); None when
-    there is nothing to lower. ``options`` are this session's alone."""
+    tables, ``ort_contrib.rotary_tables``), its fp16 tables kept in fp16 (``_fp16_tables``) and,
+    with ``kernel`` (``plugins.cpu.build.library()``), its linear layers and MoE experts on the
+    compiled kernels and, with ``batched`` too, its attention over a pool of slots where the graph
+    allows it (the session then has a ``slots`` input); None when there is nothing to lower.
+    ``options`` are this session's alone."""
     import onnx_ir as ir
     import onnxruntime as ort
 
