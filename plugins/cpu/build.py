@@ -22,7 +22,8 @@ from pathlib import Path
 PLUGINS = Path(__file__).resolve().parents[1]
 SOURCES = (PLUGINS / "qmatmul" / "kernel.cpp", PLUGINS / "block_attention" / "cpu_kernel.cpp",
            PLUGINS / "cpu" / "ort_ops.cpp")
-HEADERS = (PLUGINS / "qmatmul" / "kernel.h", PLUGINS / "block_attention" / "cpu_kernel.h")
+HEADERS = (PLUGINS / "qmatmul" / "kernel.h", PLUGINS / "block_attention" / "cpu_kernel.h",
+           PLUGINS / "cpu" / "ort_api.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
