@@ -186,7 +186,7 @@ def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path,
     assert np.abs(y - stock).max() < 0.02 * np.abs(stock).max()
     model = ir.load(path)
     from plugins.qmatmul.ort_lowering import lower
-    packed = lower(model)
+    packed = lower(model, path.name)
     assert [(n.domain, n.op_type) for n in model.graph] == [(DOMAIN, OP)] and len(packed) == 4
 
 

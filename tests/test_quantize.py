@@ -346,7 +346,7 @@ def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
     for graph in _graphs(weights):
         model = ir.load(out / f"{graph}.onnx")
         layers = sum(node.op_type == "DequantizeLinear" for node in model.graph)
-        qmatmul_lowering.lower(model)
+        qmatmul_lowering.lower(model, f"{graph}.onnx")
         assert layers and sum(node.op_type == "QMatMul" for node in model.graph) == layers
         assert not any(node.op_type in ("DequantizeLinear", "MatMulNBits") for node in model.graph)
     assert OrtBackend(out).batched and OrtBackend(engines("float")[0]).batched

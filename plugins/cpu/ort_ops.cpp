@@ -28,6 +28,26 @@ struct Product {   // QMatMul and FMatMul: the output's columns
     int64_t columns;
 };
 
+// y [rows, N] = x @ w on QMatMul's kernel: x's rows quantized once, the tiles over ONNX Runtime's
+// threads (the dense op's and each MoE expert's products).
+OrtStatus* quantized_product(OrtKernelContext* context, const DsparkQWeight& w, int64_t tiles, const float* x,
+                             int64_t rows, float* y) {
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(static_cast<size_t>(dspark_qmatmul_scratch(rows, w.K)));
+    dspark_qmatmul_quantize(x, rows, w.K, scratch.data());
+    struct Call {   // one product's work, for the ParallelFor callbacks
+        const DsparkQWeight* w;
+        const void* scratch;
+        int64_t rows;
+        float* y;
+    } call{&w, scratch.data(), rows, y};
+    auto tile = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        dspark_qmatmul_tiles(c->w, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+    };
+    return parallel_for(context, tile, size_t(tiles), &call);
+}
+
 OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
@@ -43,25 +63,12 @@ OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     void* y = output(context, 0, out_dims);
     const int64_t rows = x.size() / K;
     if (rows == 0) return nullptr;
-    thread_local std::vector<uint8_t> scratch;
-    scratch.resize(static_cast<size_t>(dspark_qmatmul_scratch(rows, K)));
-    struct Call {   // one Compute's work, for the ParallelFor callbacks
-        DsparkQWeight weight;
-        const float* x;
-        int64_t rows;
-        void* scratch;
-        float* y;
-    } call{{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
-               static_cast<const float*>(scales.data),
-               offsets.size() ? static_cast<const float*>(offsets.data) : nullptr,
-               sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr},
-              static_cast<const float*>(x.data), rows, scratch.data(), static_cast<float*>(y)};
-    dspark_qmatmul_quantize(call.x, rows, K, call.scratch);
-    auto tile = [](void* data, size_t t) {
-        auto* c = static_cast<Call*>(data);
-        dspark_qmatmul_tiles(&c->weight, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-    };
-    return parallel_for(context, tile, size_t(q.dims[0]), &call);
+    const DsparkQWeight weight{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
+                               static_cast<const float*>(scales.data),
+                               offsets.size() ? static_cast<const float*>(offsets.data) : nullptr,
+                               sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr};
+    return quantized_product(context, weight, q.dims[0], static_cast<const float*>(x.data), rows,
+                             static_cast<float*>(y));
 }
 
 OrtStatus* create_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
@@ -74,6 +81,29 @@ OrtStatus* create_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
 // Attribute `columns`: N. Output: float [..., N]. HMatMul: the same with fp16 x, w and output
 // (an fp16 graph's products, its weights kept in fp16).
 
+// y [rows, N] = x @ w on FMatMul's kernel, the tiles over ONNX Runtime's threads: W and Y float, or
+// uint16_t for fp16 (the dense ops' products, and each MoE expert's with a float32 Y).
+template <typename W, typename Y>
+OrtStatus* float_tiles_product(OrtKernelContext* context, const W* w, int64_t tiles, int64_t K, int64_t N,
+                               const float* x, int64_t rows, Y* y) {
+    struct Call {
+        const W* w;
+        const float* x;
+        int64_t K, N, rows;
+        Y* y;
+    } call{w, x, K, N, rows, y};
+    auto tile = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        if constexpr (std::is_same_v<W, float>)
+            dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        else if constexpr (std::is_same_v<Y, float>)
+            dspark_hmatmul_float_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+        else
+            dspark_hmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
+    };
+    return parallel_for(context, tile, size_t(tiles), &call);
+}
+
 template <typename T>   // float, or uint16_t for fp16
 OrtStatus* float_product(void* state, OrtKernelContext* context) {
     constexpr bool half = std::is_same_v<T, uint16_t>;
@@ -85,28 +115,17 @@ OrtStatus* float_product(void* state, OrtKernelContext* context) {
         return error(op, "expected x [..., K] and w [tiles, K, 32]");
     std::vector<int64_t> out_dims = x.dims;
     out_dims.back() = columns;
-    struct Call {
-        const T* w;
-        const float* x;
-        int64_t K, N, rows;
-        T* y;
-    } call{static_cast<const T*>(w.data), static_cast<const float*>(x.data), x.dims.back(), columns,
-           x.size() / x.dims.back(), static_cast<T*>(output(context, 0, out_dims))};
-    if (call.rows == 0) return nullptr;
+    auto* y = static_cast<T*>(output(context, 0, out_dims));
+    const int64_t K = x.dims.back(), rows = x.size() / K;
+    if (rows == 0) return nullptr;
+    const float* xf = static_cast<const float*>(x.data);
     thread_local std::vector<float> wide;   // fp16 x, widened once per call
     if constexpr (half) {
         wide.resize(size_t(x.size()));
         dspark_half_to_float(static_cast<const uint16_t*>(x.data), x.size(), wide.data());
-        call.x = wide.data();
+        xf = wide.data();
     }
-    auto tile = [](void* data, size_t t) {
-        auto* c = static_cast<Call*>(data);
-        if constexpr (half)
-            dspark_hmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-        else
-            dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-    };
-    return parallel_for(context, tile, size_t(w.dims[0]), &call);
+    return float_tiles_product(context, static_cast<const T*>(w.data), w.dims[0], K, columns, xf, rows, y);
 }
 
 // ---- QMoeExperts, FMoeExperts, HMoeExperts: a MoE layer's routed experts on the products'
@@ -122,7 +141,7 @@ struct Experts {
     int64_t intermediate;
 };
 
-// y [rows, N] = x @ one expert's matrix, the tiles over ONNX Runtime's threads.
+// Each stack's `product`: y [rows, N] = x @ expert e's matrix, on its dense op's kernel.
 struct QuantizedStack {   // q [E, tiles, K / 32, bytes], scales and sums [E, tiles, K / 32, 16]
     Tensor q, scales, sums;
     static constexpr int INPUTS = 3;
@@ -138,20 +157,7 @@ struct QuantizedStack {   // q [E, tiles, K / 32, bytes], scales and sums [E, ti
                               static_cast<const uint8_t*>(q.data) + e * per * q.dims[3],
                               static_cast<const float*>(scales.data) + e * per * 16, nullptr,
                               eight ? static_cast<const int32_t*>(sums.data) + e * per * 16 : nullptr};
-        thread_local std::vector<uint8_t> scratch;
-        scratch.resize(size_t(dspark_qmatmul_scratch(rows, K)));
-        dspark_qmatmul_quantize(x, rows, K, scratch.data());
-        struct Call {
-            const DsparkQWeight* w;
-            const void* scratch;
-            int64_t rows;
-            float* y;
-        } call{&w, scratch.data(), rows, y};
-        auto tile = [](void* data, size_t t) {
-            auto* c = static_cast<Call*>(data);
-            dspark_qmatmul_tiles(c->w, c->scratch, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-        };
-        return parallel_for(context, tile, size_t(q.dims[1]), &call);
+        return quantized_product(context, w, q.dims[1], x, rows, y);
     }
 };
 
@@ -165,26 +171,14 @@ struct FloatStack {   // [E, tiles, K, 32]
     }
     OrtStatus* product(OrtKernelContext* context, int64_t e, int64_t K, int64_t N, const float* x,
                        int64_t rows, float* y) const {
-        struct Call {
-            const W* w;
-            const float* x;
-            int64_t K, N, rows;
-            float* y;
-        } call{static_cast<const W*>(w.data) + e * w.dims[1] * K * 32, x, K, N, rows, y};
-        auto tile = [](void* data, size_t t) {
-            auto* c = static_cast<Call*>(data);
-            if constexpr (std::is_same_v<W, float>)
-                dspark_fmatmul_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-            else
-                dspark_hmatmul_float_tiles(c->w, c->K, c->N, c->x, c->rows, c->y, int64_t(t), int64_t(t) + 1);
-        };
-        return parallel_for(context, tile, size_t(w.dims[1]), &call);
+        return float_tiles_product(context, static_cast<const W*>(w.data) + e * w.dims[1] * K * 32, w.dims[1],
+                                   K, N, x, rows, y);
     }
 };
 
-template <typename Stack, int INPUTS>
+template <typename Stack>
 Stack stack_at(OrtKernelContext* context, size_t first) {
-    if constexpr (INPUTS == 3) return {input(context, first), input(context, first + 1), input(context, first + 2)};
+    if constexpr (Stack::INPUTS == 3) return {input(context, first), input(context, first + 1), input(context, first + 2)};
     else return {input(context, first)};
 }
 
@@ -194,8 +188,7 @@ OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
                      : std::is_same_v<X, float> ? "FMoeExperts" : "HMoeExperts";
     const int64_t I = static_cast<Experts*>(state)->intermediate;
     const Tensor x = input(context, 0), experts = input(context, 1), weights = input(context, 2);
-    const Stack gate_up = stack_at<Stack, Stack::INPUTS>(context, 3),
-                down = stack_at<Stack, Stack::INPUTS>(context, 3 + Stack::INPUTS);
+    const Stack gate_up = stack_at<Stack>(context, 3), down = stack_at<Stack>(context, 3 + Stack::INPUTS);
     if (x.dims.size() != 2 || experts.dims.size() != 2 || experts.dims != weights.dims
             || experts.dims[0] != x.dims[0] || !gate_up.takes(x.dims[1], 2 * I) || !down.takes(I, x.dims[1])
             || gate_up.experts() != down.experts())

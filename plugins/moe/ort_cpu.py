@@ -33,8 +33,8 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
 
     graph, packed = model.graph, {}
     for node in list(graph):
-        constant = all(v.is_initializer() and v.const_value is not None for v in node.inputs[3:])
-        if node.domain != "dspark" or not constant:
+        if node.domain != "dspark" or not all(v.is_initializer() and v.const_value is not None
+                                              for v in node.inputs[3:]):
             continue
         bits = {f"{NAME}Int{b}": b for b in (4, 8)}.get(node.op_type)
         if bits is not None:

@@ -19,7 +19,7 @@ DOMAIN, OP = "dspark.cpu", "QMatMul"
 BITS = {"INT4": 4, "INT8": 8}
 
 
-def lower(model, location: str = "packed-at-load") -> dict[str, np.ndarray]:
+def lower(model, location: str) -> dict[str, np.ndarray]:
     """Replace, in ``model`` (``onnx_ir.Model``) main graph, every float32 linear layer the kernel
     takes (``layout.supported``) by a ``QMatMul``, and every float32 or fp16 product by a constant
     by an ``FMatMul`` or ``HMatMul``. Returns the new weights by name, which the session is to be
