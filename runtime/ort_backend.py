@@ -25,8 +25,10 @@ rows of the call, each output row computed in a fixed order of its own) and its 
 ``CausalAttention`` over a pool of cache slots (each sequence over its own visible rows only).
 A row's result is then the same alone, beside any rows, and in a one-row call, by construction,
 with no padding (``tests/test_quantize.py``, ``tests/test_gguf.py``, ``tests/test_cpu_kernels.py``).
+An fp32 draft runs its batch in one call the same way, its context write and block attention on
+``DraftAttention``.
 
-Elsewhere (a hybrid, Gemma 4 or fp16 target, the draft, a machine without the kernels)
+Elsewhere (a hybrid, Gemma 4 or fp16 graph, a machine without the kernels)
 a graph runs one sequence per call, lowered: each sequence has its own caches (its own
 ``IOBinding``), a step of ``B`` sequences is ``B`` calls into shared input and output buffers,
 and a one-row call is made a two-row one as above. A sequence then computes exactly what it
@@ -91,8 +93,10 @@ class OrtBackend(EngineBackend):
             session = self._load(name, lowered=True) if lower else None
             self.lowered[name] = session is not None
             self.sessions[name] = session or self._load(name, lowered=False)
-        # the target's whole batch in one call, on a pool of cache slots (plugins/cpu)
-        self.batched = SLOTS in {value.name for value in self.sessions["target"].get_inputs()}
+        # the graphs that run a whole batch in one call, on a pool of cache slots (plugins/cpu)
+        self.pooled = {name for name, session in self.sessions.items()
+                       if SLOTS in {value.name for value in session.get_inputs()}}
+        self.batched = "target" in self.pooled
         if self.batched:
             self.default_batch = None
 
@@ -115,40 +119,40 @@ class OrtBackend(EngineBackend):
         """A session of ``graph`` as the engine holds it, or lowered (None: nothing to lower).
         The lowered form (the target's attention as ``GroupQueryAttention``: the demo target's
         two-row step 18.0 -> 14.6 ms; the draft's block attention without copying its caches:
-        3.7 -> 3.0 ms) holds for one sequence per call, which is how every graph runs here."""
+        3.7 -> 3.0 ms) holds for one sequence per call; with the compiled kernels a graph that
+        allows it takes a batch in one call over a pool of slots."""
         import onnxruntime as ort
 
         path = self.file(self.manifest["graphs"][graph]["file"])
         try:
             if lowered:
                 return lowered_session(path, self._options(), self._rotary, self.kernel,
-                                       batched=graph == "target")
+                                       batched=True)
             return ort.InferenceSession(str(path), self._options(), providers=["CPUExecutionProvider"])
         except Exception as err:   # ONNX Runtime's and onnx_ir's errors share no base
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
         """Fresh zeroed caches for each of ``batch`` slots, bound in place: ``bindings[slot][graph]``
-        is that slot's; a batched target's are one pool, ``pool[slot]`` each slot's."""
+        is that slot's; a pooled graph's are one pool, ``pools[graph]`` its caches (``[slot]``
+        each slot's rows) and their binding."""
         self.limits.check_batch(batch)
         self.bindings = [self._fresh_bindings() for _ in range(batch)]
-        if self.batched:
-            self.pool, self.pool_binding = self._bound_caches("target", batch)
+        self.pools = {name: self._bound_caches(name, batch) for name in self.pooled}
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
 
     def clear(self, slot: int) -> None:
         """Fresh zeroed caches for ``slot`` alone (a new sequence there; the others keep theirs)."""
         self.bindings[slot] = self._fresh_bindings()
-        if self.batched:
-            for cache in self.pool:
+        for caches, _ in self.pools.values():
+            for cache in caches:
                 cache[slot] = 0
         self._bound.clear()
 
     def _fresh_bindings(self) -> dict:
         """One slot's ``IOBinding`` per graph that runs a sequence per call."""
-        return {name: self._bound_caches(name, 1)[1] for name in self.sessions
-                if not (name == "target" and self.batched)}
+        return {name: self._bound_caches(name, 1)[1] for name in self.sessions if name not in self.pooled}
 
     def _bound_caches(self, graph: str, batch: int) -> tuple[list[np.ndarray], object]:
         """Zeroed caches of ``batch`` sequences for ``graph`` and an ``IOBinding`` holding each as
@@ -177,8 +181,8 @@ class OrtBackend(EngineBackend):
         if key not in self._buffers:
             self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
         inputs, results = self._buffers[key]
-        if graph == "target" and self.batched:
-            return self._run_batch(inputs, outputs, results, key, slots, feeds)
+        if graph in self.pooled:
+            return self._run_batch(graph, inputs, outputs, results, key, slots, feeds)
         if self._bound.get(graph) != (key, slots):
             for row, slot in enumerate(slots):
                 binding = self.bindings[slot][graph]
@@ -194,18 +198,19 @@ class OrtBackend(EngineBackend):
             session.run_with_iobinding(self.bindings[slot][graph])
         return [torch.from_numpy(buffer) for buffer in results]
 
-    def _run_batch(self, inputs: dict, outputs: tuple[str, ...], results: list, key: tuple,
+    def _run_batch(self, graph: str, inputs: dict, outputs: tuple[str, ...], results: list, key: tuple,
                    slots: list[int], feeds: dict[str, torch.Tensor]):
-        """``_run`` of the batched target: one call for every sequence, ``slots`` an input."""
-        if self._bound.get("target") != key:
+        """``_run`` of a pooled graph: one call for every sequence, ``slots`` an input."""
+        binding = self.pools[graph][1]
+        if self._bound.get(graph) != key:
             for name, buffer in (*inputs.items(), *zip(outputs, results)):
-                bind = self.pool_binding.bind_input if name in inputs else self.pool_binding.bind_output
+                bind = binding.bind_input if name in inputs else binding.bind_output
                 bind(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
-            self._bound["target"] = key
+            self._bound[graph] = key
         for name, tensor in feeds.items():
             np.copyto(inputs[name], tensor.numpy(), casting="same_kind")
         inputs[SLOTS][:] = slots
-        self.sessions["target"].run_with_iobinding(self.pool_binding)
+        self.sessions[graph].run_with_iobinding(binding)
         return [torch.from_numpy(buffer) for buffer in results]
 
     def _make_buffers(self, graph, feeds, outputs, sizes):
@@ -216,7 +221,7 @@ class OrtBackend(EngineBackend):
             return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=self._numpy(specs[name]))
 
         inputs = {name: buffer(name) for name in feeds}
-        if graph == "target" and self.batched:
+        if graph in self.pooled:
             inputs[SLOTS] = np.empty(sizes["batch"], np.int64)
         return inputs, [buffer(name) for name in outputs]
 

@@ -201,16 +201,17 @@ def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, t
 class _Attention(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("B", "R", "heads", "kv_heads", "D", "P", "C")] + \
         [("scale", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in
-                                       ("q", "k_new", "v_new", "k_cache", "v_cache", "start", "slots", "out")]
+                                       ("q", "k_new", "v_new", "k_cache", "v_cache", "start", "slots", "out")] + \
+        [("causal", ctypes.c_int64)]
 
 
-def _attend(lib, q, k_new, v_new, k_cache, v_cache, start, slots, scale):
+def _attend(lib, q, k_new, v_new, k_cache, v_cache, start, slots, scale, causal=True):
     """The kernel's three phases as ``ort_ops.cpp`` runs them (heads in reverse order: any order of
     the tasks gives the same); returns ``out`` and writes the caches in place."""
     out = np.full_like(q, np.nan)
     arrays = [q, k_new, v_new, k_cache, v_cache, start, slots, out]
     call = _Attention(q.shape[0], q.shape[2], q.shape[1], k_new.shape[1], q.shape[3], k_cache.shape[0],
-                      k_cache.shape[2], scale, *(a.ctypes.data for a in arrays))
+                      k_cache.shape[2], scale, *(a.ctypes.data for a in arrays), int(causal))
     lib.dspark_attention_check.restype = ctypes.c_char_p
     lib.dspark_attention_scratch.restype = ctypes.c_int64
     lib.dspark_attention_head.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int64, ctypes.c_void_p]
@@ -223,10 +224,12 @@ def _attend(lib, q, k_new, v_new, k_cache, v_cache, start, slots, scale):
 
 
 @needs_kernel
-def test_the_attention_kernel_is_block_attentions_causal_form_and_a_row_its_own():
-    """Against ``reference.py`` (causal) on a pool of 3 slots, the batch on slots 2 and 0 with
-    other starts: the output and the caches each sequence's slot gets; and a sequence's output the
-    same bits alone as beside another, whatever their lengths."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "draft-block"])
+def test_the_attention_kernel_is_block_attention_and_a_row_its_own(causal):
+    """Against ``reference.py`` (causal: the target's; not: the draft's block) on a pool of 3
+    slots, the batch on slots 2 and 0 with other starts: the output and the caches each
+    sequence's slot gets; and a sequence's output the same bits alone as beside another, whatever
+    their lengths."""
     rng = np.random.default_rng(0)
     heads, kv_heads, d, capacity, rows = 6, 2, 32, 40, 5
     q = rng.standard_normal((2, heads, rows, d)).astype(np.float32)
@@ -235,11 +238,11 @@ def test_the_attention_kernel_is_block_attentions_causal_form_and_a_row_its_own(
     start, slots = np.array([7, 30], np.int64), np.array([2, 0], np.int64)
     lib = ctypes.CDLL(str(LIBRARY))
     k_pool, v_pool = (p.copy() for p in pool)
-    out = _attend(lib, q, k_new, v_new, k_pool, v_pool, start, slots, 0.2)
+    out = _attend(lib, q, k_new, v_new, k_pool, v_pool, start, slots, 0.2, causal)
     for b, slot in enumerate(slots):
         expected = block_attention(*(torch.from_numpy(a[b:b + 1]) for a in (q, k_new, v_new)),
                                    *(torch.from_numpy(p[slot:slot + 1]) for p in pool),
-                                   torch.from_numpy(start[b:b + 1]), causal=True, scale=0.2)
+                                   torch.from_numpy(start[b:b + 1]), causal=causal, scale=0.2)
         np.testing.assert_allclose(out[b], expected[0][0].numpy(), rtol=1e-5, atol=1e-5)
         written = slice(0, start[b] + rows)   # rows past a sequence's end are scratch
         np.testing.assert_array_equal(k_pool[slot, :, written], expected[1][0, :, written].numpy())
@@ -247,7 +250,7 @@ def test_the_attention_kernel_is_block_attentions_causal_form_and_a_row_its_own(
     np.testing.assert_array_equal(k_pool[1], pool[0][1])   # the slot no sequence ran on
     for b in range(2):
         alone = _attend(lib, q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1], pool[0].copy(), pool[1].copy(),
-                        start[b:b + 1], slots[b:b + 1], 0.2)
+                        start[b:b + 1], slots[b:b + 1], 0.2, causal)
         assert np.array_equal(alone[0], out[b])
 
 

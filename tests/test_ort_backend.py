@@ -62,7 +62,7 @@ def test_caches_are_bound_in_place(case):
     backend, _ = case
     backend.start(2)
     count = sum(is_cache(t["name"]) for t in backend.manifest["graphs"]["target"]["inputs"])
-    bindings = [backend.pool_binding] if backend.batched else [b["target"] for b in backend.bindings]
+    bindings = [backend.pools["target"][1]] if backend.batched else [b["target"] for b in backend.bindings]
     before = [[v.data_ptr() for v in binding.get_outputs()[:count]] for binding in bindings]
     backend.target_step(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([0, 4]), torch.tensor([[2], [0]]))
     after = [binding.get_outputs()[:count] for binding in bindings]
@@ -71,7 +71,43 @@ def test_caches_are_bound_in_place(case):
     k0 = after[-1][0].numpy()[-1]   # sequence 1's first key cache
     assert abs(k0[:, 4:7]).sum() > 0 and abs(k0[:, :4]).sum() == 0  # sequence 1 wrote at its start
     if backend.batched:
-        assert before[0][0] == backend.pool[0].ctypes.data
+        assert before[0][0] == backend.pools["target"][0][0].ctypes.data
+
+
+def test_a_draft_step_of_several_sequences_gives_each_what_it_gives_alone(case):
+    """The draft's batch in one call over a pool of slots (where the compiled kernels are built):
+    each sequence's proposals and probabilities are the bits it gets alone in its slot, on other
+    slots, behind other context lengths and beside another sequence's padded context rows."""
+    from plugins.cpu.build import library
+
+    backend, _ = case
+    assert ("draft" in backend.pooled) == (library() is not None)
+    draft = backend.manifest["draft"]
+    g = torch.Generator().manual_seed(3)
+    width = backend.manifest["graphs"]["draft"]["inputs"][0]["shape"][-1]
+    before, count = torch.tensor([3, 9, 5]), torch.tensor([6, 2, 4])   # context rows: written, new
+    ctx = torch.randn(3, 9 + 6, width, generator=g)
+    anchor, temperature, slots = torch.tensor([5, 17, 30]), torch.tensor([1.0, 0.5, 1.0]), [2, 0, 1]
+    noise = -torch.log(-torch.log(torch.rand(3, draft["k"], draft["draft_vocab_size"], generator=g)))
+
+    def steps(rows: list[int]):
+        """The context before, then the step measured, for the sequences ``rows`` on their slots."""
+        padded = lambda counts: int(counts[rows].max())   # noqa: E731
+        ids = [slots[b] for b in rows]
+        backend.draft_step(ctx[rows, :padded(before)], torch.zeros(len(rows), dtype=torch.long), before[rows],
+                           anchor[rows], temperature[rows], noise[rows], ids)
+        new = torch.stack([ctx[b, before[b]:before[b] + padded(count)] for b in rows])
+        tokens, q = backend.draft_step(new, before[rows], count[rows], anchor[rows], temperature[rows],
+                                       noise[rows], ids)
+        return tokens.clone(), q.clone()
+
+    backend.start(3)
+    tokens, q = steps([0, 1, 2])
+    for b in range(3):
+        backend.start(3)
+        alone = steps([b])
+        assert torch.equal(alone[0][0], tokens[b]) and torch.equal(alone[1][0], q[b])
+    assert len({tuple(t.tolist()) for t in tokens}) == 3 and torch.isfinite(q).all()
 
 
 def test_engine_limits_are_enforced(case):

@@ -63,7 +63,7 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
         torch.testing.assert_close(logits, logits_p, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(aux, aux_p, rtol=1e-4, atol=1e-4)
         position += rows
-    binding = lowered.pool_binding if lowered.batched else lowered.bindings[0]["target"]
+    binding = lowered.pools["target"][1] if lowered.batched else lowered.bindings[0]["target"]
     caches = [v.numpy()[:, :, :position] for v in binding.get_outputs()[:4]]
     caches_p = [v.numpy()[:, :, :position] for v in portable.bindings[0]["target"].get_outputs()[:4]]
     assert all(np.abs(c).sum() > 0 for c in caches)
@@ -74,9 +74,11 @@ def test_the_lowered_graph_gives_the_portable_graphs_results_step_by_step(engine
 @pytest.mark.parametrize("kernel", [False, True], ids=["onnx-runtime-kernels", "compiled-kernels"])
 def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engine, kernel):
     """Draft steps after a prefill and after verify steps of several lengths, sampled (so that
-    the probabilities are finite and compared), at batch 1 lowered and portable: the same
-    proposals and probabilities, and the same context rows in the caches."""
+    the probabilities are finite and compared), at batch 1 lowered (ONNX Runtime's attention, or
+    the compiled kernels' batched form) and portable: the same proposals and probabilities, and
+    the same context rows in the caches."""
     lowered, portable = OrtBackend(engine, kernel=kernel), OrtBackend(engine, lower=False)
+    assert ("draft" in lowered.pooled) == (kernel and build.library() is not None)
     draft = lowered.manifest["draft"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (1, 30), generator=generator)
@@ -92,7 +94,8 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
             steps.append(backend.draft_step(*context, ids[:, seen + rows], torch.ones(1), noise[index]))
             seen += rows
         # the caches are bound first
-        bound = backend.bindings[0]["draft"].get_outputs()[:2 * draft["decoder"]["num_layers"]]
+        binding = backend.pools["draft"][1] if "draft" in backend.pooled else backend.bindings[0]["draft"]
+        bound = binding.get_outputs()[:2 * draft["decoder"]["num_layers"]]
         caches = [v.numpy()[:, :, :seen].copy() for v in bound]
         results.append((steps, caches))
     (steps, caches), (steps_p, caches_p) = results

@@ -1,7 +1,9 @@
-// Causal block attention on the CPU for a batch of sequences, each on its own cache slot: the
-// `dspark::BlockAttention` of reference.py (causal, no window) in the form a batched step needs.
+// Block attention on the CPU for a batch of sequences, each on its own cache slot: the
+// `dspark::BlockAttention` of reference.py (causal or not, no window) in the form a batched step
+// needs.
 //
-// Each query row attends over exactly its own sequence's visible positions (0 .. start + i), in
+// Each query row attends over exactly its own sequence's visible positions (causal: 0 .. start + i;
+// not: 0 .. start + R - 1), in
 // one fixed order (scores, then the maximum, the exponentials and their sum, then the weighted
 // values, each position after the one before), so a row's output is the same alone and in any
 // batch: nothing is padded to the batch's longest sequence, as ONNX Runtime's portable attention
@@ -173,8 +175,9 @@ void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratc
     const int64_t cache = (a->slots[b] * a->kv_heads + g) * a->C * a->D;
     for (int64_t i = 0; i < a->R; ++i) {
         const int64_t row = ((b * a->heads + h) * a->R + i) * a->D;
-        attend_row(a->q + row, a->k_cache + cache, a->v_cache + cache, a->start[b] + i + 1, a->D,
-                   a->scale, scratch, a->out + row);
+        const int64_t seen = a->start[b] + (a->causal ? i + 1 : a->R);
+        attend_row(a->q + row, a->k_cache + cache, a->v_cache + cache, seen, a->D, a->scale, scratch,
+                   a->out + row);
     }
 }
 

@@ -9,7 +9,9 @@
 extern "C" {
 
 // One call: B sequences of R new rows, heads-first as BlockAttention has them; the caches a
-// pool of P slots of C rows, batch row b on slot slots[b], its new rows at start[b] on.
+// pool of P slots of C rows, batch row b on slot slots[b], its new rows at start[b] on. Causal
+// (the target's), row i sees positions 0 .. start + i; not (the draft's block), every row sees
+// 0 .. start + R - 1.
 struct DsparkAttention {
     int64_t B, R, heads, kv_heads, D, P, C;
     float scale;
@@ -21,6 +23,7 @@ struct DsparkAttention {
     const int64_t* start; // [B]
     const int64_t* slots; // [B]
     float* out;           // [B, heads, R, D]
+    int64_t causal;       // 1 or 0
 };
 
 // Null, or what is wrong with the call (in words).

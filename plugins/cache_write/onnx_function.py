@@ -8,7 +8,7 @@ from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
 
-NAME = "CacheWrite"
+from . import NAME
 
 register_schema(
     NAME,

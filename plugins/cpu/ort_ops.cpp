@@ -1,7 +1,7 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
 // (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul),
-// `QMoeExperts`, `FMoeExperts` and `HMoeExperts` (plugins/moe/ort_cpu.py), and `CausalAttention`
-// (plugins/block_attention/cpu_kernel.cpp). The C API they call is declared in ort_api.h.
+// `QMoeExperts`, `FMoeExperts` and `HMoeExperts` (plugins/moe/ort_cpu.py), and `CausalAttention` and
+// `DraftAttention` (plugins/block_attention/cpu_kernel.cpp). The C API they call is declared in ort_api.h.
 //
 // The work is spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
 #include <cstddef>
@@ -255,18 +255,23 @@ OrtStatus* create_experts(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
 // [P, Hkv, C, D] (a pool of slots), start [B], slots [B] int64. Attribute `scale`. Outputs: out
 // [B, H, R, D] and the two caches, which the runtime binds to the input caches' buffers (written
 // in place; an output of its own gets a copy of the input first).
+// ---- DraftAttention: the same inputs, then ctx_k / ctx_v [B, Hkv, Rc, D] and ctx_start [B]: the
+// draft's context rows written at ctx_start (its CacheWrite), then its block written at start and
+// attending non-causally (every row sees the positions before start + R).
 
-struct CausalAttention {
+struct Attention {
     float scale;
 };
 
-OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
+template <bool DRAFT>
+OrtStatus* pool_attention(void* state, OrtKernelContext* context) {
+    const char* op = DRAFT ? "DraftAttention" : "CausalAttention";
     const Tensor q = input(context, 0), k_new = input(context, 1), v_new = input(context, 2),
                  k_cache = input(context, 3), v_cache = input(context, 4), start = input(context, 5),
                  slots = input(context, 6);
     if (q.dims.size() != 4 || k_new.dims.size() != 4 || k_cache.dims.size() != 4 || k_new.dims != v_new.dims
             || k_cache.dims != v_cache.dims || start.size() != q.dims[0] || slots.size() != q.dims[0])
-        return error("CausalAttention", "expected q [B, H, R, D], k_new / v_new [B, Hkv, R, D], caches "
+        return error(op, "expected q [B, H, R, D], k_new / v_new [B, Hkv, R, D], caches "
                      "[P, Hkv, C, D], start [B] and slots [B]");
     auto* k_out = static_cast<float*>(output(context, 1, k_cache.dims));
     auto* v_out = static_cast<float*>(output(context, 2, v_cache.dims));
@@ -278,11 +283,24 @@ OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
         int64_t stride;
     } call;
     call.a = {q.dims[0], q.dims[2], q.dims[1], k_new.dims[1], q.dims[3], k_cache.dims[0], k_cache.dims[2],
-              static_cast<CausalAttention*>(state)->scale, static_cast<const float*>(q.data),
+              static_cast<Attention*>(state)->scale, static_cast<const float*>(q.data),
               static_cast<const float*>(k_new.data), static_cast<const float*>(v_new.data), k_out, v_out,
               static_cast<const int64_t*>(start.data), static_cast<const int64_t*>(slots.data),
-              static_cast<float*>(output(context, 0, q.dims))};
-    if (const char* wrong = dspark_attention_check(&call.a)) return error("CausalAttention", wrong);
+              static_cast<float*>(output(context, 0, q.dims)), DRAFT ? 0 : 1};
+    if (const char* wrong = dspark_attention_check(&call.a)) return error(op, wrong);
+    if constexpr (DRAFT) {   // the context rows: a write of their own, before the block's
+        const Tensor ctx_k = input(context, 7), ctx_v = input(context, 8), ctx_start = input(context, 9);
+        if (ctx_k.dims.size() != 4 || ctx_k.dims != ctx_v.dims || ctx_k.dims[0] != q.dims[0]
+                || ctx_k.dims[1] != k_new.dims[1] || ctx_k.dims[3] != q.dims[3] || ctx_start.size() != q.dims[0])
+            return error(op, "expected ctx_k / ctx_v [B, Hkv, Rc, D] and ctx_start [B]");
+        DsparkAttention rows = call.a;
+        rows.R = ctx_k.dims[2];
+        rows.k_new = static_cast<const float*>(ctx_k.data);
+        rows.v_new = static_cast<const float*>(ctx_v.data);
+        rows.start = static_cast<const int64_t*>(ctx_start.data);
+        if (const char* wrong = dspark_attention_check(&rows)) return error(op, wrong);
+        dspark_attention_write(&rows);
+    }
     dspark_attention_write(&call.a);
     const int64_t tasks = call.a.B * call.a.heads;
     call.stride = dspark_attention_scratch(&call.a) / int64_t(sizeof(float));
@@ -297,7 +315,7 @@ OrtStatus* causal_attention(void* state, OrtKernelContext* context) {
 }
 
 OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new CausalAttention{0.f};
+    auto* state = new Attention{0.f};
     return created(state, slot<GetAttributeFloat>(g_api, KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "scale", &state->scale),
                    kernel);
 }
@@ -333,10 +351,14 @@ const OrtCustomOp g_ops[] = {
         [](const OrtCustomOp*, size_t i) { return i == 1 ? INT64 : FLOAT16; },
         [](const OrtCustomOp*) -> size_t { return 1; }, create_experts,
         moe_experts<uint16_t, FloatStack<uint16_t>>, [](const OrtCustomOp*, size_t) { return FLOAT16; }),
-    make_op<CausalAttention>(
+    make_op<Attention>(
         [](const OrtCustomOp*) { return "CausalAttention"; }, [](const OrtCustomOp*) -> size_t { return 7; },
         [](const OrtCustomOp*, size_t i) { return i < 5 ? FLOAT : INT64; },
-        [](const OrtCustomOp*) -> size_t { return 3; }, create_attention, causal_attention),
+        [](const OrtCustomOp*) -> size_t { return 3; }, create_attention, pool_attention<false>),
+    make_op<Attention>(
+        [](const OrtCustomOp*) { return "DraftAttention"; }, [](const OrtCustomOp*) -> size_t { return 10; },
+        [](const OrtCustomOp*, size_t i) { return i < 5 || i == 7 || i == 8 ? FLOAT : INT64; },
+        [](const OrtCustomOp*) -> size_t { return 3; }, create_attention, pool_attention<true>),
 };
 
 }  // namespace

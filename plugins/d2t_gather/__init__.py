@@ -3,6 +3,10 @@
 ``reference.py`` defines the semantics; ``torch_op.py`` wraps it as ``torch.ops.dspark.
 d2t_gather`` (what the model code calls); ``onnx_function.py`` is its ONNX form.
 """
-from .torch_op import d2t_gather
+# the ONNX op type, here so that the CPU lowering (``block_attention/ort_cpu.py``, every engine
+# load) finds it without importing onnxscript
+NAME = "D2TGather"
+
+from .torch_op import d2t_gather  # noqa: E402
 
 __all__ = ["d2t_gather"]

@@ -7,7 +7,7 @@ from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
 
-NAME = "D2TGather"
+from . import NAME
 
 register_schema(
     NAME,
