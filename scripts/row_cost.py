@@ -76,7 +76,8 @@ def main() -> None:
                     line += f"  (+{extra:.2f} ms a row)"
                 print(line)
                 previous = rows
-        print(f"  draft step {ms[engine, form, 'draft']:24.2f} ms")
+        for batch in sorted(set(args.batch)):
+            print(f"  draft step, {batch} x 1 context row {ms[engine, form, 'draft', batch]:10.2f} ms")
 
 
 FORMS = {"lowered": "lowered (the compiled kernels where built)", "stock": "lowered, ONNX Runtime's kernels",
@@ -84,8 +85,8 @@ FORMS = {"lowered": "lowered (the compiled kernels where built)", "stock": "lowe
 
 
 def _steps(backend: OrtBackend, rows: list[int], batches: list[int], context: int) -> dict:
-    """Calls that time ``backend``'s target step at each (batch, row count) and its draft step,
-    after a prefill of ``context`` random tokens in each slot (the caches are not advanced: each
+    """Calls that time ``backend``'s target step at each (batch, row count) and its draft step at
+    each batch, after a prefill of ``context`` random tokens in each slot (the caches are not advanced: each
     call is the same)."""
     generator = torch.Generator().manual_seed(0)
     draft = backend.manifest["draft"]
@@ -105,10 +106,15 @@ def _steps(backend: OrtBackend, rows: list[int], batches: list[int], context: in
         start, state = torch.full((batch,), context), torch.zeros(batch, dtype=torch.long)
         return lambda: backend.target_step(ids, start, positions, state, kept, slots=list(range(batch)))
 
-    draft_feeds = (aux[:, -1:], torch.tensor([context - 1]), torch.tensor([1]), prompt[:, -1], torch.zeros(1),
-                   torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
+    def draft_step(batch: int):
+        """A draft step after a one-row verify, the same in each of ``batch`` slots."""
+        feeds = (aux[:, -1:], torch.tensor([context - 1]), torch.tensor([1]), prompt[:, -1], torch.zeros(1),
+                 torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
+        feeds = [feed.repeat(batch, *[1] * (feed.dim() - 1)) for feed in feeds]
+        return lambda: backend.draft_step(*feeds, slots=list(range(batch)))
+
     return {**{(batch, count): target(batch, count) for batch in batches for count in sorted(set(rows))},
-            "draft": lambda: backend.draft_step(*draft_feeds, slots=[0])}
+            **{("draft", batch): draft_step(batch) for batch in batches}}
 
 
 if __name__ == "__main__":
