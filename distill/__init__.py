@@ -3,7 +3,9 @@
 The recipe is DeepSpec's (``docs/dspark.md#the-block-backbone``, ``#the-markov-head``), on data the
 target writes itself:
 
-1. the target answers prompts greedily; those sequences are cached in ``OUT/data.pt``;
+1. the target answers prompts greedily (and ``--samples`` times more at T = 1), through an engine
+   directory of it (``--engine``: batched, on the weights it serves) or the PyTorch target; those
+   sequences are cached in ``OUT/data.pt``;
 2. a fresh draft (native DeepSpec config, the target's ``embed_tokens`` / ``lm_head`` copied and
    frozen, its decoder layers started from the target's last ones) learns to continue them: per
    step one sequence runs through the target (teacher forcing) for its taps, anchors are sampled
@@ -22,7 +24,8 @@ The files, in the order a run goes through them:
   run must share with the one that wrote ``OUT``;
 - ``run.py``: ``distill()``, the whole run from target to measured draft;
 - ``prompts.py``: the tokenizer and the train / held-out split of the prompt files;
-- ``data.py``: the target's greedy answers (step 1), cached in ``OUT/data.pt``;
+- ``data.py``: the target's answers (step 1), cached in ``OUT/data.pt``;
+- ``engine.py``: the target through an engine directory: its answers and its taps;
 - ``vocabulary.py``: the ids a reduced draft vocabulary (``--draft-vocab``) keeps;
 - ``draft_init.py``: taps, ``config.json`` and the fresh draft's weights;
 - ``loss.py``: the teacher-forced block forward for all anchors at once and its loss (step 2);

@@ -30,7 +30,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
             raise ValueError(f"--taps {args.taps}: expected comma-separated layer ids, e.g. 1,9,17") from None
     spec = DistillSpec(prompts=tuple(Path(p) for p in args.prompts), num_prompts=args.num_prompts,
                        held_out=args.held_out, eval_prompts=args.eval_prompts,
-                       max_new_tokens=args.max_new_tokens,
+                       max_new_tokens=args.max_new_tokens, samples=args.samples,
+                       engine=None if args.engine is None else Path(args.engine),
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
                        init_layer=args.init_layer,
@@ -78,11 +79,19 @@ def parser() -> argparse.ArgumentParser:
                    help="the first file's held-out prompts the final acceptance (tau) is measured "
                         "on [4]")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target answers with [128]")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="answers per training prompt sampled at T = 1, beside the greedy one, so "
+                        "that the draft learns the target's distribution [0]")
+    p.add_argument("--engine", metavar="DIR",
+                   help="an engine directory built from --target (any draft): the answers and the "
+                        "target's taps come from it, batched on its slots and computed as it will "
+                        "serve the draft; several times faster on a CPU [the PyTorch target]")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers [1]")
     p.add_argument("--block-size", type=int, default=4, help="block width = drafts per step [4]")
     p.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head [32]")
     p.add_argument("--taps", help="target layers the draft reads, DeepSpec convention (-1 = embeddings), "
-                                  "comma-separated [3 spread over the target, never the final layer]")
+                                  "comma-separated [--engine's draft's; else 3 spread over the target, "
+                                  "never the final layer]")
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="reduced draft vocabulary of N ids, with d2t: the mask token and the N-1 "
                         "most frequent ids of the training prompts and answers [the target's]")

@@ -1,7 +1,9 @@
-"""The training data: the target's own greedy answers to the training prompts, which are what the
-draft will be asked to predict, cached in ``OUT/data.pt``."""
+"""The training data: the target's own answers to the training prompts, which are what the draft
+will be asked to predict: greedy, and ``--samples`` more per prompt sampled at T = 1 (the draft
+learns the target's distribution, not one path), cached in ``OUT/data.pt``."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -12,21 +14,43 @@ from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
+from . import engine as engine_target
 from .checkpoint import atomic, check_same
 from .options import DATA_SETTINGS
 
-GENERATION_BATCH = 16         # prompts the target answers at a time
+GENERATION_BATCH = 16         # prompts the PyTorch target answers at a time
 
 
 def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_new_tokens: int,
-                 settings: dict, progress: bool) -> dict:
-    """``{"prompts", "continuations"}``: the target's own greedy answers, which are what the draft
-    will be asked to predict. Cached in ``path`` so that a resumed run does not regenerate them."""
+                 samples: int, settings: dict, progress: bool, engine=None) -> dict:
+    """``{"prompts", "continuations"}``: each prompt's greedy answer, then ``samples`` rounds of
+    answers at T = 1 (prompt ``i`` of round ``r`` seeded ``r * len(prompts) + i``), one record per
+    answer; through ``engine`` (``distill.engine.open_engine``) where given, else the PyTorch
+    target. Cached in ``path`` so that a resumed run does not regenerate them; ``generation``
+    records tokens and seconds."""
     wanted = {key: settings[key] for key in DATA_SETTINGS}
     if path.is_file():
         data = torch.load(path)
         check_same(data["settings"], wanted, path.parent)
         return data
+    began, continuations = time.perf_counter(), []
+    for round_ in range(samples + 1):
+        temperature, seed = (0.0, 0) if round_ == 0 else (1.0, round_ * len(prompts))
+        if engine is not None:
+            continuations += engine_target.answers(engine, prompts, max_new_tokens, temperature, seed, progress)
+        else:
+            continuations += _torch_answers(target, prompts, max_new_tokens, temperature, seed, progress)
+    generation = {"tokens": sum(map(len, continuations)), "seconds": time.perf_counter() - began}
+    data = {"settings": wanted, "prompts": prompts * (samples + 1), "continuations": continuations,
+            "generation": generation}
+    atomic(lambda tmp: torch.save(data, tmp), path)
+    return data
+
+
+def _torch_answers(target: TargetStep, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                   seed: int, progress: bool) -> list[list[int]]:
+    """The PyTorch target's answers, ``GENERATION_BATCH`` prompts of similar length at a time; the
+    ``n``-th prompt by length samples from ``seed + n``."""
     continuations: list[list[int]] = [[] for _ in prompts]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # little padding per batch
     batches = range(0, len(prompts), GENERATION_BATCH)
@@ -34,10 +58,8 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
         rows = by_length[begin:begin + GENERATION_BATCH]
         batch = [prompts[i] for i in rows]
         backend = TorchBackend(target, None, capacity_needed(max(map(len, batch)), max_new_tokens))
-        result = generate(backend, batch, max_new_tokens=max_new_tokens,
-                          eos_token_ids=target.config.eos_token_ids)
+        result = generate(backend, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed + begin, eos_token_ids=target.config.eos_token_ids)
         for i, ids in zip(rows, result.token_ids):
             continuations[i] = ids
-    data = {"settings": wanted, "prompts": prompts, "continuations": continuations}
-    atomic(lambda tmp: torch.save(data, tmp), path)
-    return data
+    return continuations

@@ -13,6 +13,7 @@ from export.draft_model import DraftStep
 from export.target_model import TargetStep, from_start
 
 from .checkpoint import save
+from .engine import taps as engine_taps
 from .loss import block_loss, teacher_forced_logits
 from .options import DistillSpec
 
@@ -29,10 +30,10 @@ class DistillResult:
 
 @torch.enable_grad()
 def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, out: Path,
-          trainer: dict | None, kept: torch.Tensor | None, settings: dict) -> DistillResult:
+          trainer: dict | None, kept: torch.Tensor | None, settings: dict, engine=None) -> DistillResult:
     """AdamW on everything but the embeddings, one sequence per step; the sequence and its anchors
     are drawn from a generator seeded by ``(seed, step)``, so a resumed run continues the same
-    draws."""
+    draws. The target's taps come from ``engine`` where given (``distill.engine``)."""
     sequences = [(torch.tensor(p + c), len(p)) for p, c in zip(data["prompts"], data["continuations"])
                  if len(c) >= 2]     # an anchor needs a generated token after it
     if not sequences:
@@ -49,7 +50,7 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
     if trainer is not None:
         optimizer.load_state_dict(trainer["optimizer"])
         start, losses = trainer["step"], list(trainer["losses"])
-    taps = _TapCache(target, sequences, spec.progress)
+    taps = _TapCache(target, sequences, spec.progress, engine)
     # sequences are drawn by their number of anchors, so every generated token is as likely a target
     anchors_per_sequence = torch.tensor([t.numel() - 1 - p for t, p in sequences], dtype=torch.float)
 
@@ -80,11 +81,15 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
 
 
 class _TapCache:
-    """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), computed
-    up front in fp16 when all of them fit in ``TAP_CACHE_BYTES``, else recomputed per step."""
+    """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), by the
+    PyTorch target or an engine's, computed up front in fp16 when all of them fit in
+    ``TAP_CACHE_BYTES``, else recomputed per step."""
 
-    def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]], progress: bool):
-        self.target, self.sequences = target, sequences
+    def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]], progress: bool,
+                 engine=None):
+        self.target, self.sequences, self.engine = target, sequences, engine
+        if engine is not None:
+            engine.start(1)
         width = len(target.taps) * target.config.decoder.hidden_size
         fits = sum(t.numel() for t, _ in sequences) * width * 2 <= TAP_CACHE_BYTES
         self.cache = None
@@ -98,6 +103,8 @@ class _TapCache:
     @torch.no_grad()
     def _taps(self, index: int) -> torch.Tensor:
         tokens = self.sequences[index][0]
+        if self.engine is not None:
+            return engine_taps(self.engine, tokens)
         # no logit rows: distillation reads the taps only, so the lm_head is not run
         no_rows = torch.zeros(1, 0, dtype=torch.long)
         return from_start(self.target, tokens[None], no_rows)[1][0]

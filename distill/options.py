@@ -8,7 +8,7 @@ from pathlib import Path
 from export.prompts import DEFAULT_PROMPTS
 
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
-DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens")
+DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens", "samples", "engine")
 MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id",
                   "init_layer", "seed")
 
@@ -22,6 +22,8 @@ class DistillSpec:
     held_out: int = 4                          # records at the end of every file never trained on
     eval_prompts: int = 4                      # of the first file's held-out records, for tau
     max_new_tokens: int = 128
+    samples: int = 0                           # answers per prompt sampled at T = 1, beside the greedy one
+    engine: Path | None = None                 # an engine directory of the target to generate through
     layers: int = 1
     block_size: int = 4
     markov_rank: int = 32
@@ -42,6 +44,7 @@ class DistillSpec:
     def __post_init__(self):
         at_least = {"--num-prompts": (self.num_prompts, 1), "--eval-prompts": (self.eval_prompts, 0),
                     "--held-out": (self.held_out, 0), "--warmup": (self.warmup, 0),
+                    "--samples": (self.samples, 0),
                     "--max-new-tokens": (self.max_new_tokens, 2), "--layers": (self.layers, 1),
                     "--block-size": (self.block_size, 2), "--markov-rank": (self.markov_rank, 1),
                     "--steps": (self.steps, 1), "--batch-anchors": (self.batch_anchors, 1),
@@ -62,10 +65,13 @@ class DistillSpec:
         for path in self.prompts:
             if not Path(path).is_file():
                 raise ValueError(f"--prompts {path}: no such file")
+        if self.engine is not None and not Path(self.engine).is_dir():
+            raise ValueError(f"--engine {self.engine}: no such directory (an engine built from --target)")
 
     def settings(self, target: Path) -> dict:
         """What identifies a run in ``OUT``: the data and the model, not the schedule."""
         values = asdict(self) | {"target": str(target.resolve()),
-                                 "prompts": [str(Path(p).resolve()) for p in self.prompts]}
+                                 "prompts": [str(Path(p).resolve()) for p in self.prompts],
+                                 "engine": None if self.engine is None else str(Path(self.engine).resolve())}
         values["taps"] = list(values["taps"]) if values["taps"] is not None else None
         return {key: values[key] for key in DATA_SETTINGS + MODEL_SETTINGS}

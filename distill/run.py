@@ -12,6 +12,7 @@ from export.target_model import load_target
 from .checkpoint import load_trainer
 from .data import prepare_data
 from .draft_init import check_taps, default_taps, draft_config, init_layers, new_draft, num_target_layers
+from .engine import open_engine
 from .evaluate import measure_tau
 from .loop import DistillResult, train
 from .options import DistillSpec
@@ -28,7 +29,10 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     settings = spec.settings(target_dir)
     trainer = load_trainer(out, settings)     # before anything in ``out`` changes
     num_layers = num_target_layers(target_dir)
-    taps = tuple(spec.taps) if spec.taps is not None else default_taps(num_layers)
+    engine = open_engine(spec.engine, target_dir, spec.taps) if spec.engine is not None else None
+    taps = (tuple(spec.taps) if spec.taps is not None
+            else tuple(engine.manifest["draft"]["target_layer_ids"]) if engine is not None
+            else default_taps(num_layers))
     check_taps(taps, num_layers)
     sources = init_layers(spec, num_layers)
     target = load_target(target_dir, taps=taps)
@@ -44,7 +48,8 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
                          f"ids (leave it out for the full vocabulary)")
     train_prompts, eval_prompts = read_prompts(spec, tokenizer)
     write_training_record(out, spec)
-    data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, settings, spec.progress)
+    data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, spec.samples, settings,
+                        spec.progress, engine)
 
     kept = None
     if spec.draft_vocab is not None:
@@ -56,7 +61,7 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
         if unexpected:
             raise ValueError(f"{out}/trainer.pt holds weights the draft does not have "
                              f"({', '.join(unexpected[:3])})")
-    result = train(draft, target, data, spec, out, trainer, kept, settings)
+    result = train(draft, target, data, spec, out, trainer, kept, settings, engine)
     if eval_prompts:
         result.tau = measure_tau(target, out, eval_prompts, spec.max_new_tokens)
     return result

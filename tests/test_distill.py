@@ -151,6 +151,51 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
     assert torch.load(out / "trainer.pt")["step"] == 7
 
 
+def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, prompts_file, tmp_path):
+    """``--engine``: the greedy answers are the target's own (the engine's float32 target equals
+    the PyTorch one token for token), ``--samples`` adds answers sampled at T = 1, and the taps
+    the draft trains on are the engine's, teacher-forced in chunks, equal to the PyTorch target's
+    within float32 rounding. An engine of another target is refused in one line."""
+    from distill import engine as engine_target
+    from export import manifest
+    from export.onnx_export import Limits
+    from export.target_model import from_start, load_target
+
+    limits = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # chunks of 8: taps in several calls
+    engine = engine_dir(limits)
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--engine", str(engine), "--samples", "1", "--steps", "2",
+             "--eval-prompts", "0")
+    data = torch.load(out / "data.pt")
+    prompts, answers = data["prompts"], data["continuations"]
+    assert len(answers) == 2 * 6 and prompts[:6] == prompts[6:]
+    taps = json.loads((out / "config.json").read_text())["target_layer_ids"]   # the engine's, not the default
+    assert taps == manifest.read(engine)["draft"]["target_layer_ids"] != list(default_taps(4))
+    target, _ = load_pair(target_dir, None)
+    greedy = generate(TorchBackend(target, None, capacity=96), prompts[:6], max_new_tokens=24,
+                      eos_token_ids=target.config.eos_token_ids, speculative=False)
+    assert answers[:6] == greedy.token_ids
+    assert answers[6:] != answers[:6] and data["generation"]["tokens"] == sum(map(len, answers))
+
+    backend = engine_target.open_engine(engine, target_dir, None)
+    backend.start(1)
+    sequence = torch.tensor(prompts[0] + answers[0])
+    assert sequence.numel() > 2 * limits.max_prompt_chunk
+    taps = engine_target.taps(backend, sequence)
+    tapped = load_target(target_dir, taps=tuple(backend.manifest["draft"]["target_layer_ids"]))
+    with torch.no_grad():
+        expected = from_start(tapped, sequence[None], torch.zeros(1, 0, dtype=torch.long))[1][0]
+    torch.testing.assert_close(taps, expected, rtol=1e-4, atol=1e-4)
+
+    other = engine_dir(limits, arch="llama")
+    with pytest.raises(SystemExit, match=f"--engine {other}: built from another target than --target"):
+        _distill(target_dir, tmp_path / "other", prompts_file, "--engine", str(other))
+    with pytest.raises(SystemExit, match=f"--engine {engine}: its draft reads target layers .*; "
+                                         f"--taps 0,1"):
+        _distill(target_dir, tmp_path / "taps", prompts_file, "--engine", str(engine), "--taps", "0,1")
+
+
 def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
     target_dir, _ = tiny()
     out = tmp_path / "draft"
