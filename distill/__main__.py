@@ -35,7 +35,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
                        init_layer=args.init_layer,
-                       steps=args.steps, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
+                       steps=args.steps, eval_every=args.eval_every, patience=args.patience, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
                        loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
                        progress=not args.quiet)
     out = Path(args.out)
@@ -76,8 +76,8 @@ def parser() -> argparse.ArgumentParser:
                    help="records at the end of every file that training never sees, so that they "
                         "can be benchmarked [4]")
     p.add_argument("--eval-prompts", type=int, default=4,
-                   help="the first file's held-out prompts the final acceptance (tau) is measured "
-                        "on [4]")
+                   help="held-out prompts of each file that acceptance is measured on: every "
+                        "--eval-every steps, and at the end by decoding the first file's [4]")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens the target answers with [128]")
     p.add_argument("--samples", type=int, default=0, metavar="N",
                    help="answers per training prompt sampled at T = 1, beside the greedy one, so "
@@ -101,6 +101,12 @@ def parser() -> argparse.ArgumentParser:
                    help="start the draft's decoder layers from the target's: the last one from "
                         "layer L (negative counts from the end), or 'random' [-1: the last layer]")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all [1000]")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps, measure the draft's acceptance on each --prompts file's "
+                        "--eval-prompts held-out records (teacher-forced); OUT's draft is then the "
+                        "best one so far [0: only once, at the end]")
+    p.add_argument("--patience", type=int, default=0, metavar="P",
+                   help="stop after P evaluations without a better held-out acceptance [0: never]")
     p.add_argument("--lr", type=float, default=2e-3,
                    help="peak AdamW learning rate, cosine-decayed to a tenth at --steps [2e-3]")
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps [50]")

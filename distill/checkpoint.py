@@ -17,19 +17,22 @@ def is_run(out: Path) -> bool:
     return (out / "trainer.pt").is_file() or (out / "data.pt").is_file()
 
 
-def save(out: Path, draft: DraftStep, optimizer, step: int, losses: list[float], settings: dict) -> None:
-    """``model.safetensors`` (fp16; ``d2t`` int64) in the native layout, then ``trainer.pt`` (the fp32
-    trainable weights, the optimizer, the step), each replaced atomically. The embedding is the
+def save(out: Path, draft: DraftStep, optimizer, step: int, losses: list[float], settings: dict,
+         evals: list[dict] = (), draft_file: bool = True) -> None:
+    """``model.safetensors`` (fp16; ``d2t`` int64) in the native layout unless ``draft_file`` is
+    False (it holds the best evaluated draft), then ``trainer.pt`` (the fp32 trainable weights,
+    the optimizer, the step, the evaluations so far), each replaced atomically. The embedding is the
     target's and is shared at load time (``docs/dspark.md#shared-and-ignored-tensors``); a reduced
     vocabulary keeps its own ``lm_head`` and ``d2t``."""
     reduced = draft.config.draft_vocab_size < draft.target_vocab_size
     dropped = {"embed_tokens.weight"} | (set() if reduced else {"lm_head.weight", "d2t"})
     tensors = {name: (t.half() if t.is_floating_point() else t.long()).contiguous()
                for name, t in draft.state_dict().items() if name not in dropped}
-    atomic(lambda tmp: write_tensors(tensors, tmp), out / "model.safetensors")
+    if draft_file:
+        atomic(lambda tmp: write_tensors(tensors, tmp), out / "model.safetensors")
     weights = {name: p.detach().clone() for name, p in draft.named_parameters() if p.requires_grad}
     state = {"step": step, "losses": losses, "weights": weights, "optimizer": optimizer.state_dict(),
-             "settings": settings}
+             "settings": settings, "evals": list(evals)}
     atomic(lambda tmp: torch.save(state, tmp), out / "trainer.pt")
 
 

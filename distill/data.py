@@ -28,23 +28,48 @@ def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_n
     answer; through ``engine`` (``distill.engine.open_engine``) where given, else the PyTorch
     target. Cached in ``path`` so that a resumed run does not regenerate them; ``generation``
     records tokens and seconds."""
-    wanted = {key: settings[key] for key in DATA_SETTINGS}
+    def make() -> dict:
+        began, continuations = time.perf_counter(), []
+        for round_ in range(samples + 1):
+            temperature, seed = (0.0, 0) if round_ == 0 else (1.0, round_ * len(prompts))
+            continuations += _answers(target, engine, prompts, max_new_tokens, temperature, seed, progress)
+        generation = {"tokens": sum(map(len, continuations)), "seconds": time.perf_counter() - began}
+        return {"prompts": prompts * (samples + 1), "continuations": continuations, "generation": generation}
+
+    return _cached(path, {key: settings[key] for key in DATA_SETTINGS}, make)
+
+
+def prepare_held_out(path: Path, target: TargetStep, sets: dict[str, list[list[int]]], max_new_tokens: int,
+                     settings: dict, progress: bool, engine=None) -> dict[str, dict]:
+    """``{set: {"prompts", "continuations"}}``: the target's greedy answers to each file's held-out
+    prompts (``prompts.read_prompts``), which acceptance is measured on during training; cached in
+    ``path`` as the training data is, with ``settings``' ``eval_prompts`` too."""
+    def make() -> dict:
+        return {"sets": {name: {"prompts": prompts,
+                                "continuations": _answers(target, engine, prompts, max_new_tokens, 0.0, 0, progress)}
+                         for name, prompts in sets.items() if prompts}}
+
+    wanted = {key: settings[key] for key in (*DATA_SETTINGS, "eval_prompts")}
+    return _cached(path, wanted, make)["sets"]
+
+
+def _cached(path: Path, wanted: dict, make) -> dict:
+    """``make()``'s dict, saved in ``path`` with the settings ``wanted``; read back from there when
+    a run with the same settings wrote it (another run's is refused)."""
     if path.is_file():
         data = torch.load(path)
         check_same(data["settings"], wanted, path.parent)
         return data
-    began, continuations = time.perf_counter(), []
-    for round_ in range(samples + 1):
-        temperature, seed = (0.0, 0) if round_ == 0 else (1.0, round_ * len(prompts))
-        if engine is not None:
-            continuations += engine_target.answers(engine, prompts, max_new_tokens, temperature, seed, progress)
-        else:
-            continuations += _torch_answers(target, prompts, max_new_tokens, temperature, seed, progress)
-    generation = {"tokens": sum(map(len, continuations)), "seconds": time.perf_counter() - began}
-    data = {"settings": wanted, "prompts": prompts * (samples + 1), "continuations": continuations,
-            "generation": generation}
+    data = {"settings": wanted, **make()}
     atomic(lambda tmp: torch.save(data, tmp), path)
     return data
+
+
+def _answers(target: TargetStep, engine, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+             seed: int, progress: bool) -> list[list[int]]:
+    if engine is not None:
+        return engine_target.answers(engine, prompts, max_new_tokens, temperature, seed, progress)
+    return _torch_answers(target, prompts, max_new_tokens, temperature, seed, progress)
 
 
 def _torch_answers(target: TargetStep, prompts: list[list[int]], max_new_tokens: int, temperature: float,

@@ -14,6 +14,7 @@ from export.target_model import TargetStep, from_start
 
 from .checkpoint import save
 from .engine import taps as engine_taps
+from .evaluate import teacher_forced_tau
 from .loss import block_loss, teacher_forced_logits
 from .options import DistillSpec
 
@@ -22,18 +23,35 @@ TAP_CACHE_BYTES = 4 << 30     # keep every sequence's taps (fp16) in memory when
 
 @dataclass
 class DistillResult:
-    steps: int                      # the step count OUT's draft was trained for
+    steps: int                      # the steps trained, all runs together
     resumed_from: int               # the step this run started at (0: a fresh run)
     losses: list[float] = field(default_factory=list)   # one per step, all runs together
-    tau: float | None = None        # held-out greedy acceptance (tokens per verify step)
+    tau: float | None = None        # held-out greedy acceptance (tokens per verify step), decoded
+    # every evaluation, all runs together: {"step", "tau": {set: teacher-forced tau}}
+    evals: list[dict] = field(default_factory=list)
+    stopped: bool = False           # stopped early: --patience evaluations without a better one
+
+    @property
+    def best(self) -> dict | None:
+        """The evaluation OUT's draft is (the best mean tau over the sets; the earliest of equals)."""
+        return max(self.evals, key=score, default=None)
+
+
+def score(evaluation: dict) -> float:
+    """What picks the checkpoint: the mean of the sets' teacher-forced tau."""
+    return sum(evaluation["tau"].values()) / len(evaluation["tau"])
 
 
 @torch.enable_grad()
 def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, out: Path,
-          trainer: dict | None, kept: torch.Tensor | None, settings: dict, engine=None) -> DistillResult:
+          trainer: dict | None, kept: torch.Tensor | None, settings: dict, engine=None,
+          held_out: dict[str, dict] | None = None) -> DistillResult:
     """AdamW on everything but the embeddings, one sequence per step; the sequence and its anchors
     are drawn from a generator seeded by ``(seed, step)``, so a resumed run continues the same
-    draws. The target's taps come from ``engine`` where given (``distill.engine``)."""
+    draws. The target's taps come from ``engine`` where given (``distill.engine``). Every
+    ``--eval-every`` steps the draft's teacher-forced tau on each set of ``held_out``
+    (``data.prepare_held_out``) is measured; OUT's draft is then the best so far, and
+    ``--patience`` evaluations without a better one end the run."""
     sequences = [(torch.tensor(p + c), len(p)) for p, c in zip(data["prompts"], data["continuations"])
                  if len(c) >= 2]     # an anchor needs a generated token after it
     if not sequences:
@@ -46,17 +64,28 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
     draft.train()
     parameters = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=0.01)
-    start, losses = 0, []
+    start, losses, evals = 0, [], []
     if trainer is not None:
         optimizer.load_state_dict(trainer["optimizer"])
-        start, losses = trainer["step"], list(trainer["losses"])
+        start, losses, evals = trainer["step"], list(trainer["losses"]), list(trainer.get("evals", []))
     taps = _TapCache(target, sequences, spec.progress, engine)
+    held = {}
+    if spec.eval_every and held_out:
+        for name, records in held_out.items():
+            pairs = [(torch.tensor(p + c), len(p)) for p, c in zip(records["prompts"], records["continuations"])
+                     if len(c) >= 2]
+            tapped = _TapCache(target, pairs, False, engine)
+            held[name] = [(tokens, length, tapped[i]) for i, (tokens, length) in enumerate(pairs)]
+    result = DistillResult(steps=start, resumed_from=start, losses=losses, evals=evals)
     # sequences are drawn by their number of anchors, so every generated token is as likely a target
     anchors_per_sequence = torch.tensor([t.numel() - 1 - p for t, p in sequences], dtype=torch.float)
 
     bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="distill", unit="step",
                disable=not spec.progress)
     for step in bar:
+        if _out_of_patience(result, spec.patience):
+            result.stopped = True
+            break
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(spec, step)
         generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
@@ -73,11 +102,27 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
         optimizer.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if (step + 1) % spec.save_every == 0 or step + 1 == spec.steps:
-            save(out, draft, optimizer, step + 1, losses, settings)
+        done = result.steps = step + 1
+        evaluated = bool(held) and (done % spec.eval_every == 0 or done == spec.steps)
+        if evaluated:
+            evals.append({"step": done, "tau": {name: teacher_forced_tau(draft, sequences, kept)
+                                                for name, sequences in held.items()}})
+            bar.write(f"step {done}: held-out tau " + ", ".join(f"{name} {tau:.3f}"
+                                                                  for name, tau in evals[-1]["tau"].items()))
+        if evaluated or done % spec.save_every == 0 or done == spec.steps:
+            # with evaluations, OUT's draft is the best one: it is written when one is better
+            save(out, draft, optimizer, done, losses, settings, evals,
+                 draft_file=not held or not evals or (evaluated and result.best is evals[-1]))
     bar.close()
+    result.stopped = result.stopped or _out_of_patience(result, spec.patience)
     draft.eval()
-    return DistillResult(steps=max(start, spec.steps), resumed_from=start, losses=losses)
+    return result
+
+
+def _out_of_patience(result: DistillResult, patience: int) -> bool:
+    """Whether the last ``patience`` evaluations (0: never) came after the best one."""
+    return bool(patience) and bool(result.evals) and \
+        len(result.evals) - 1 - result.evals.index(result.best) >= patience
 
 
 class _TapCache:

@@ -33,6 +33,8 @@ class DistillSpec:
     init_layer: int | None = -1                # target layer the last draft layer starts from
                                                # (Python index); None: random weights
     steps: int = 1000
+    eval_every: int = 0                        # held-out acceptance every N steps (0: at the end only)
+    patience: int = 0                          # evaluations without a better one before stopping (0: never)
     lr: float = 2e-3
     warmup: int = 50
     batch_anchors: int = 128
@@ -44,7 +46,8 @@ class DistillSpec:
     def __post_init__(self):
         at_least = {"--num-prompts": (self.num_prompts, 1), "--eval-prompts": (self.eval_prompts, 0),
                     "--held-out": (self.held_out, 0), "--warmup": (self.warmup, 0),
-                    "--samples": (self.samples, 0),
+                    "--samples": (self.samples, 0), "--eval-every": (self.eval_every, 0),
+                    "--patience": (self.patience, 0),
                     "--max-new-tokens": (self.max_new_tokens, 2), "--layers": (self.layers, 1),
                     "--block-size": (self.block_size, 2), "--markov-rank": (self.markov_rank, 1),
                     "--steps": (self.steps, 1), "--batch-anchors": (self.batch_anchors, 1),
@@ -59,6 +62,11 @@ class DistillSpec:
         if self.taps is not None and (not self.taps or list(self.taps) != sorted(set(self.taps))):
             raise ValueError(f"--taps {','.join(map(str, self.taps))}: expected strictly increasing "
                              f"layer ids")
+        if self.eval_every and not self.eval_prompts:
+            raise ValueError(f"--eval-every {self.eval_every}: needs --eval-prompts (held-out prompts "
+                             f"of each file to measure acceptance on)")
+        if self.patience and not self.eval_every:
+            raise ValueError(f"--patience {self.patience}: needs --eval-every (it counts evaluations)")
         if self.eval_prompts > self.held_out:
             raise ValueError(f"--eval-prompts {self.eval_prompts}: expected at most --held-out "
                              f"{self.held_out} (tau is measured on held-out prompts)")

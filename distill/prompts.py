@@ -19,17 +19,18 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(location, **options)
 
 
-def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
     """Token ids, through the chat template as a user would send them, of the first turn of: the
     first ``--num-prompts`` records of each file short of its last ``--held-out`` (training), and
-    the first ``--eval-prompts`` of the first file's held-out records (acceptance)."""
-    train, held = [], []
-    for index, path in enumerate(spec.prompts):
+    the first ``--eval-prompts`` of each file's held-out records (acceptance), by the file's name
+    (the first file's first)."""
+    train, held = [], {}
+    for path in spec.prompts:
         texts = read_jsonl_prompts(path, "--prompts")
         train += texts[:_trained(spec, path, texts)]
-        if index == 0:
-            held = texts[len(texts) - spec.held_out:][:spec.eval_prompts]
-    return [encode_prompt(tokenizer, t) for t in train], [encode_prompt(tokenizer, t) for t in held]
+        name = Path(path).stem if Path(path).stem not in held else str(path)
+        held[name] = [encode_prompt(tokenizer, t) for t in texts[len(texts) - spec.held_out:][:spec.eval_prompts]]
+    return [encode_prompt(tokenizer, t) for t in train], held
 
 
 def write_training_record(out: Path, spec: DistillSpec) -> None:

@@ -10,7 +10,7 @@ from export.checkpoint import resolve
 from export.target_model import load_target
 
 from .checkpoint import load_trainer
-from .data import prepare_data
+from .data import prepare_data, prepare_held_out
 from .draft_init import check_taps, default_taps, draft_config, init_layers, new_draft, num_target_layers
 from .engine import open_engine
 from .evaluate import measure_tau
@@ -46,7 +46,8 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     if spec.draft_vocab is not None and spec.draft_vocab >= vocab:
         raise ValueError(f"--draft-vocab {spec.draft_vocab}: expected fewer than the target's {vocab} "
                          f"ids (leave it out for the full vocabulary)")
-    train_prompts, eval_prompts = read_prompts(spec, tokenizer)
+    train_prompts, held_out = read_prompts(spec, tokenizer)
+    eval_prompts = next(iter(held_out.values()), [])
     write_training_record(out, spec)
     data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, spec.samples, settings,
                         spec.progress, engine)
@@ -61,7 +62,11 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
         if unexpected:
             raise ValueError(f"{out}/trainer.pt holds weights the draft does not have "
                              f"({', '.join(unexpected[:3])})")
-    result = train(draft, target, data, spec, out, trainer, kept, settings, engine)
+    held_answers = None
+    if spec.eval_every:
+        held_answers = prepare_held_out(out / "held_out.pt", target, held_out, spec.max_new_tokens,
+                                        settings | {"eval_prompts": spec.eval_prompts}, spec.progress, engine)
+    result = train(draft, target, data, spec, out, trainer, kept, settings, engine, held_answers)
     if eval_prompts:
         result.tau = measure_tau(target, out, eval_prompts, spec.max_new_tokens)
     return result

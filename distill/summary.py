@@ -17,6 +17,13 @@ def summary(result: DistillResult, out: Path, eval_prompts: int) -> str:
         first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
         lines.append(f"  loss {losses[-1]:.4f} (mean of the first {window} steps {first:.4f}, "
                      f"of the last {window} {last:.4f})")
+    best = result.best
+    if best is not None:
+        stopped = (f", stopped after {len(result.evals) - 1 - result.evals.index(best)} evaluations without "
+                   f"a better one" if result.stopped else "")
+        lines.append(f"  the draft of step {best['step']}, the best of {len(result.evals)} evaluations{stopped}; "
+                     f"teacher-forced held-out tau: "
+                     + ", ".join(f"{name} {tau:.3f}" for name, tau in best["tau"].items()))
     if result.tau is not None and not math.isnan(result.tau):
         lines.append(f"  tau {result.tau:.3f} tokens per verify step, greedy, on {eval_prompts} "
                      f"held-out prompts")

@@ -9,11 +9,13 @@ from safetensors import safe_open
 import distill.__main__ as cli
 import distill.loop as loop
 from distill.draft_init import default_taps
+from distill.evaluate import teacher_forced_tau
 from distill.loop import learning_rate
 from distill.loss import teacher_forced_logits
 from distill.options import DistillSpec
 from distill.run import distill
 from export.pair import load_pair
+from export.target_model import from_start
 from export.prompts import file_checksum
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
@@ -111,6 +113,13 @@ def test_the_draft_learns_what_the_target_says(tiny, prompts_file, tmp_path):
                       eos_token_ids=target.config.eos_token_ids)
     assert result.token_ids == data["continuations"]
     assert result.stats.tau > 3.0
+    # the measure --eval-every takes: every generated position an anchor, teacher-forced
+    with torch.no_grad():
+        sequences = [(torch.tensor(p + c), len(p)) for p, c in zip(data["prompts"], data["continuations"])]
+        tapped = [(tokens, length, from_start(target, tokens[None], torch.zeros(1, 0, dtype=torch.long))[1][0])
+                  for tokens, length in sequences]
+    forced = teacher_forced_tau(draft, tapped, None)
+    assert abs(forced - result.stats.tau) < 0.1 * result.stats.tau
 
 
 def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, capsys, monkeypatch):
@@ -119,8 +128,8 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
     args = ("--steps", "7", "--save-every", "2", "--eval-prompts", "0")
     save = loop.save   # where train() looks it up
 
-    def interrupted_after_step_4(out, draft, optimizer, step, *rest):
-        save(out, draft, optimizer, step, *rest)
+    def interrupted_after_step_4(out, draft, optimizer, step, *rest, **options):
+        save(out, draft, optimizer, step, *rest, **options)
         if step == 4:
             raise KeyboardInterrupt
 
@@ -196,6 +205,45 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
         _distill(target_dir, tmp_path / "taps", prompts_file, "--engine", str(engine), "--taps", "0,1")
 
 
+def test_the_best_evaluated_draft_is_kept_and_patience_stops_the_run(tiny, prompts_file, tmp_path, capsys,
+                                                                     monkeypatch):
+    """``--eval-every 2 --patience 2``: each file's held-out acceptance is measured every 2 steps;
+    OUT's draft is the one of the best evaluation (here step 4 of scripted measures), the run
+    stops 2 evaluations after it, and a rerun resumes no further."""
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    scripted = iter([1.1, 1.3, 1.2, 1.25, 1.0, 1.0])   # per evaluation: step 2, 4, 6, 8, ...
+    measured = []
+
+    def measure(draft, sequences, kept):
+        measured.append(len(sequences))
+        return next(scripted)
+
+    drafts = {}
+    save = loop.save
+
+    def keep(out, draft, optimizer, step, *rest, **options):
+        drafts[step] = {name: t.half() for name, t in draft.state_dict().items()}
+        save(out, draft, optimizer, step, *rest, **options)
+
+    monkeypatch.setattr(loop, "teacher_forced_tau", measure)
+    monkeypatch.setattr(loop, "save", keep)
+    args = ("--steps", "20", "--eval-every", "2", "--patience", "2", "--eval-prompts", "2",
+            "--save-every", "3")
+    _distill(target_dir, out, prompts_file, *args)
+    printed = capsys.readouterr().out
+    evals = torch.load(out / "trainer.pt")["evals"]
+    assert [e["step"] for e in evals] == [2, 4, 6, 8] and torch.load(out / "trainer.pt")["step"] == 8
+    assert set(evals[0]["tau"]) == {"prompts"} and measured[0] == 2
+    assert "the draft of step 4, the best of 4 evaluations, stopped after 2" in printed
+    assert "teacher-forced held-out tau: prompts 1.300" in printed
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(name), drafts[4][name]) for name in f.keys())
+    assert sorted(drafts) == [2, 3, 4, 6, 8]      # the evaluations' steps and --save-every's
+    _distill(target_dir, out, prompts_file, *args)
+    assert "steps 8 (resumed at 8)" in capsys.readouterr().out and len(measured) == 4
+
+
 def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
     target_dir, _ = tiny()
     out = tmp_path / "draft"
@@ -226,6 +274,10 @@ def test_reduced_vocabulary(tiny, prompts_file, tmp_path):
     (["--draft-vocab", "85"], "--draft-vocab 85: expected fewer than the target's 85"),
     (["--init-layer", "4"], "--init-layer 4: expected 0..3 or -4..-1 .* or 'random'"),
     (["--init-layer", "0", "--layers", "2"], "--init-layer 0: expected 1..3 or -3..-1 .* 2-layer draft"),
+    (["--eval-every", "5", "--eval-prompts", "0"], "--eval-every 5: needs --eval-prompts"),
+    (["--patience", "3"], "--patience 3: needs --eval-every"),
+    (["--samples", "-1"], "--samples -1: expected at least 0"),
+    (["--engine", "nowhere"], "--engine nowhere: no such directory"),
 ])
 def test_bad_options_are_refused(tiny, prompts_file, tmp_path, case, message):
     with pytest.raises(SystemExit, match=message):
