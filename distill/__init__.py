@@ -25,13 +25,14 @@ The files, in the order a run goes through them:
 - ``run.py``: ``distill()``, the whole run from target to measured draft;
 - ``prompts.py``: the tokenizer and the train / held-out split of the prompt files;
 - ``data.py``: the target's answers (step 1), cached in ``OUT/data.pt``;
+- ``synthetic.py``: prompts the target writes in the style of each file, and second turns;
 - ``engine.py``: the target through an engine directory: its answers and its taps;
 - ``vocabulary.py``: the ids a reduced draft vocabulary (``--draft-vocab``) keeps;
 - ``draft_init.py``: taps, ``config.json`` and the fresh draft's weights;
 - ``loss.py``: the teacher-forced block forward for all anchors at once and its loss (step 2);
 - ``loop.py``: ``train()``: the optimizer, the schedule, the target's taps, ``DistillResult``;
 - ``checkpoint.py``: ``OUT``'s draft and ``trainer.pt``, written atomically, and resuming (step 3);
-- ``evaluate.py``: the saved draft's greedy acceptance (tau) on held-out prompts;
+- ``evaluate.py``: held-out acceptance, teacher-forced during training and decoded at the end;
 - ``summary.py``: what the command prints at the end.
 
 Nothing is imported here, so that ``python -m distill --help`` loads neither torch nor the runtime.

@@ -30,7 +30,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
             raise ValueError(f"--taps {args.taps}: expected comma-separated layer ids, e.g. 1,9,17") from None
     spec = DistillSpec(prompts=tuple(Path(p) for p in args.prompts), num_prompts=args.num_prompts,
                        held_out=args.held_out, eval_prompts=args.eval_prompts,
-                       max_new_tokens=args.max_new_tokens, samples=args.samples,
+                       max_new_tokens=args.max_new_tokens, samples=args.samples, synthetic=args.synthetic,
+                       follow_ups=args.follow_ups,
                        engine=None if args.engine is None else Path(args.engine),
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
@@ -82,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=0, metavar="N",
                    help="answers per training prompt sampled at T = 1, beside the greedy one, so "
                         "that the draft learns the target's distribution [0]")
+    p.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="N more prompts per --prompts file that the target writes itself, shown "
+                        "examples of the file's training records (never its held-out ones) [0]")
+    p.add_argument("--follow-ups", action="store_true",
+                   help="a second user turn on each greedy answer (the record's own second turn, "
+                        "else a generic follow-up), answered greedily too")
     p.add_argument("--engine", metavar="DIR",
                    help="an engine directory built from --target (any draft): the answers and the "
                         "target's taps come from it, batched on its slots and computed as it will "

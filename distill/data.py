@@ -1,6 +1,8 @@
 """The training data: the target's own answers to the training prompts, which are what the draft
 will be asked to predict: greedy, and ``--samples`` more per prompt sampled at T = 1 (the draft
-learns the target's distribution, not one path), cached in ``OUT/data.pt``."""
+learns the target's distribution, not one path), to more prompts than the files hold
+(``synthetic.py``), cached in ``OUT/data.pt``; and its greedy answers to the held-out prompts
+that acceptance is measured on during training, in ``OUT/held_out.pt``."""
 from __future__ import annotations
 
 import time
@@ -14,42 +16,61 @@ from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from . import engine as engine_target
+from export.prompts import encode_prompt
+
+from . import engine as engine_target, synthetic
 from .checkpoint import atomic, check_same
-from .options import DATA_SETTINGS
+from .options import DATA_SETTINGS, DistillSpec
 
 GENERATION_BATCH = 16         # prompts the PyTorch target answers at a time
 
 
-def prepare_data(path: Path, target: TargetStep, prompts: list[list[int]], max_new_tokens: int,
-                 samples: int, settings: dict, progress: bool, engine=None) -> dict:
-    """``{"prompts", "continuations"}``: each prompt's greedy answer, then ``samples`` rounds of
-    answers at T = 1 (prompt ``i`` of round ``r`` seeded ``r * len(prompts) + i``), one record per
-    answer; through ``engine`` (``distill.engine.open_engine``) where given, else the PyTorch
-    target. Cached in ``path`` so that a resumed run does not regenerate them; ``generation``
-    records tokens and seconds."""
+def prepare_data(path: Path, target: TargetStep, tokenizer, records: dict[str, list[list[str]]],
+                 spec: DistillSpec, settings: dict, engine=None) -> dict:
+    """``{"prompts", "continuations"}``, one record per answer: the first turns of ``records``
+    (each file's training conversations) and ``--synthetic`` prompts per file that the target
+    writes (``synthetic.py``), each answered greedily and ``--samples`` more times at T = 1
+    (round ``r`` seeded ``r * prompts``); with ``--follow-ups``, each conversation's second
+    turn on its greedy answer, answered greedily. Through ``engine`` (``distill.engine``) where
+    given, else the PyTorch target. Cached in ``path`` so that a resumed run does not regenerate
+    them; ``generation`` records tokens and seconds."""
+    def answer(prompts: list[list[int]], temperature: float, seed: int) -> list[list[int]]:
+        return _answers(target, engine, prompts, spec.max_new_tokens, temperature, seed, spec.progress)
+
     def make() -> dict:
-        began, continuations = time.perf_counter(), []
-        for round_ in range(samples + 1):
+        began = time.perf_counter()
+        conversations = [turns for name in records for turns in records[name]]
+        if spec.synthetic:
+            firsts = {name: [turns[0] for turns in records[name]] for name in records}
+            written = synthetic.written_prompts(answer, tokenizer, firsts, spec.synthetic, spec.seed)
+            conversations += [[text] for name in written for text in written[name]]
+        prompts = [encode_prompt(tokenizer, turns[0]) for turns in conversations]
+        continuations = []
+        for round_ in range(spec.samples + 1):
             temperature, seed = (0.0, 0) if round_ == 0 else (1.0, round_ * len(prompts))
-            continuations += _answers(target, engine, prompts, max_new_tokens, temperature, seed, progress)
+            continuations += answer(prompts, temperature, seed)
+        greedy, prompts = continuations[:len(prompts)], prompts * (spec.samples + 1)
+        if spec.follow_ups:
+            second = synthetic.follow_ups(tokenizer, conversations, greedy)
+            prompts, continuations = prompts + second, continuations + answer(second, 0.0, 0)
         generation = {"tokens": sum(map(len, continuations)), "seconds": time.perf_counter() - began}
-        return {"prompts": prompts * (samples + 1), "continuations": continuations, "generation": generation}
+        return {"prompts": prompts, "continuations": continuations, "generation": generation}
 
     return _cached(path, {key: settings[key] for key in DATA_SETTINGS}, make)
 
 
-def prepare_held_out(path: Path, target: TargetStep, sets: dict[str, list[list[int]]], max_new_tokens: int,
-                     settings: dict, progress: bool, engine=None) -> dict[str, dict]:
+def prepare_held_out(path: Path, target: TargetStep, sets: dict[str, list[list[int]]], spec: DistillSpec,
+                     settings: dict, engine=None) -> dict[str, dict]:
     """``{set: {"prompts", "continuations"}}``: the target's greedy answers to each file's held-out
     prompts (``prompts.read_prompts``), which acceptance is measured on during training; cached in
-    ``path`` as the training data is, with ``settings``' ``eval_prompts`` too."""
+    ``path`` as the training data is, with ``--eval-prompts`` too."""
     def make() -> dict:
         return {"sets": {name: {"prompts": prompts,
-                                "continuations": _answers(target, engine, prompts, max_new_tokens, 0.0, 0, progress)}
+                                "continuations": _answers(target, engine, prompts, spec.max_new_tokens, 0.0, 0,
+                                                          spec.progress)}
                          for name, prompts in sets.items() if prompts}}
 
-    wanted = {key: settings[key] for key in (*DATA_SETTINGS, "eval_prompts")}
+    wanted = {key: settings[key] for key in DATA_SETTINGS} | {"eval_prompts": spec.eval_prompts}
     return _cached(path, wanted, make)["sets"]
 
 
@@ -67,6 +88,7 @@ def _cached(path: Path, wanted: dict, make) -> dict:
 
 def _answers(target: TargetStep, engine, prompts: list[list[int]], max_new_tokens: int, temperature: float,
              seed: int, progress: bool) -> list[list[int]]:
+    """The target's answers through ``engine`` where given, else the PyTorch target."""
     if engine is not None:
         return engine_target.answers(engine, prompts, max_new_tokens, temperature, seed, progress)
     return _torch_answers(target, prompts, max_new_tokens, temperature, seed, progress)

@@ -8,7 +8,8 @@ from pathlib import Path
 from export.prompts import DEFAULT_PROMPTS
 
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
-DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens", "samples", "engine")
+DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens", "samples", "synthetic",
+                 "follow_ups", "engine")
 MODEL_SETTINGS = ("layers", "block_size", "markov_rank", "taps", "draft_vocab", "mask_token_id",
                   "init_layer", "seed")
 
@@ -23,6 +24,8 @@ class DistillSpec:
     eval_prompts: int = 4                      # of the first file's held-out records, for tau
     max_new_tokens: int = 128
     samples: int = 0                           # answers per prompt sampled at T = 1, beside the greedy one
+    synthetic: int = 0                         # prompts per file the target writes in the file's style
+    follow_ups: bool = False                   # a second turn on each greedy answer, answered too
     engine: Path | None = None                 # an engine directory of the target to generate through
     layers: int = 1
     block_size: int = 4
@@ -46,7 +49,7 @@ class DistillSpec:
     def __post_init__(self):
         at_least = {"--num-prompts": (self.num_prompts, 1), "--eval-prompts": (self.eval_prompts, 0),
                     "--held-out": (self.held_out, 0), "--warmup": (self.warmup, 0),
-                    "--samples": (self.samples, 0), "--eval-every": (self.eval_every, 0),
+                    "--samples": (self.samples, 0), "--synthetic": (self.synthetic, 0), "--eval-every": (self.eval_every, 0),
                     "--patience": (self.patience, 0),
                     "--max-new-tokens": (self.max_new_tokens, 2), "--layers": (self.layers, 1),
                     "--block-size": (self.block_size, 2), "--markov-rank": (self.markov_rank, 1),

@@ -8,7 +8,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from export.checkpoint import hf_location
-from export.prompts import TRAINING_RECORD, encode_prompt, read_jsonl_prompts, training_record
+from export.prompts import (TRAINING_RECORD, encode_prompt, read_jsonl_conversations, read_jsonl_prompts,
+                            training_record)
 
 from .options import DistillSpec
 
@@ -19,18 +20,19 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(location, **options)
 
 
-def read_prompts(spec: DistillSpec, tokenizer) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
-    """Token ids, through the chat template as a user would send them, of the first turn of: the
-    first ``--num-prompts`` records of each file short of its last ``--held-out`` (training), and
-    the first ``--eval-prompts`` of each file's held-out records (acceptance), by the file's name
-    (the first file's first)."""
-    train, held = [], {}
+def read_prompts(spec: DistillSpec, tokenizer) -> tuple[dict[str, list[list[str]]], dict[str, list[list[int]]]]:
+    """By the file's name (the first file's first): the user turns of the first ``--num-prompts``
+    records of each file short of its last ``--held-out`` (training), and the token ids, through
+    the chat template as a user would send them, of the first turn of the first
+    ``--eval-prompts`` of each file's held-out records (acceptance)."""
+    train, held = {}, {}
     for path in spec.prompts:
-        texts = read_jsonl_prompts(path, "--prompts")
-        train += texts[:_trained(spec, path, texts)]
+        conversations = read_jsonl_conversations(path, "--prompts")
         name = Path(path).stem if Path(path).stem not in held else str(path)
-        held[name] = [encode_prompt(tokenizer, t) for t in texts[len(texts) - spec.held_out:][:spec.eval_prompts]]
-    return [encode_prompt(tokenizer, t) for t in train], held
+        train[name] = conversations[:_trained(spec, path, conversations)]
+        held[name] = [encode_prompt(tokenizer, turns[0])
+                      for turns in conversations[len(conversations) - spec.held_out:][:spec.eval_prompts]]
+    return train, held
 
 
 def write_training_record(out: Path, spec: DistillSpec) -> None:

@@ -46,11 +46,10 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
     if spec.draft_vocab is not None and spec.draft_vocab >= vocab:
         raise ValueError(f"--draft-vocab {spec.draft_vocab}: expected fewer than the target's {vocab} "
                          f"ids (leave it out for the full vocabulary)")
-    train_prompts, held_out = read_prompts(spec, tokenizer)
+    records, held_out = read_prompts(spec, tokenizer)
     eval_prompts = next(iter(held_out.values()), [])
     write_training_record(out, spec)
-    data = prepare_data(out / "data.pt", target, train_prompts, spec.max_new_tokens, spec.samples, settings,
-                        spec.progress, engine)
+    data = prepare_data(out / "data.pt", target, tokenizer, records, spec, settings, engine)
 
     kept = None
     if spec.draft_vocab is not None:
@@ -64,8 +63,7 @@ def distill(target_path: str | Path, out: Path, spec: DistillSpec) -> DistillRes
                              f"({', '.join(unexpected[:3])})")
     held_answers = None
     if spec.eval_every:
-        held_answers = prepare_held_out(out / "held_out.pt", target, held_out, spec.max_new_tokens,
-                                        settings | {"eval_prompts": spec.eval_prompts}, spec.progress, engine)
+        held_answers = prepare_held_out(out / "held_out.pt", target, held_out, spec, settings, engine)
     result = train(draft, target, data, spec, out, trainer, kept, settings, engine, held_answers)
     if eval_prompts:
         result.tau = measure_tau(target, out, eval_prompts, spec.max_new_tokens)

@@ -13,6 +13,7 @@ from distill.evaluate import teacher_forced_tau
 from distill.loop import learning_rate
 from distill.loss import teacher_forced_logits
 from distill.options import DistillSpec
+from distill.prompts import load_tokenizer
 from distill.run import distill
 from export.pair import load_pair
 from export.target_model import from_start
@@ -203,6 +204,32 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
     with pytest.raises(SystemExit, match=f"--engine {engine}: its draft reads target layers .*; "
                                          f"--taps 0,1"):
         _distill(target_dir, tmp_path / "taps", prompts_file, "--engine", str(engine), "--taps", "0,1")
+
+
+def test_synthetic_prompts_and_follow_ups_are_the_targets_own(tiny, prompts_file, tmp_path):
+    """``--synthetic 3 --follow-ups``: prompts the target wrote from the training records (none a
+    record of the file), then a second turn on every greedy answer (a generic follow-up, the file's
+    records having one turn), answered greedily by the target too."""
+    from distill import synthetic
+
+    target_dir, _ = tiny()
+    out = tmp_path / "draft"
+    _distill(target_dir, out, prompts_file, "--synthetic", "3", "--follow-ups", "--steps", "1",
+             "--eval-prompts", "0")
+    data = torch.load(out / "data.pt")
+    firsts = len(data["prompts"]) // 2
+    assert len(data["prompts"]) == 2 * firsts and 6 <= firsts <= 6 + 3
+    tokenizer = load_tokenizer(target_dir)
+    texts = [tokenizer.decode(ids) for ids in data["prompts"]]
+    assert all(not any(question in text for question in QUESTIONS) for text in texts[6:firsts])
+    for index in range(firsts):
+        conversation = texts[firsts + index]
+        assert texts[index].rsplit("assistant", 1)[0] in conversation
+        assert synthetic.FOLLOW_UPS[index % len(synthetic.FOLLOW_UPS)] in conversation
+    target, _ = load_pair(target_dir, None)
+    greedy = generate(TorchBackend(target, None, capacity=256), data["prompts"][firsts:], max_new_tokens=24,
+                      eos_token_ids=target.config.eos_token_ids, speculative=False)
+    assert greedy.token_ids == data["continuations"][firsts:]
 
 
 def test_the_best_evaluated_draft_is_kept_and_patience_stops_the_run(tiny, prompts_file, tmp_path, capsys,
