@@ -27,17 +27,19 @@ def written_prompts(answer: Answer, tokenizer, texts: dict[str, list[str]], coun
                     seed: int) -> dict[str, list[str]]:
     """``count`` new prompts per file (fewer where the target repeats itself or writes nothing
     usable), each the target's answer at T = 1 to a request showing ``EXAMPLES`` of the file's
-    training prompts, drawn with ``seed``: its first paragraph that is not a preamble (ending
-    with a colon) and has 16 characters or more, without a list number, kept once."""
+    training prompts no longer than its median (so that a request stays about as long as a few
+    prompts), drawn with ``seed``: its first paragraph that is not a preamble (ending with a
+    colon) and has 16 characters or more, without a list number, kept once."""
     draw = random.Random(seed)
     written = {}
-    for index, (name, examples) in enumerate(texts.items()):
+    for index, (name, prompts) in enumerate(texts.items()):
+        examples = sorted(prompts, key=len)[:(len(prompts) + 1) // 2]
         requests = [REQUEST.format(examples="\n\n".join(f"{n + 1}. {text}" for n, text in
                                                       enumerate(draw.sample(examples, min(EXAMPLES, len(examples))))))
                     for _ in range(count)]
         replies = answer([encode_prompt(tokenizer, request) for request in requests], 1.0,
                          seed + index * count)
-        seen, kept = set(examples), []
+        seen, kept = set(prompts), []
         for reply in replies:
             paragraphs = (re.sub(r"^\d+\.\s*", "", part.strip())
                           for part in tokenizer.decode(reply, skip_special_tokens=True).split("\n\n"))
