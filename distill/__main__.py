@@ -36,7 +36,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
                        layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
                        taps=taps, draft_vocab=args.draft_vocab, mask_token_id=args.mask_token_id,
                        init_layer=args.init_layer,
-                       steps=args.steps, eval_every=args.eval_every, patience=args.patience, lr=args.lr, warmup=args.warmup, batch_anchors=args.batch_anchors,
+                       steps=args.steps, eval_every=args.eval_every, patience=args.patience, lr=args.lr,
+                       warmup=args.warmup, batch_anchors=args.batch_anchors,
                        loss_decay=args.loss_decay, save_every=args.save_every, seed=args.seed,
                        progress=not args.quiet)
     out = Path(args.out)

@@ -11,12 +11,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from export.prompts import encode_prompt
 from export.target_model import TargetStep
 from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
-
-from export.prompts import encode_prompt
 
 from . import engine as engine_target, synthetic
 from .checkpoint import atomic, check_same

@@ -116,7 +116,6 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
             save(out, draft, optimizer, done, losses, settings, evals,
                  draft_file=not held or not evals or (evaluated and result.best is evals[-1]))
     bar.close()
-    result.stopped = result.stopped or _out_of_patience(result, spec.patience)
     draft.eval()
     return result
 

@@ -21,7 +21,7 @@ class DistillSpec:
     prompts: tuple[Path, ...] = (DEFAULT_PROMPTS,)
     num_prompts: int = 64                      # per file, from the top
     held_out: int = 4                          # records at the end of every file never trained on
-    eval_prompts: int = 4                      # of the first file's held-out records, for tau
+    eval_prompts: int = 4                      # of each file's held-out records, for tau
     max_new_tokens: int = 128
     samples: int = 0                           # answers per prompt sampled at T = 1, beside the greedy one
     synthetic: int = 0                         # prompts per file the target writes in the file's style
@@ -49,8 +49,8 @@ class DistillSpec:
     def __post_init__(self):
         at_least = {"--num-prompts": (self.num_prompts, 1), "--eval-prompts": (self.eval_prompts, 0),
                     "--held-out": (self.held_out, 0), "--warmup": (self.warmup, 0),
-                    "--samples": (self.samples, 0), "--synthetic": (self.synthetic, 0), "--eval-every": (self.eval_every, 0),
-                    "--patience": (self.patience, 0),
+                    "--samples": (self.samples, 0), "--synthetic": (self.synthetic, 0),
+                    "--eval-every": (self.eval_every, 0), "--patience": (self.patience, 0),
                     "--max-new-tokens": (self.max_new_tokens, 2), "--layers": (self.layers, 1),
                     "--block-size": (self.block_size, 2), "--markov-rank": (self.markov_rank, 1),
                     "--steps": (self.steps, 1), "--batch-anchors": (self.batch_anchors, 1),
