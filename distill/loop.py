@@ -12,14 +12,16 @@ from tqdm.auto import tqdm
 from export.draft_model import DraftStep
 from export.target_model import TargetStep, from_start
 
-from .checkpoint import save
+from .checkpoint import atomic, check_same, save
 from .engine import taps as engine_taps
 from .evaluate import teacher_forced_tau
 from .loss import block_loss, teacher_forced_logits
-from .options import DistillSpec
+from .options import DATA_SETTINGS, DistillSpec
 
-# keep every sequence's taps (fp16) in memory when they fit in this: a million rows of the demo
-# target's taps take 3.5 GB; recomputing one per step would cost more than the step
+# keep every sequence's taps (fp16) when they fit in this, in OUT/taps.pt and mapped from there:
+# a million rows of the demo target's taps take 3.5 GB; recomputing one per step would cost more
+# than the step, and computing them all again for a resumed run or another model on the same
+# data.pt costs minutes
 TAP_CACHE_BYTES = 8 << 30
 
 
@@ -70,7 +72,8 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
     if trainer is not None:
         optimizer.load_state_dict(trainer["optimizer"])
         start, losses, evals = trainer["step"], list(trainer["losses"]), list(trainer.get("evals", []))
-    taps = _TapCache(target, sequences, spec.progress, engine)
+    identity = {key: settings[key] for key in DATA_SETTINGS} | {"taps": list(target.taps)}
+    taps = _TapCache(target, sequences, spec.progress, engine, (out / "taps.pt", identity))
     held = {}
     if spec.eval_every and held_out:
         for name, records in held_out.items():
@@ -128,20 +131,35 @@ def _out_of_patience(result: DistillResult, patience: int) -> bool:
 
 class _TapCache:
     """The target's taps ``[S, T*H]`` of each training sequence (teacher forcing, no grad), by the
-    PyTorch target or an engine's, computed up front in fp16 when all of them fit in
-    ``TAP_CACHE_BYTES``, else recomputed per step."""
+    PyTorch target or an engine's. When all of them fit in ``TAP_CACHE_BYTES`` they are computed
+    up front in fp16; with ``saved = (path, identity)`` they are kept in ``path`` and read back,
+    memory-mapped, by a later run whose data and taps ``identity`` names the same (another's is
+    refused in one line, as ``data.pt`` is). Else they are recomputed per step."""
 
     def __init__(self, target: TargetStep, sequences: list[tuple[torch.Tensor, int]], progress: bool,
-                 engine=None):
+                 engine=None, saved: tuple[Path, dict] | None = None):
         self.target, self.sequences, self.engine = target, sequences, engine
         if engine is not None:
             engine.start(1)
         width = len(target.taps) * target.config.decoder.hidden_size
-        fits = sum(t.numel() for t, _ in sequences) * width * 2 <= TAP_CACHE_BYTES
+        lengths = [t.numel() for t, _ in sequences]
         self.cache = None
-        if fits:
-            rows = tqdm(range(len(sequences)), desc="target taps", unit="seq", disable=not progress)
-            self.cache = [self._taps(i).half() for i in rows]
+        if sum(lengths) * width * 2 > TAP_CACHE_BYTES:
+            return
+        if saved is not None and saved[0].is_file():
+            stored = torch.load(saved[0], mmap=True)
+            check_same(stored["settings"], saved[1], saved[0].parent)
+            if stored["lengths"] != lengths:
+                raise ValueError(f"{saved[0]}: taps of other sequences than {saved[0].parent}/data.pt's; "
+                                 f"delete it to compute them again")
+            self.cache = stored["rows"].split(lengths)
+            return
+        rows = tqdm(range(len(sequences)), desc="target taps", unit="seq", disable=not progress)
+        self.cache = [self._taps(i).half() for i in rows]
+        if saved is not None:
+            state = {"settings": saved[1], "lengths": lengths, "rows": torch.cat(self.cache)}
+            atomic(lambda tmp: torch.save(state, tmp), saved[0])
+            self.cache = state["rows"].split(lengths)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.cache[index] if self.cache is not None else self._taps(index)

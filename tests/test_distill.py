@@ -141,14 +141,20 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
     assert "rerun the same command to resume" in capsys.readouterr().err
     monkeypatch.setattr(loop, "save", save)
     first = torch.load(out / "trainer.pt")
-    data_written = (out / "data.pt").stat().st_mtime_ns
+    written = {name: (out / name).stat().st_mtime_ns for name in ("data.pt", "taps.pt")}
     assert first["step"] == 4 and len(first["losses"]) == 4
 
+    def no_target_pass(*_):
+        raise AssertionError("the taps were computed again")
+
+    monkeypatch.setattr(loop._TapCache, "_taps", no_target_pass)
     _distill(target_dir, out, prompts_file, *args)
+    monkeypatch.undo()
     assert "steps 7 (resumed at 4)" in capsys.readouterr().out
     second = torch.load(out / "trainer.pt")
     assert second["step"] == 7 and second["losses"][:4] == first["losses"] and len(second["losses"]) == 7
-    assert (out / "data.pt").stat().st_mtime_ns == data_written      # not generated again
+    # neither the answers nor the taps are computed again
+    assert {name: (out / name).stat().st_mtime_ns for name in written} == written
 
     # the same draws and learning rates as one uninterrupted run
     straight = tmp_path / "straight"
@@ -159,6 +165,14 @@ def test_rerunning_resumes_from_the_checkpoint(tiny, prompts_file, tmp_path, cap
         _distill(target_dir, out, prompts_file, "--steps", "8", "--block-size", "5")
     assert json.loads((out / "config.json").read_text())["block_size"] == 4   # left as it was
     assert torch.load(out / "trainer.pt")["step"] == 7
+
+    # another model on the same data reuses data.pt and taps.pt, unless it reads other taps
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("data.pt", "taps.pt"):
+        (other / name).hardlink_to(out / name)
+    with pytest.raises(SystemExit, match="holds a run with --taps \\[0, 1, 2\\], not \\[0, 2\\]"):
+        _distill(target_dir, other, prompts_file, *args, "--taps", "0,2")
 
 
 def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, prompts_file, tmp_path):
