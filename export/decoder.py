@@ -58,15 +58,13 @@ def check_fields(raw: dict, model_type: str, extra: tuple[str, ...] = ()) -> Non
         # written as num_local_experts)
         stored = config_class.attribute_map.get(name)
         field = stored if name not in raw and stored in raw else name
-        if name not in defaults:
+        if name not in defaults and field not in raw:
             # not a field of the family's config class: transformers derives it when absent
-            # (Qwen3-MoE's head_dim) or never reads it (Qwen3.5-MoE has no dense MLP), and takes
-            # it as it is when given
-            if field not in raw:
-                continue
-            derived = False
-        else:
-            derived = defaults[name].default is None
+            # (Qwen3-MoE's head_dim) or never reads it (Qwen3.5-MoE has no dense MLP); given, it
+            # is taken as it is, and null as absent (a Gemma 4 config saved by transformers 5.10.2
+            # writes num_global_key_value_heads null: no override of the full layers' kv heads)
+            continue
+        derived = name not in defaults or defaults[name].default is None
         if field not in raw and not derived:
             raise ValueError(f"missing field '{name}' (it fixes tensor shapes; expected an integer)")
         value = raw.get(field)

@@ -1,0 +1,33 @@
+"""Every supported architecture's config is read alike whichever ``transformers`` saved it: the
+version we pin, and DeepSpec's (5.10.2, whose configs sit in ``tests/data/configs``); see
+``family_configs.py``."""
+from pathlib import Path
+
+import pytest
+
+from export.target_config import SUPPORTED_ARCHITECTURES, load_target_config
+from family_configs import configs, save_configs
+
+OLD = Path(__file__).parent / "data" / "configs" / "transformers-5.10.2"
+
+
+@pytest.fixture(scope="module")
+def saved_now(tmp_path_factory):
+    out = tmp_path_factory.mktemp("configs")
+    save_configs(out)
+    return out
+
+
+def test_every_architecture_is_covered():
+    assert {name.split("-")[0] for name in configs()} == set(SUPPORTED_ARCHITECTURES)
+    assert {path.name for path in OLD.iterdir()} == set(configs())
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_a_config_saved_by_either_version_reads_alike(saved_now, name):
+    old, now = load_target_config(OLD / name), load_target_config(saved_now / name)
+    assert old == now and old.architecture == name.split("-")[0]
+    if old.gemma4 is not None:
+        # 5.10.2 writes num_global_key_value_heads null unless the full layers share k and v
+        expected = 1 if old.gemma4.attention_k_eq_v else old.decoder.num_kv_heads
+        assert (old.gemma4.full_kv_heads, old.gemma4.full_head_dim) == (expected, 32)
