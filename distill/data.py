@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from export.dense_model import TargetStep
 from export.prompts import encode_prompt
-from export.target_model import TargetStep
 from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
-from . import engine as engine_target, synthetic
+from . import engine as engine_target
+from . import synthetic
 from .checkpoint import atomic, check_same
 from .options import DATA_SETTINGS, DistillSpec
 

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoConfig
 
 from export.checkpoint import hf_location, read_config
+from export.dense_model import TargetStep
 from export.draft_config import load_draft_config, native_config
 from export.draft_model import DraftStep
 from export.target_config import load_target_config
-from export.target_model import TargetStep
 
 from .options import DistillSpec
 

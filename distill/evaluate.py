@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from export.dense_model import TargetStep
 from export.draft_model import DraftStep, load_draft
-from export.target_model import TargetStep
 from runtime.backend import capacity_needed
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from export.dense_model import TargetStep
 from export.draft_model import DraftStep
-from export.target_model import TargetStep, from_start
+from export.target_model import from_start
 
 from .checkpoint import atomic, check_same, save
 from .engine import taps as engine_taps
@@ -77,8 +78,8 @@ def train(draft: DraftStep, target: TargetStep, data: dict, spec: DistillSpec, o
     held = {}
     if spec.eval_every and held_out:
         for name, records in held_out.items():
-            pairs = [(torch.tensor(p + c), len(p)) for p, c in zip(records["prompts"], records["continuations"])
-                     if len(c) >= 2]
+            pairs = [(torch.tensor(p + c), len(p))
+                     for p, c in zip(records["prompts"], records["continuations"]) if len(c) >= 2]
             tapped = _TapCache(target, pairs, False, engine)
             held[name] = [(tokens, length, tapped[i]) for i, (tokens, length) in enumerate(pairs)]
     result = DistillResult(steps=start, resumed_from=start, losses=losses, evals=evals)

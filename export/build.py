@@ -31,13 +31,14 @@ from plugins.block_attention.ort_contrib import target_rotary
 from . import build_checks, quantize
 from . import manifest as manifest_file
 from .checkpoint import CheckpointError, hf_location, resolve
+from .dense_model import TargetStep
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
 from .gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from .onnx_check import VerificationError, check_model, compare_with_reference
 from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
 from .target_config import load_target_config
-from .target_model import TargetStep, load_target
+from .target_model import load_target
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOKENIZER_DIR = "tokenizer"

@@ -16,10 +16,11 @@ from plugins.d2t_gather import d2t_gather
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
 from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
+from .dense_model import TargetStep
 from .draft_config import DraftConfig, load_draft_config, resolve_k
 from .gemma4_model import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
 from .target_config import TargetConfig, load_target_config
-from .target_model import TargetStep, load_embeddings
+from .target_model import load_embeddings
 
 
 class MarkovHead(nn.Module):

@@ -23,10 +23,10 @@ from plugins.gated_delta import onnx_function as gated_delta_onnx
 from plugins.moe import onnx_function as moe_onnx
 
 from . import gemma4_model
+from .dense_model import TargetStep
 from .draft_model import DraftStep
 from .manifest import call_rows, is_cache
 from .qwen3_5_model import LINEAR, HybridTargetStep, cache_shapes
-from .target_model import TargetStep
 
 OPSETS = (23, 24)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

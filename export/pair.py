@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import resolve
+from .dense_model import TargetStep
 from .draft_config import load_draft_config
 from .draft_model import DraftStep, load_draft
 from .target_config import load_target_config
-from .target_model import TargetStep, load_target
+from .target_model import load_target
 
 
 def load_pair(target: str | Path, draft: str | Path | None = None, k: int | None = None,

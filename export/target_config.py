@@ -3,45 +3,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
 from .decoder import CONFIG_ERRORS, DecoderConfig, check_fields, is_int
-from .gemma4_model import SLIDING, Gemma4Layout, layout_from_hf
-from .moe import MOE_FIELDS, MoeConfig
-from .qwen3_5_model import FULL, LINEAR, LinearAttentionConfig
-
-# architecture -> whether its attention normalises q and k per head
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False, "Qwen3MoeForCausalLM": True,
-                           "Qwen3_5ForCausalLM": True, "Qwen3_5ForConditionalGeneration": True,
-                           "Qwen3_5MoeForCausalLM": True, "Qwen3_5MoeForConditionalGeneration": True,
-                           "Gemma4ForCausalLM": True, "Gemma4ForConditionalGeneration": True,
-                           "Gemma4UnifiedForCausalLM": True, "Gemma4UnifiedForConditionalGeneration": True}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",   # by model_type
-                 "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                 "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
-                 "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
-                 "gemma4_unified": "Gemma4UnifiedForConditionalGeneration"}
-HYBRID = {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-          "Qwen3_5MoeForConditionalGeneration"}
-MOE = {"Qwen3MoeForCausalLM": False, "Qwen3_5MoeForCausalLM": True,   # -> whether it has a shared expert
-       "Qwen3_5MoeForConditionalGeneration": True}
-# a multimodal checkpoint keeps its text model's config under this key, its weights under the prefix
-MULTIMODAL = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                            "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"),
-                           "text_config")
-# Gemma 4, and its "unified" form (the 12B: the same text layers without per-layer inputs or MoE)
-GEMMA4 = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForCausalLM",
-          "Gemma4UnifiedForConditionalGeneration"}
-# the hybrid's shape fields beyond the dense decoder's
-LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_num_key_heads", "linear_num_value_heads")
-# Gemma 4's full layers' shapes (transformers takes them as arguments, or per_layer_config)
-GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads")
+from .families import ARCHITECTURES, Architecture, by_model_type
+from .gemma4_model import Gemma4Layout
+from .moe import MoeConfig
+from .qwen3_5_model import LinearAttentionConfig
 
 
 @dataclass(frozen=True)
@@ -82,8 +52,8 @@ def load_target_config(directory: Path) -> TargetConfig:
         raw = read_config(directory)
         architectures = raw.get("architectures")
         if architectures is None:  # transformers then picks the model by model_type alone
-            by_type = ARCHITECTURES.get(str(raw.get("model_type")))
-            architectures = [by_type] if by_type else []
+            by_type = by_model_type(str(raw.get("model_type")))
+            architectures = [by_type.name] if by_type else []
         _check_raw(raw, _supported(architectures, path), path)
     try:
         hf = (copy.deepcopy(_gguf_config(directory, _stamp(directory))) if gguf
@@ -94,78 +64,58 @@ def load_target_config(directory: Path) -> TargetConfig:
     except (*CONFIG_ERRORS, OSError) as err:
         raise CheckpointError(f"{path}: transformers cannot read it ({one_line(err)})") from None
     if gguf:
-        architectures = hf.architectures or [ARCHITECTURES.get(hf.model_type, hf.model_type)]
+        by_type = by_model_type(hf.model_type)
+        architectures = hf.architectures or [by_type.name if by_type else hf.model_type]
     arch = _supported(architectures, path)
-    hf = hf.get_text_config() if arch in MULTIMODAL else hf
-    nested = f"{MULTIMODAL[arch]}: " if arch in MULTIMODAL else ""
+    family = arch.family
+    hf = hf.get_text_config() if arch.text_config else hf
+    nested = f"{arch.text_config}: " if arch.text_config else ""
     layer_types = list(getattr(hf, "layer_types", None) or [])
-    allowed = (FULL, LINEAR) if arch in HYBRID else (FULL, SLIDING) if arch in GEMMA4 else (FULL,)
-    if any(t not in allowed for t in layer_types):
-        kinds = "full or linear attention" if arch in HYBRID else "only full attention"
-        raise CheckpointError(f"{path}: layer_types {layer_types}: {kinds} is supported "
-                              f"(no sliding-window layers)")
-    gemma4 = None
+    if any(t not in family.layer_kinds for t in layer_types):
+        raise CheckpointError(f"{path}: {nested}layer_types {layer_types}: expected each of "
+                              f"{', '.join(family.layer_kinds)} ({arch.name})")
     try:
-        if arch in GEMMA4:
-            decoder, gemma4 = layout_from_hf(hf)
-        else:
-            decoder = DecoderConfig.from_hf(hf, qk_norm=SUPPORTED_ARCHITECTURES[arch],
-                                            partial_rotary=arch in HYBRID)
+        parts = family.read(hf)
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {nested}{one_line(err)}") from None
-    linear = LinearAttentionConfig.from_hf(hf) if arch in HYBRID else None
-    if linear is not None:   # Qwen3.5's MLP has no biases whatever mlp_bias says (transformers ignores it)
-        decoder = replace(decoder, mlp_bias=False)
-    try:
-        moe = MoeConfig.from_hf(hf, shared_expert=MOE[arch]) if arch in MOE else None
-    except CONFIG_ERRORS as err:
-        raise CheckpointError(f"{path}: {one_line(err)}") from None
-    if linear is not None and len(linear.layer_types) != decoder.num_layers:
-        raise CheckpointError(f"{path}: field 'layer_types' has {len(linear.layer_types)} entries: "
-                              f"expected one per layer ({decoder.num_layers}, num_hidden_layers)")
     return TargetConfig(
-        linear=linear, moe=moe, gemma4=gemma4,
-        architecture=arch,
-        decoder=decoder,
+        architecture=arch.name,
         vocab_size=hf.vocab_size,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=_eos_token_ids(None if gguf else directory, hf, path),
         max_position_embeddings=hf.max_position_embeddings,
+        decoder=parts.decoder, linear=parts.linear, moe=parts.moe, gemma4=parts.gemma4,
     )
 
 
-def _supported(architectures, path: Path) -> str:
+def _supported(architectures, path: Path) -> Architecture:
     listed = architectures if isinstance(architectures, list) else []
-    arch = next((a for a in listed if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in listed if isinstance(a, str) and a in ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(f"{path}: architectures {architectures} is not a supported target; "
-                              f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return arch
+                              f"expected one of {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
 
 
-def _check_raw(raw: dict, arch: str, path: Path) -> None:
+def _check_raw(raw: dict, arch: Architecture, path: Path) -> None:
     """What transformers would read differently from the checkpoint: a model_type of another
     architecture (transformers builds the config by model_type) or a missing or malformed shape
     field (``decoder.check_fields``)."""
-    model_type = next(m for m, a in ARCHITECTURES.items() if a == arch)
-    if raw.get("model_type") != model_type:
+    if raw.get("model_type") != arch.model_type:
         raise CheckpointError(f"{path}: field 'model_type' = {raw.get('model_type')!r}: expected "
-                              f"{model_type!r} for {arch}")
-    where = ""
-    if arch in MULTIMODAL:
-        key = MULTIMODAL[arch]
+                              f"{arch.model_type!r} for {arch.name}")
+    where, model_type = "", arch.model_type
+    if arch.text_config:
+        key = arch.text_config
         if not isinstance(raw.get(key), dict):
             raise CheckpointError(f"{path}: field '{key}' = {raw.get(key)!r}: expected the text "
                                   f"model's config (an object)")
-        raw, where, model_type = raw[key], f"{key}.", f"{model_type}_text"
+        raw, where, model_type = raw[key], f"{key}.", arch.family.model_type
         if raw.get("model_type", model_type) != model_type:
             raise CheckpointError(f"{path}: field '{where}model_type' = {raw.get('model_type')!r}: "
-                                  f"expected {model_type!r} for {arch}")
-    extra = (LINEAR_FIELDS if arch in HYBRID else ()) + (MOE_FIELDS if arch in MOE else ()) + \
-        (("shared_expert_intermediate_size",) if MOE.get(arch) else ()) + \
-        (GEMMA4_FIELDS if arch in GEMMA4 else ())
+                                  f"expected {model_type!r} for {arch.name}")
     try:
-        check_fields(raw, model_type, extra)
+        check_fields(raw, model_type, arch.family.fields)
     except ValueError as err:
         raise CheckpointError(f"{path}: {where}{err}") from None
 

@@ -1,75 +1,24 @@
-"""``TargetStep``: one forward of the target LLM over fixed-capacity KV caches.
-
-The same module serves prefill chunks and verification (``S = k + 1`` rows): flat tensors in and
-out, no ``transformers`` cache objects, so it exports to ONNX as it is.
-"""
+"""``load_target``: a target checkpoint (directory or GGUF file) as its family's step module
+(``families.py``; the dense one is ``dense_model.TargetStep``, whose contract every step keeps),
+and ``from_start``, a teacher-forced pass over fresh caches."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, hf_location, load_tensors, resolve
-from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches, logits_and_aux
+from .dense_model import TargetStep
+from .families import ARCHITECTURES
 from .gemma4_model import Gemma4TargetStep
-from .moe import SparseMoe, fuse_experts
+from .moe import fuse_experts
 from .qwen3_5_model import HybridTargetStep
-from .target_config import MULTIMODAL, TargetConfig, load_target_config
+from .target_config import TargetConfig, load_target_config
 
-# a multimodal checkpoint's text weights, and the towers and MTP layer the text model ignores
-TEXT_PREFIX = dict.fromkeys(MULTIMODAL, "model.language_model.")
+# a multimodal checkpoint's towers and MTP layer, which the text model ignores
 IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
            "model.embed_audio.", "model.vision_embedder.", "model.audio_embedder.")
-
-
-class TargetStep(nn.Module):
-    """``input_ids [B, S]``, ``start [B]`` (each row's valid cache length, where its block is
-    written; positions are ``start + i``), ``logit_rows [B, L]`` (the rows, ``0 .. S - 1``, of each
-    sequence whose logits are wanted), per-layer caches ``k_0, v_0, k_1, ...`` each
-    ``[B, Hkv, C, D]`` ->
-
-    - ``logits [B, L, V]``: row ``j`` is the logits of row ``logit_rows[b, j]``;
-    - ``aux [B, S, T*H]``: the raw residual stream after each tap layer (DeepSpec convention,
-      ``-1`` = embeddings), concatenated in ascending layer order, which is the draft's input;
-    - the updated caches.
-
-    The loop reads one row per prompt in prefill and the ``k + 1`` rows of a verify step, so the
-    hidden rows are picked before the final norm and ``lm_head``: a 512-row prefill chunk of a
-    152k-token vocabulary computes and returns 1 row of logits instead of 512. The rows are an
-    input, not a count of last rows, because a ragged batch's prompts end at different rows.
-    """
-
-    def __init__(self, config: TargetConfig, taps: Sequence[int] = ()):
-        super().__init__()
-        d = config.decoder
-        self.config = config
-        self.taps = tuple(sorted(taps))
-        self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
-        sparse = config.moe.sparse_layers if config.moe else (False,) * d.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(d, SparseMoe(d, config.moe) if sparse[i] else None)
-                                    for i in range(d.num_layers))
-        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
-        self.rotary = Rotary(d)
-
-    def forward(self, input_ids, start, logit_rows, *caches):
-        positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        aux = [h] if -1 in self.taps else []
-        new_caches = []
-        for index, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], start, causal=True)
-            new_caches += [k, v]
-            if index in self.taps:
-                aux.append(h)
-        return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
-
-    def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
-        weight = self.lm_head.weight
-        return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
 
 
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
@@ -78,16 +27,15 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     config = load_target_config(directory)
     tensors = _tensors(directory, config)
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
-    nested = f"{MULTIMODAL[config.architecture]}." if config.architecture in MULTIMODAL else ""
+    arch = ARCHITECTURES[config.architecture]
+    nested = f"{arch.text_config}." if arch.text_config else ""
     fields = f"{config_file}: field '{nested}"
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
     if config.moe is not None:
         fuse_experts(tensors, config.moe)
     if config.linear is not None:
         _check_layer_types(tensors, config, f"{fields}layer_types'")
-    model = (HybridTargetStep if config.linear is not None else Gemma4TargetStep if config.gemma4 is not None
-             else TargetStep)
-    target = build_module(lambda: model(config, taps), tensors, directory, dtype)
+    target = build_module(lambda: arch.family.step(config, taps), tensors, directory, dtype)
     if config.gemma4 is not None:   # build_module took what the module holds: the rest is unused
         _check_unused(tensors, config.gemma4, directory)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
@@ -120,7 +68,7 @@ def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None 
     else:
         # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
         wanted = None if only is None else only | {"embed_tokens.weight"}
-        prefix = TEXT_PREFIX.get(config.architecture, "model.")
+        prefix = ARCHITECTURES[config.architecture].weight_prefix
         tensors = load_tensors(directory, strip_prefix=prefix, only=wanted, skip=IGNORED)
         if prefix != "model." and not any(name.startswith("layers.") or name == "embed_tokens.weight"
                                           for name in tensors):

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from export import manifest as manifest_file
+from export.dense_model import TargetStep
 from export.draft_model import DraftStep
 from export.pair import load_pair
-from export.target_model import TargetStep
 
 from .backend import BackendLimits, slot_block
 

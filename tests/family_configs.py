@@ -10,14 +10,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SHAPES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=512, eos_token_id=1, tie_word_embeddings=False)
+SHAPES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=1,
+              tie_word_embeddings=False)
 HYBRID = dict(SHAPES, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-              linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-              linear_num_value_heads=4)
+              linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_num_key_heads=2, linear_num_value_heads=4)
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-GEMMA4 = dict(SHAPES, num_hidden_layers=5, sliding_window=8, global_head_dim=32, final_logit_softcapping=30.0,
-              layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention", "full_attention"],
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA4 = dict(SHAPES, num_hidden_layers=5, sliding_window=8, global_head_dim=32,
+              final_logit_softcapping=30.0, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
               num_kv_shared_layers=2, use_double_wide_mlp=True, tie_word_embeddings=True)
 
 
@@ -27,16 +29,19 @@ def configs() -> dict[str, tuple[str, dict]]:
     return {
         "LlamaForCausalLM": ("LlamaConfig", dict(
             SHAPES, num_hidden_layers=2, attention_bias=True, mlp_bias=True,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64})),
         "Qwen3ForCausalLM": ("Qwen3Config", dict(
             SHAPES, num_hidden_layers=2,
             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
                              "original_max_position_embeddings": 128})),
-        "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(SHAPES, num_hidden_layers=2, norm_topk_prob=True, **EXPERTS)),
+        "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(SHAPES, num_hidden_layers=2, norm_topk_prob=True,
+                                                       **EXPERTS)),
         "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", HYBRID),
         "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", {"text_config": HYBRID}),
-        "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeTextConfig", dict(HYBRID, shared_expert_intermediate_size=48, **EXPERTS)),
+        "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeTextConfig", dict(HYBRID, shared_expert_intermediate_size=48,
+                                                               **EXPERTS)),
         "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeConfig", {"text_config": dict(
             HYBRID, shared_expert_intermediate_size=48, **EXPERTS)}),
         # num_global_key_value_heads left at its default (5.10.2 writes null): the full layers keep the

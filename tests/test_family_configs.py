@@ -1,12 +1,16 @@
-"""Every supported architecture's config is read alike whichever ``transformers`` saved it: the
-version we pin, and DeepSpec's (5.10.2, whose configs sit in ``tests/data/configs``); see
-``family_configs.py``."""
+"""The family registry (``export/families.py``): every architecture it lists has a config that is
+read alike whichever ``transformers`` saved it (the version we pin, and DeepSpec's 5.10.2, whose
+configs sit in ``tests/data/configs``; see ``family_configs.py``), and the manifest schema lists
+the same architectures."""
+import json
 from pathlib import Path
 
 import pytest
-
-from export.target_config import SUPPORTED_ARCHITECTURES, load_target_config
 from family_configs import configs, save_configs
+
+from export import manifest
+from export.families import ARCHITECTURES
+from export.target_config import load_target_config
 
 OLD = Path(__file__).parent / "data" / "configs" / "transformers-5.10.2"
 
@@ -19,8 +23,10 @@ def saved_now(tmp_path_factory):
 
 
 def test_every_architecture_is_covered():
-    assert {name.split("-")[0] for name in configs()} == set(SUPPORTED_ARCHITECTURES)
+    assert {name.split("-")[0] for name in configs()} == set(ARCHITECTURES)
     assert {path.name for path in OLD.iterdir()} == set(configs())
+    schema = json.loads(manifest.SCHEMA.read_text())
+    assert schema["properties"]["target"]["properties"]["architecture"]["enum"] == list(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("name", list(configs()))
