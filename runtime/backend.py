@@ -67,11 +67,20 @@ class BackendLimits:
         rows) or the draft's scratch block, whichever is longer (1 without a draft)."""
         return max(self.k + 1, self.block_size)
 
-    def check_states(self, state_rows: torch.Tensor) -> None:
-        """A hybrid target keeps at most its ``state_slots`` states per call."""
-        if state_rows.shape[1] > self.state_slots:
-            raise ValueError(f"state_rows: {state_rows.shape[1]} states to keep, the engine has "
-                             f"{self.state_slots} slots (k + 1)")
+    def target_feeds(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
+                     state_slot: torch.Tensor | None, state_rows: torch.Tensor | None) -> tuple[dict, dict]:
+        """A target call's inputs by graph name, in the graph's order, and the sizes of its dynamic
+        axes; a hybrid target's recurrent-state inputs only where it has them, at most its
+        ``state_slots`` states kept per call."""
+        feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows}
+        sizes = {"batch": input_ids.shape[0], "rows": input_ids.shape[1], "logit_rows": logit_rows.shape[1]}
+        if self.state_slots:
+            if state_rows.shape[1] > self.state_slots:
+                raise ValueError(f"state_rows: {state_rows.shape[1]} states to keep, the engine has "
+                                 f"{self.state_slots} slots (k + 1)")
+            feeds |= {"state_slot": state_slot, "state_rows": state_rows}
+            sizes["state_rows"] = state_rows.shape[1]
+        return feeds, sizes
 
     def check_batch(self, batch: int) -> None:
         if batch > self.max_batch:

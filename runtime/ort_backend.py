@@ -233,19 +233,13 @@ class OrtBackend(EngineBackend):
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
                     slots: list[int] | None = None):
-        batch, rows = input_ids.shape
-        wanted = logit_rows.shape[1]
+        rows, wanted = input_ids.shape[1], logit_rows.shape[1]
         if not self.batched and int(start.max()) + 1 < self.limits.capacity:
             # one-row calls take another kernel path (module docstring): made two-row calls; the
             # copy's recurrent state is never kept (state_rows names the real rows)
             input_ids = input_ids.repeat(1, 2) if rows == 1 else input_ids
             logit_rows = logit_rows.repeat(1, 2) if wanted == 1 else logit_rows
-        feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows}
-        sizes = {"batch": batch, "rows": input_ids.shape[1], "logit_rows": logit_rows.shape[1]}
-        if self.limits.state_slots:
-            self.limits.check_states(state_rows)
-            feeds |= {"state_slot": state_slot, "state_rows": state_rows}
-            sizes["state_rows"] = state_rows.shape[1]
+        feeds, sizes = self.limits.target_feeds(input_ids, start, logit_rows, state_slot, state_rows)
         logits, aux = self._run("target", feeds, ("logits", "aux"), sizes, slots)
         return logits[:, :wanted], aux[:, :rows]
 

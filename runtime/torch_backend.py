@@ -94,13 +94,8 @@ class TorchBackend:
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None, state_rows: torch.Tensor | None = None,
                     slots: list[int] | None = None):
-        inputs = [input_ids, start, logit_rows]
-        if self.limits.state_slots:   # a hybrid target's recurrent-state slots
-            self.limits.check_states(state_rows)
-            inputs += [state_slot, state_rows]
-        batch, rows = input_ids.shape
-        return self._run("target", inputs, {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]},
-                         slots)
+        feeds, sizes = self.limits.target_feeds(input_ids, start, logit_rows, state_slot, state_rows)
+        return self._run("target", list(feeds.values()), sizes, slots)
 
     @torch.no_grad()
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):

@@ -112,14 +112,8 @@ class TrtBackend(EngineBackend):
                 tensor[slot].zero_()
 
     def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None, slots=None):
-        batch, rows = input_ids.shape
-        sizes = {"batch": batch, "rows": rows, "logit_rows": logit_rows.shape[1]}
-        inputs = [input_ids, start, logit_rows]
-        if self.limits.state_slots:   # a hybrid target's recurrent-state slots
-            self.limits.check_states(state_rows)
-            inputs += [state_slot, state_rows]
-            sizes["state_rows"] = state_rows.shape[1]
-        return self._run("target", inputs, sizes, slots)
+        feeds, sizes = self.limits.target_feeds(input_ids, start, logit_rows, state_slot, state_rows)
+        return self._run("target", list(feeds.values()), sizes, slots)
 
     def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
         batch, rows = ctx_aux.shape[:2]
