@@ -149,7 +149,7 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
     A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
     stored ``[N, K]``). Layers that read the same input (q / k / v, gate / up) become one product
     with their weights side by side, split after it: one kernel call instead of two or three
-    (the demo target's step: 19.2 -> 17.5 ms). The weights are read mapped from the old file while
+    (docs/measurements.md). The weights are read mapped from the old file while
     the new one is written beside it, then the new one takes its place."""
     import onnx_ir as ir
 
@@ -236,8 +236,7 @@ class _Rewrite:
         A weight that several products read (the draft's K/V projections) is quantized once,
         and each product reads a copy of its blocks through a ``DequantizeLinear`` of its own:
         ONNX Runtime fuses one into ``MatMulNBits`` only where the product is the one reader of it
-        and of its blocks, and otherwise de-quantizes the whole weight at every step (about 1 ms of
-        the demo draft's step)."""
+        and of its blocks, and otherwise de-quantizes the whole weight at every step."""
         import onnx_ir as ir
 
         key = tuple((weight.name, transposed) for _, weight, transposed in group)

@@ -117,10 +117,10 @@ class OrtBackend(EngineBackend):
 
     def _load(self, graph: str, lowered: bool):
         """A session of ``graph`` as the engine holds it, or lowered (None: nothing to lower).
-        The lowered form (the target's attention as ``GroupQueryAttention``: the demo target's
-        two-row step 18.0 -> 14.6 ms; the draft's block attention without copying its caches:
-        3.7 -> 3.0 ms) holds for one sequence per call; with the compiled kernels a graph that
-        allows it takes a batch in one call over a pool of slots."""
+        The lowered form (the target's attention as ``GroupQueryAttention``; the draft's block
+        attention without copying its caches; measured in docs/measurements.md) holds for one
+        sequence per call; with the compiled kernels a graph that allows it takes a batch in one
+        call over a pool of slots."""
         import onnxruntime as ort
 
         path = self.file(self.manifest["graphs"][graph]["file"])

@@ -1,7 +1,7 @@
 """The PyTorch reference backend: runs ``TargetStep`` / ``DraftStep`` eagerly and owns their caches.
 
 Every backend offers the same things (``backend.Backend``: ``start``, ``target_step``,
-``draft_step`` and its ``BackendLimits``), so the loop in ``speculative.py`` never knows which one it drives.
+``draft_step`` and its ``BackendLimits``), so the loop (``scheduler.py``) never knows which one it drives.
 """
 from __future__ import annotations
 
