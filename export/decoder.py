@@ -295,10 +295,45 @@ def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.
     return logits.unflatten(0, logit_rows.shape), aux
 
 
-def empty_caches(config: DecoderConfig, batch: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | None = None) -> list[torch.Tensor]:
-    """Zeroed per-layer caches ``[B, Hkv, C, D]``, flat: ``k_0, v_0, k_1, v_1, ...``. One tensor
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache tensor of a step, in the graphs' order: ``{kind}_cache{suffix}_{layer}`` (suffix
+    ``_out`` for the updated one), its shape (ints, or an axis name in a graph) and dtype. One tensor
     per layer and kind, so that a runtime can bind each as both input and output and every write
     lands in place."""
+    kind: str
+    layer: int
+    shape: tuple
+    dtype: torch.dtype
+
+    def name(self, suffix: str = "") -> str:
+        return f"{self.kind}_cache{suffix}_{self.layer}"
+
+
+def kv_cache_specs(config: DecoderConfig, batch, capacity: int, dtype: torch.dtype,
+                   layers=None) -> list[CacheSpec]:
+    """K / V ``[B, Hkv, C, D]`` of each of ``layers`` (all by default): ``k_0, v_0, k_1, ...``."""
     shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * config.num_layers)]
+    return [CacheSpec(kind, layer, shape, dtype)
+            for layer in (range(config.num_layers) if layers is None else layers) for kind in ("k", "v")]
+
+
+class CachedStep:
+    """What every step module (target or draft) offers its runtimes: ``cache_specs(batch, capacity,
+    slots, max_rows)``, its caches in the graphs' order, and ``empty_cache``, them zeroed; one
+    signature for every family. ``slots``: a hybrid's recurrent-state slots (the verify block's
+    rows); ``max_rows``: the most rows one call writes (a sliding ring's slack; None: ``capacity``,
+    caches that never wrap). A family takes what it needs of them; ``takes_states``: whether its
+    graph also takes ``state_slot`` and ``state_rows``."""
+    takes_states = False
+
+    def cache_specs(self, batch, capacity: int, slots: int = 1,
+                    max_rows: int | None = None) -> list[CacheSpec]:
+        weight = self.lm_head.weight
+        return kv_cache_specs(self.config.decoder, batch, capacity, weight.dtype)
+
+    def empty_cache(self, batch: int, capacity: int, slots: int = 1,
+                    max_rows: int | None = None) -> list[torch.Tensor]:
+        device = self.lm_head.weight.device
+        return [torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+                for spec in self.cache_specs(batch, capacity, slots, max_rows)]

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import nn
 
-from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches, logits_and_aux
+from .decoder import CachedStep, DecoderLayer, RMSNorm, Rotary, logits_and_aux
 from .moe import SparseMoe
 
 if TYPE_CHECKING:
     from .target_config import TargetConfig
 
 
-class TargetStep(nn.Module):
+class TargetStep(CachedStep, nn.Module):
     """``input_ids [B, S]``, ``start [B]`` (each row's valid cache length, where its block is
     written; positions are ``start + i``), ``logit_rows [B, L]`` (the rows, ``0 .. S - 1``, of each
     sequence whose logits are wanted), per-layer caches ``k_0, v_0, k_1, ...`` each
@@ -60,7 +60,3 @@ class TargetStep(nn.Module):
             if index in self.taps:
                 aux.append(h)
         return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
-
-    def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
-        weight = self.lm_head.weight
-        return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)

@@ -15,7 +15,7 @@ from plugins.cache_write import cache_write
 from plugins.d2t_gather import d2t_gather
 
 from .checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
-from .decoder import DecoderLayer, RMSNorm, Rotary, empty_caches
+from .decoder import CachedStep, DecoderLayer, RMSNorm, Rotary
 from .dense_model import TargetStep
 from .draft_config import DraftConfig, load_draft_config, resolve_k
 from .gemma4_model import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
@@ -38,7 +38,7 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
 
 
-class DraftStep(nn.Module):
+class DraftStep(CachedStep, nn.Module):
     """Inputs:
 
     - ``ctx_aux [B, Sc, T*H_t]``: target aux rows verified since the last call (padded per row),
@@ -173,10 +173,6 @@ class DraftStep(nn.Module):
         base = self.logits(h).reshape(count, block, -1)
         predecessors = tokens[span.clamp(max=length - 1)]                  # [anchor, y_1 .. y_{B-1}]
         return base + self.markov_head.markov_w2(self.markov_head.markov_w1(predecessors))
-
-    def empty_cache(self, batch: int, capacity: int) -> list[torch.Tensor]:
-        weight = self.lm_head.weight
-        return empty_caches(self.config.decoder, batch, capacity, weight.dtype, weight.device)
 
 
 def _block_mask(anchors: torch.Tensor, seen: int, block: int) -> torch.Tensor:

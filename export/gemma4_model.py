@@ -31,7 +31,7 @@ from torch import nn
 
 from plugins.block_attention import block_attention
 
-from .decoder import DecoderConfig, Rotary, apply_rotary, logits_and_aux
+from .decoder import CachedStep, CacheSpec, DecoderConfig, Rotary, apply_rotary, logits_and_aux
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -207,7 +207,7 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-class Gemma4TargetStep(nn.Module):
+class Gemma4TargetStep(CachedStep, nn.Module):
     """``target_model.TargetStep``'s contract. The caches are those of the layers that own K/V
     (``k_l, v_l`` in layer order, none for a KV-shared layer): ``[B, Hkv, C, D]`` for a full layer,
     ``[B, Hkv, R, D]`` for a sliding one, ``R = Gemma4Layout.cache_rows`` (a ring)."""
@@ -268,12 +268,11 @@ class Gemma4TargetStep(nn.Module):
         projected = self.per_layer_projection_norm(projected.unflatten(-1, (-1, size)))
         return (projected + tokens) * torch.tensor(2.0 ** -0.5, dtype=h.dtype)
 
-    def empty_cache(self, batch: int, capacity: int, max_rows: int | None = None) -> list[torch.Tensor]:
-        """Zeroed caches; ``max_rows``: the most rows a call writes (None: ``capacity``, caches
-        that never wrap)."""
-        weight = self.lm_head.weight
-        return [torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-                for shape in cache_shapes(self.config, batch, capacity, max_rows or capacity)]
+    def cache_specs(self, batch, capacity: int, slots: int = 1,
+                    max_rows: int | None = None) -> list[CacheSpec]:
+        """K / V of each layer that owns them: ``[B, Hkv, C, D]`` for a full layer, a ring of
+        ``Gemma4Layout.cache_rows`` rows for a sliding one."""
+        return cache_specs(self.config, batch, capacity, max_rows or capacity, self.lm_head.weight.dtype)
 
 
 def attention_shape(d: DecoderConfig, g: Gemma4Layout, layer: int) -> AttentionShape:
@@ -290,15 +289,17 @@ def mlp_size(d: DecoderConfig, g: Gemma4Layout, layer: int) -> int:
     return d.intermediate_size * (2 if g.double_wide_mlp and shared else 1)
 
 
-def cache_shapes(config, batch, capacity: int, max_rows: int) -> list[tuple]:
-    """Each cache's shape, in the graphs' order (``k, v`` of each layer that owns them)."""
+def cache_specs(config, batch, capacity: int, max_rows: int, dtype: torch.dtype) -> list[CacheSpec]:
+    """``Gemma4TargetStep.cache_specs`` of a config: ``k, v`` of each layer that owns them."""
     d, g = config.decoder, config.gemma4
-    shapes = []
+    specs = []
     for layer in range(d.num_layers):
         if g.kv_source(layer) == layer:
             shape = attention_shape(d, g, layer)
-            shapes += [(batch, shape.kv_heads, g.cache_rows(layer, capacity, max_rows), shape.head_dim)] * 2
-    return shapes
+            rows = g.cache_rows(layer, capacity, max_rows)
+            specs += [CacheSpec(kind, layer, (batch, shape.kv_heads, rows, shape.head_dim), dtype)
+                      for kind in ("k", "v")]
+    return specs
 
 
 def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:

@@ -22,11 +22,9 @@ from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 from plugins.gated_delta import onnx_function as gated_delta_onnx
 from plugins.moe import onnx_function as moe_onnx
 
-from . import gemma4_model
 from .dense_model import TargetStep
 from .draft_model import DraftStep
 from .manifest import call_rows, is_cache
-from .qwen3_5_model import LINEAR, HybridTargetStep, cache_shapes
 
 OPSETS = (23, 24)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -57,31 +55,24 @@ class GraphSpec:
         return asdict(self)
 
 
-def _caches(decoder, capacity: int, dtype: str, suffix: str = "") -> tuple[TensorSpec, ...]:
-    """Per-layer caches ``k_cache{suffix}_0, v_cache{suffix}_0, k_cache{suffix}_1, ...``."""
-    shape = ("batch", decoder.num_kv_heads, capacity, decoder.head_dim)
-    return tuple(TensorSpec(f"{kind}_cache{suffix}_{layer}", dtype, shape)
-                 for layer in range(decoder.num_layers) for kind in ("k", "v"))
+def _caches(step, limits: Limits, slots: int = 1) -> tuple[tuple[TensorSpec, ...], ...]:
+    """A step module's caches (``CachedStep.cache_specs``) as graph inputs and, named ``_out``,
+    outputs: the verify block's ``slots`` rows, and rings sized by the most rows one call writes."""
+    rows = call_rows(limits.max_prompt_chunk, slots - 1)
+    specs = step.cache_specs("batch", limits.max_seq_len, slots, rows)
+    return tuple(tuple(TensorSpec(spec.name(suffix), DTYPE_NAMES[spec.dtype], spec.shape) for spec in specs)
+                 for suffix in ("", "_out"))
 
 
-def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: int = 1) -> GraphSpec:
-    """``slots``: the verify block's rows, ``k + 1``. A hybrid target also takes ``state_slot``
-    and ``state_rows``, and its linear layers' caches are ``conv_cache_l`` / ``state_cache_l`` banks
-    of ``slots`` slots (``qwen3_5_model``); a Gemma 4 target's sliding layers have ring caches of
-    their window plus the rows a call writes (``gemma4_model``)."""
+def target_spec(target: TargetStep, limits: Limits, slots: int = 1) -> GraphSpec:
+    """``slots``: the verify block's rows, ``k + 1``. A target whose step ``takes_states`` (a
+    hybrid's) also takes ``state_slot`` and ``state_rows``; each family's caches are its step's
+    (``CachedStep.cache_specs``)."""
     c, d = target.config, target.config.decoder
     dtype = DTYPE_NAMES[target.lm_head.weight.dtype]
-    if c.gemma4 is not None:
-        states = ()
-        caches, outputs = (_gemma4_caches(target, limits, slots, dtype, suffix) for suffix in ("", "_out"))
-    elif c.linear is None:
-        states = ()
-        caches, outputs = (_caches(d, limits.max_seq_len, dtype, suffix) for suffix in ("", "_out"))
-    else:
-        states = (TensorSpec("state_slot", "int64", ("batch",)),
-                  TensorSpec("state_rows", "int64", ("batch", "state_rows")))
-        caches, outputs = (_hybrid_caches(c, limits.max_seq_len, slots, target.lm_head.weight.dtype, suffix)
-                           for suffix in ("", "_out"))
+    states = (TensorSpec("state_slot", "int64", ("batch",)),
+              TensorSpec("state_rows", "int64", ("batch", "state_rows"))) if target.takes_states else ()
+    caches, outputs = _caches(target, limits, slots)
     return GraphSpec("target.onnx", inputs=(
         TensorSpec("input_ids", "int64", ("batch", "rows")),
         TensorSpec("start", "int64", ("batch",)),
@@ -95,28 +86,10 @@ def target_spec(target: TargetStep | HybridTargetStep, limits: Limits, slots: in
     ))
 
 
-def _hybrid_caches(config, capacity: int, slots: int, dtype: torch.dtype,
-                   suffix: str) -> tuple[TensorSpec, ...]:
-    """Per layer, in order: ``k_cache{suffix}_l, v_cache{suffix}_l`` (full attention) or
-    ``conv_cache{suffix}_l, state_cache{suffix}_l`` (linear attention)."""
-    shapes = cache_shapes(config, "batch", capacity, slots, dtype)
-    names = [kind for t in config.linear.layer_types
-             for kind in (("conv", "state") if t == LINEAR else ("k", "v"))]
-    return tuple(TensorSpec(f"{kind}_cache{suffix}_{index // 2}", DTYPE_NAMES[kind_dtype], shape)
-                 for index, (kind, (shape, kind_dtype)) in enumerate(zip(names, shapes)))
-
-
-def _gemma4_caches(target, limits: Limits, slots: int, dtype: str, suffix: str) -> tuple[TensorSpec, ...]:
-    """``k_cache{suffix}_l, v_cache{suffix}_l`` of each layer that owns K / V."""
-    rows = call_rows(limits.max_prompt_chunk, slots - 1)
-    shapes = gemma4_model.cache_shapes(target.config, "batch", limits.max_seq_len, rows)
-    names = [f"{kind}_cache{suffix}_{layer}" for layer in target.owners() for kind in ("k", "v")]
-    return tuple(TensorSpec(name, dtype, shape) for name, shape in zip(names, shapes))
-
-
 def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
-    c, d = draft.config, draft.config.decoder
+    c = draft.config
     dtype = DTYPE_NAMES[draft.lm_head.weight.dtype]
+    caches, outputs = _caches(draft, limits)
     return GraphSpec("draft.onnx", inputs=(
         TensorSpec("ctx_aux", dtype, ("batch", "ctx_rows", draft.fc.in_features)),
         TensorSpec("ctx_start", "int64", ("batch",)),
@@ -124,11 +97,11 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
         TensorSpec("anchor", "int64", ("batch",)),
         TensorSpec("temperature", "float32", ("batch",)),
         TensorSpec("noise", "float32", ("batch", draft.k, c.draft_vocab_size)),
-        *_caches(d, limits.max_seq_len, dtype),
+        *caches,
     ), outputs=(
         TensorSpec("tokens", "int64", ("batch", draft.k)),
         TensorSpec("q", "float32", ("batch", draft.k, draft.target_vocab_size)),
-        *_caches(d, limits.max_seq_len, dtype, "_out"),
+        *outputs,
     ))
 
 

@@ -26,7 +26,7 @@ from plugins.block_attention import block_attention
 from plugins.cache_write import cache_write
 from plugins.gated_delta import gated_delta_rule
 
-from .decoder import MLP, Rotary, apply_rotary, logits_and_aux
+from .decoder import MLP, CachedStep, CacheSpec, Rotary, apply_rotary, kv_cache_specs, logits_and_aux
 from .moe import SparseMoe
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -187,7 +187,7 @@ class HybridLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), first, second
 
 
-class HybridTargetStep(nn.Module):
+class HybridTargetStep(CachedStep, nn.Module):
     """``TargetStep``'s contract plus ``state_slot [B]`` and ``state_rows [B, R]`` after
     ``logit_rows``; per layer two caches, in layer order: ``k, v`` for a full layer, ``conv,
     state`` for a linear one."""
@@ -217,24 +217,20 @@ class HybridTargetStep(nn.Module):
                 aux.append(h)
         return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
 
-    def empty_cache(self, batch: int, capacity: int, slots: int) -> list[torch.Tensor]:
-        """Zeroed caches: K / V ``[B, Hkv, C, D]`` for a full layer, the conv window bank
-        ``[B, K-1, slots, conv_dim]`` (model dtype) and the state bank ``[B, slots, H, Dk, Dv]``
-        (fp32) for a linear one."""
-        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
-        return [torch.zeros(shape, dtype=kind, device=device)
-                for shape, kind in cache_shapes(self.config, batch, capacity, slots, dtype)]
+    takes_states = True
 
-
-def cache_shapes(config, batch: int, capacity: int, slots: int,
-                 dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Each cache's shape and dtype, in the graphs' order."""
-    d, c = config.decoder, config.linear
-    shapes = []
-    for layer_type in c.layer_types:
-        if layer_type == LINEAR:
-            shapes += [((batch, c.conv_kernel - 1, slots, c.conv_dim), dtype),
-                       ((batch, slots, c.num_value_heads, c.key_head_dim, c.value_head_dim), torch.float32)]
-        else:
-            shapes += [((batch, d.num_kv_heads, capacity, d.head_dim), dtype)] * 2
-    return shapes
+    def cache_specs(self, batch, capacity: int, slots: int = 1,
+                    max_rows: int | None = None) -> list[CacheSpec]:
+        """Per layer: K / V ``[B, Hkv, C, D]`` for a full layer; for a linear one the conv window
+        bank ``conv [B, K-1, slots, conv_dim]`` (model dtype) and the state bank ``state [B, slots, H,
+        Dk, Dv]`` (fp32)."""
+        d, c, dtype = self.config.decoder, self.config.linear, self.lm_head.weight.dtype
+        specs = []
+        for layer, layer_type in enumerate(c.layer_types):
+            if layer_type == LINEAR:
+                specs += [CacheSpec("conv", layer, (batch, c.conv_kernel - 1, slots, c.conv_dim), dtype),
+                          CacheSpec("state", layer, (batch, slots, c.num_value_heads, c.key_head_dim,
+                                                     c.value_head_dim), torch.float32)]
+            else:
+                specs += kv_cache_specs(d, batch, capacity, dtype, layers=[layer])
+        return specs

@@ -110,18 +110,14 @@ def _check_unused(left: dict[str, torch.Tensor], layout, directory: Path) -> Non
                               f"or num_kv_shared_layers disagrees with the weights)")
 
 
-def from_start(target: TargetStep | HybridTargetStep, input_ids: torch.Tensor,
+def from_start(target: TargetStep, input_ids: torch.Tensor,
                logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, aux)`` of ``target`` on ``input_ids [B, S]`` from position 0 over fresh caches
     (a hybrid's state in one slot): a teacher-forced pass, the caches discarded."""
     batch, rows = input_ids.shape
     start = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
-    if isinstance(target, HybridTargetStep):
-        states = (start, torch.full_like(start, rows - 1)[:, None])
-        caches = target.empty_cache(batch, rows, 1)
-    else:
-        states, caches = (), target.empty_cache(batch, rows)
-    logits, aux, *_ = target(input_ids, start, logit_rows, *states, *caches)
+    states = (start, torch.full_like(start, rows - 1)[:, None]) if target.takes_states else ()
+    logits, aux, *_ = target(input_ids, start, logit_rows, *states, *target.empty_cache(batch, rows))
     return logits, aux
 
 

@@ -73,10 +73,10 @@ class TorchBackend:
             self.graphs.clear()
 
     def _empty_caches(self, batch: int) -> dict[str, list[torch.Tensor]]:
-        # a hybrid's recurrent-state slots; a Gemma 4 target's sliding rings hold the rows a call writes
-        extra = ((self.limits.state_slots,) if self.limits.state_slots else
-                 (self.limits.call_rows,) if self.target.config.gemma4 is not None else ())
-        caches = {"target": self.target.empty_cache(batch, self.limits.capacity, *extra)}
+        # a hybrid's recurrent-state slots; sliding rings hold the rows a call writes
+        limits = self.limits
+        caches = {"target": self.target.empty_cache(batch, limits.capacity, max(1, limits.state_slots),
+                                                    limits.call_rows)}
         if self.draft is not None:
             caches["draft"] = self.draft.empty_cache(batch, self.limits.capacity)
         return caches

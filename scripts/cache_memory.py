@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export import gemma4_model  # noqa: E402
@@ -55,7 +57,8 @@ def main() -> None:
           f"{layout.sliding_window + rows - 1} rows")
     print(f"{'max_seq_len':>11}  {'engine caches':>13}  {'full-length caches':>18}  ratio")
     for capacity in args.max_seq_len:
-        engine, full = (sum(math.prod(shape) for shape in gemma4_model.cache_shapes(config, 1, capacity, r))
+        engine, full = (sum(math.prod(spec.shape) for spec in
+                            gemma4_model.cache_specs(config, 1, capacity, r, torch.float32))
                         * BYTES[args.dtype] for r in (rows, capacity))
         print(f"{capacity:>11}  {engine / 2**30:10.2f} GiB  {full / 2**30:15.2f} GiB  {engine / full:5.1%}")
 

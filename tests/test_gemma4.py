@@ -41,7 +41,7 @@ def test_the_target_step_gives_transformers_logits(tiny, arch):
     ids = torch.randint(5, target.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
     expected = reference(input_ids=ids).logits
     whole = target(ids, torch.tensor([0]), every_row(ids), *target.empty_cache(1, 64))[0]
-    caches, parts = target.empty_cache(1, 64, 3), []
+    caches, parts = target.empty_cache(1, 64, max_rows=3), []
     assert {c.shape[2] for c in caches} == {target.config.gemma4.sliding_window + 2, 64}
     for begin in range(0, ids.shape[1], 3):
         chunk = ids[:, begin:begin + 3]
