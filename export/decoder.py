@@ -324,8 +324,10 @@ class CachedStep:
     signature for every family. ``slots``: a hybrid's recurrent-state slots (the verify block's
     rows); ``max_rows``: the most rows one call writes (a sliding ring's slack; None: ``capacity``,
     caches that never wrap). A family takes what it needs of them; ``takes_states``: whether its
-    graph also takes ``state_slot`` and ``state_rows``."""
+    graph also takes ``state_slot`` and ``state_rows``; ``rings``: whether some caches keep only
+    their last rows (sliding windows)."""
     takes_states = False
+    rings = False
 
     def cache_specs(self, batch, capacity: int, slots: int = 1,
                     max_rows: int | None = None) -> list[CacheSpec]:

@@ -268,6 +268,8 @@ class Gemma4TargetStep(CachedStep, nn.Module):
         projected = self.per_layer_projection_norm(projected.unflatten(-1, (-1, size)))
         return (projected + tokens) * torch.tensor(2.0 ** -0.5, dtype=h.dtype)
 
+    rings = True
+
     def cache_specs(self, batch, capacity: int, slots: int = 1,
                     max_rows: int | None = None) -> list[CacheSpec]:
         """K / V of each layer that owns them: ``[B, Hkv, C, D]`` for a full layer, a ring of

@@ -51,8 +51,8 @@ class BackendLimits:
                    capacity=capacity, max_batch=max_batch, max_prompt_chunk=max_prompt_chunk or capacity,
                    eos_token_ids=tuple(target.config.eos_token_ids),
                    confidence_threshold=confidence_threshold,
-                   state_slots=(draft.k if draft is not None else 0) + 1 if target.config.linear else 0,
-                   rings=target.config.gemma4 is not None)
+                   state_slots=(draft.k if draft is not None else 0) + 1 if target.takes_states else 0,
+                   rings=target.rings)
 
     @property
     def call_rows(self) -> int:
