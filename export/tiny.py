@@ -91,13 +91,19 @@ def make_tiny(out: Path, spec: TinySpec = TinySpec()) -> tuple[Path, Path]:
 
 
 def _tokenizer():
+    """One token per character, written as a byte-level BPE without merges (as released
+    tokenizers are): ``transformers`` 5.24 rebuilds a Qwen3.5 checkpoint's tokenizer as byte-level
+    BPE whatever its tokenizer.json says, and this one reads the same there, in 5.10.2 and for every
+    other family (docs/families.md)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIALS + CHARACTERS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    # GPT-2's byte-to-character map: printable ASCII is itself, space and newline are U+0120, U+010A
+    characters = [c if 33 <= ord(c) <= 126 else chr(256 + ord(c)) for c in CHARACTERS]
+    vocab = {token: i for i, token in enumerate(SPECIALS + characters)}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
                                         eos_token="<eos>", mask_token="<mask>", pad_token="<unk>")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[3:]})

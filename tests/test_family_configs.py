@@ -37,3 +37,19 @@ def test_a_config_saved_by_either_version_reads_alike(saved_now, name):
         # 5.10.2 writes num_global_key_value_heads null unless the full layers share k and v
         expected = 1 if old.gemma4.attention_k_eq_v else old.decoder.num_kv_heads
         assert (old.gemma4.full_kv_heads, old.gemma4.full_head_dim) == (expected, 32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_moe-multimodal"])
+def test_the_tiny_tokenizer_reads_alike_in_every_family(tiny, arch):
+    """transformers 5.24 loads a Qwen3.5 checkpoint's tokenizer as ``Qwen3_5Tokenizer`` (byte-level
+    BPE) whatever its tokenizer.json says; the tiny one still gives one id per character there,
+    spaces and newlines too, as in every other family and in 5.10.2."""
+    from transformers import AutoTokenizer
+
+    from export.tiny import CHARACTERS, SPECIALS
+
+    text = "the cat sat\nOn 3+4=7? \"yes\""
+    tokenizer = AutoTokenizer.from_pretrained(tiny(arch=arch)[0])
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert ids == [len(SPECIALS) + CHARACTERS.index(c) for c in text]
+    assert tokenizer.decode(ids) == text
