@@ -65,9 +65,9 @@ def prepare_held_out(path: Path, target: TargetStep, sets: dict[str, list[list[i
     prompts (``prompts.read_prompts``), which acceptance is measured on during training; cached in
     ``path`` as the training data is, with ``--eval-prompts`` too."""
     def make() -> dict:
-        return {"sets": {name: {"prompts": prompts,
-                                "continuations": _answers(target, engine, prompts, spec.max_new_tokens, 0.0, 0,
-                                                          spec.progress)}
+        def greedy(prompts):
+            return _answers(target, engine, prompts, spec.max_new_tokens, 0.0, 0, spec.progress)
+        return {"sets": {name: {"prompts": prompts, "continuations": greedy(prompts)}
                          for name, prompts in sets.items() if prompts}}
 
     wanted = {key: settings[key] for key in DATA_SETTINGS} | {"eval_prompts": spec.eval_prompts}

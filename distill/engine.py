@@ -38,8 +38,9 @@ def answers(backend: OrtBackend, prompts: list[list[int]], max_new_tokens: int, 
     speculation verifies), each prompt queued for the next free slot; prompt ``i`` samples from
     ``seed + i`` (``temperature`` 0: greedy)."""
     scheduler = Scheduler(backend, backend.limits.eos_token_ids)
-    requests = [scheduler.submit(prompt, Params(max_new_tokens, temperature, seed=seed + i, speculative=False),
-                                 f"prompt {i + 1}") for i, prompt in enumerate(prompts)]
+    requests = [scheduler.submit(prompt, Params(max_new_tokens, temperature, seed=seed + i,
+                                                speculative=False), f"prompt {i + 1}")
+                for i, prompt in enumerate(prompts)]
     label = "greedy answers" if temperature == 0 else f"answers at T = {temperature:g}"
     with tqdm(total=len(requests), desc=label, unit="prompt", disable=not progress) as bar:
         while scheduler.busy:

@@ -8,8 +8,13 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from export.checkpoint import hf_location
-from export.prompts import (TRAINING_RECORD, encode_prompt, read_jsonl_conversations, read_jsonl_prompts,
-                            training_record)
+from export.prompts import (
+    TRAINING_RECORD,
+    encode_prompt,
+    read_jsonl_conversations,
+    read_jsonl_prompts,
+    training_record,
+)
 
 from .options import DistillSpec
 
@@ -20,7 +25,8 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(location, **options)
 
 
-def read_prompts(spec: DistillSpec, tokenizer) -> tuple[dict[str, list[list[str]]], dict[str, list[list[int]]]]:
+def read_prompts(spec: DistillSpec,
+                 tokenizer) -> tuple[dict[str, list[list[str]]], dict[str, list[list[int]]]]:
     """By the file's name (the first file's first): the user turns of the first ``--num-prompts``
     records of each file short of its last ``--held-out`` (training), and the token ids, through
     the chat template as a user would send them, of the first turn of the first

@@ -21,8 +21,8 @@ def summary(result: DistillResult, out: Path, eval_prompts: int) -> str:
     if best is not None:
         stopped = (f", stopped after {len(result.evals) - 1 - result.evals.index(best)} evaluations without "
                    f"a better one" if result.stopped else "")
-        lines.append(f"  the draft of step {best['step']}, the best of {len(result.evals)} evaluations{stopped}; "
-                     f"teacher-forced held-out tau: "
+        lines.append(f"  the draft of step {best['step']}, the best of {len(result.evals)} "
+                     f"evaluations{stopped}; teacher-forced held-out tau: "
                      + ", ".join(f"{name} {tau:.3f}" for name, tau in best["tau"].items()))
     if result.tau is not None and not math.isnan(result.tau):
         lines.append(f"  tau {result.tau:.3f} tokens per verify step, greedy, on {eval_prompts} "

@@ -34,9 +34,9 @@ def written_prompts(answer: Answer, tokenizer, texts: dict[str, list[str]], coun
     written = {}
     for index, (name, prompts) in enumerate(texts.items()):
         examples = sorted(prompts, key=len)[:(len(prompts) + 1) // 2]
-        requests = [REQUEST.format(examples="\n\n".join(f"{n + 1}. {text}" for n, text in
-                                                      enumerate(draw.sample(examples, min(EXAMPLES, len(examples))))))
-                    for _ in range(count)]
+        drawn = (draw.sample(examples, min(EXAMPLES, len(examples))) for _ in range(count))
+        requests = [REQUEST.format(examples="\n\n".join(f"{n + 1}. {text}" for n, text in enumerate(shown)))
+                    for shown in drawn]
         replies = answer([encode_prompt(tokenizer, request) for request in requests], 1.0,
                          seed + index * count)
         seen, kept = set(prompts), []

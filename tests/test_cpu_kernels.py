@@ -200,8 +200,9 @@ def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, t
 
 class _Attention(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("B", "R", "heads", "kv_heads", "D", "P", "C")] + \
-        [("scale", ctypes.c_float)] + [(name, ctypes.c_void_p) for name in
-                                       ("q", "k_new", "v_new", "k_cache", "v_cache", "start", "slots", "out")] + \
+        [("scale", ctypes.c_float)] + \
+        [(name, ctypes.c_void_p) for name in ("q", "k_new", "v_new", "k_cache", "v_cache", "start", "slots",
+                                               "out")] + \
         [("causal", ctypes.c_int64)]
 
 

@@ -16,8 +16,8 @@ from distill.options import DistillSpec
 from distill.prompts import load_tokenizer
 from distill.run import distill
 from export.pair import load_pair
-from export.target_model import from_start
 from export.prompts import file_checksum
+from export.target_model import from_start
 from runtime.speculative import generate
 from runtime.torch_backend import TorchBackend
 
@@ -117,7 +117,8 @@ def test_the_draft_learns_what_the_target_says(tiny, prompts_file, tmp_path):
     # the measure --eval-every takes: every generated position an anchor, teacher-forced
     with torch.no_grad():
         sequences = [(torch.tensor(p + c), len(p)) for p, c in zip(data["prompts"], data["continuations"])]
-        tapped = [(tokens, length, from_start(target, tokens[None], torch.zeros(1, 0, dtype=torch.long))[1][0])
+        no_rows = torch.zeros(1, 0, dtype=torch.long)
+        tapped = [(tokens, length, from_start(target, tokens[None], no_rows)[1][0])
                   for tokens, length in sequences]
     forced = teacher_forced_tau(draft, tapped, None)
     assert abs(forced - result.stats.tau) < 0.1 * result.stats.tau

@@ -6,7 +6,6 @@ from onnxscript import opset23 as op
 from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
-
 from . import NAME
 
 register_schema(
