@@ -7,10 +7,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from export.cli_parser import Parser
-from export.errors import run_command
-from export.outputs import check_replaceable
-from export.prompts import DEFAULT_PROMPTS
+from common.cli_parser import Parser
+from common.errors import run_command
+from common.outputs import check_replaceable
+from common.prompts import DEFAULT_PROMPTS
 
 from .options import DistillSpec
 
@@ -43,7 +43,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.force or not is_run(out):  # a distill run in --out is resumed, anything else is refused
         check_replaceable(out, args.force, "--out", sources=(Path(args.target), *spec.prompts))
-        from export.checkpoint import resolve
+        from modeling.checkpoint import resolve
 
         resolve(args.target, "target")   # a mistyped --target fails before a run is removed
         shutil.rmtree(out, ignore_errors=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from export.checkpoint import write_tensors
-from export.draft_model import DraftStep
+from modeling.checkpoint import write_tensors
+from modeling.draft import DraftStep
 
 
 def is_run(out: Path) -> bool:

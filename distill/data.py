@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from export.dense_model import TargetStep
-from export.prompts import encode_prompt
-from runtime.backend import capacity_needed
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from common.prompts import encode_prompt
+from modeling.dense import TargetStep
+from runtime.backends.base import capacity_needed
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from . import engine as engine_target
 from . import synthetic

@@ -1,5 +1,5 @@
 """The fresh draft: which target layers it taps, its native ``config.json`` (the target's, through
-``export.draft_config.native_config``) and its starting weights."""
+``modeling.draft_config.native_config``) and its starting weights."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from export.checkpoint import hf_location, read_config
-from export.dense_model import TargetStep
-from export.draft_config import load_draft_config, native_config
-from export.draft_model import DraftStep
-from export.target_config import load_target_config
+from modeling.checkpoint import hf_location, read_config
+from modeling.dense import TargetStep
+from modeling.draft import DraftStep
+from modeling.draft_config import load_draft_config, native_config
+from modeling.target_config import load_target_config
 
 from .options import DistillSpec
 

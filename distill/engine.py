@@ -2,7 +2,7 @@
 slots kept busy, and its taps by teacher forcing, computed as the draft will read them when that
 engine serves it. On the CPU with the compiled kernels the engine runs a batch of sequences in one
 call on the quantized weights the user serves, several times faster than the PyTorch target
-(``export/drafts/smollm2-135m-instruct/README.md``)."""
+(``modeling/drafts/smollm2-135m-instruct/README.md``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from export import manifest as manifest_file
-from runtime.ort_backend import OrtBackend
-from runtime.params import Params
-from runtime.scheduler import Scheduler
+from common import manifest as manifest_file
+from runtime.backends.ort import OrtBackend
+from runtime.decoding.params import Params
+from runtime.decoding.scheduler import Scheduler
 
 
 def open_engine(engine: Path, target_dir: Path, taps: tuple[int, ...] | None) -> OrtBackend:

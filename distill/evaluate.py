@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from export.dense_model import TargetStep
-from export.draft_model import DraftStep, load_draft
-from runtime.backend import capacity_needed
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.dense import TargetStep
+from modeling.draft import DraftStep, load_draft
+from runtime.backends.base import capacity_needed
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from .loss import teacher_forced_logits
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from export.dense_model import TargetStep
-from export.draft_model import DraftStep
-from export.target_model import from_start
+from modeling.dense import TargetStep
+from modeling.draft import DraftStep
+from modeling.target import from_start
 
 from .checkpoint import atomic, check_same, save
 from .engine import taps as engine_taps

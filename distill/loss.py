@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from export.draft_model import DraftStep
+from modeling.draft import DraftStep
 
 
 def teacher_forced_logits(draft: DraftStep, aux: torch.Tensor, tokens: torch.Tensor,

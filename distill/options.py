@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from export.prompts import DEFAULT_PROMPTS
+from common.prompts import DEFAULT_PROMPTS
 
 # settings a resumed run must share with the run that wrote OUT (the rest may change)
 DATA_SETTINGS = ("target", "prompts", "num_prompts", "held_out", "max_new_tokens", "samples", "synthetic",

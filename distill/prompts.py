@@ -7,14 +7,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from export.checkpoint import hf_location
-from export.prompts import (
+from common.prompts import (
     TRAINING_RECORD,
     encode_prompt,
     read_jsonl_conversations,
     read_jsonl_prompts,
     training_record,
 )
+from modeling.checkpoint import hf_location
 
 from .options import DistillSpec
 

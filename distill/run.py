@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from export.checkpoint import resolve
-from export.target_model import load_target
+from modeling.checkpoint import resolve
+from modeling.target import load_target
 
 from .checkpoint import load_trainer
 from .data import prepare_data, prepare_held_out

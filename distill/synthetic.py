@@ -10,7 +10,7 @@ import random
 import re
 from typing import Callable
 
-from export.prompts import encode_conversation, encode_prompt
+from common.prompts import encode_conversation, encode_prompt
 
 EXAMPLES = 3                  # training records shown in each request
 REQUEST = ("Here are some example questions:\n\n{examples}\n\nWrite one new question of the same kind, "

@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_parser import Parser
-from .errors import run_command
-from .layouts import LAYOUTS
-from .outputs import check_replaceable, staged_directory
-from .presets import PRESETS
-from .tiny import ARCHS
+from common.cli_parser import Parser
+from common.errors import run_command
+from common.outputs import check_replaceable, staged_directory
+from modeling.fixtures.presets import PRESETS
+from modeling.fixtures.tiny import ARCHS
+from modeling.layouts import LAYOUTS
 
 TINY_SHAPE = ("arch", "draft_format", "draft_vocab", "layout", "block_size")   # make-tiny's shape flags
 # what Ctrl-C leaves behind: outputs are staged beside OUT / --out and swapped in only when complete
@@ -19,8 +19,8 @@ UNCHANGED = "no output was changed"
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
-    from .presets import make_preset
-    from .tiny import TinySpec, make_tiny
+    from modeling.fixtures.presets import make_preset
+    from modeling.fixtures.tiny import TinySpec, make_tiny
 
     out = Path(args.out)
     shape_flags = {name: value for name in TINY_SHAPE if (value := getattr(args, name)) is not None}
@@ -51,14 +51,14 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
     """``build``'s flags, the demo pair's defaults filled in, and its paths, checked before
     anything loads (``build_checks``: no torch, transformers or onnx): ``(out, where k came
     from)``, or one line on the first mistake."""
-    from . import build_checks
-    from .checkpoint import resolve
+    from export import build_checks
+    from modeling.checkpoint import resolve
 
     if (args.target is None) != (args.draft is None):
         raise ValueError("pass both --target and --draft, or neither for the built-in demo pair")
     k_origin = None if args.k is None else f"--k {args.k}"
     if args.target is None:
-        from . import demo_pair
+        from modeling import demo_pair
 
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         if args.k is None:
@@ -92,9 +92,9 @@ def cmd_build(args: argparse.Namespace) -> None:
     out, k_origin = check_build(args)
     # every flag and path was checked above, with nothing loaded: the long work starts only now
     with staged_directory(out, "--out") as staging:
-        from . import manifest
-        from .build import build
-        from .onnx_export import Limits
+        from common import manifest
+        from export.build import build
+        from export.onnx_export import Limits
 
         limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         max_prompt_chunk=args.max_prompt_chunk)
@@ -124,13 +124,13 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from . import manifest
+    from common import manifest
 
     print(manifest.describe(manifest.read(Path(args.engine))))
 
 
 def cmd_triton_repo(args: argparse.Namespace) -> None:
-    from .triton_repo import write_model
+    from runtime.serving.tritonserver_repo import write_model
 
     model = write_model(Path(args.engine), Path(args.out), args.name, args.backend, args.instances,
                         args.threads, args.max_queue, args.draft_schedule, args.force)
@@ -182,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", help="target checkpoint: directory, .gguf file or hub id [the demo "
                                     "pair's SmolLM2-135M-Instruct GGUF]")
     b.add_argument("--draft", help="DSpark draft: directory or hub id [the demo pair's distilled "
-                                   "draft, export/drafts/smollm2-135m-instruct]")
+                                   "draft, modeling/drafts/smollm2-135m-instruct]")
     b.add_argument("--out", help="engine directory [engines/<draft name>]")
     b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
     b.add_argument("--confidence-threshold", type=float, metavar="P",

@@ -26,19 +26,26 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from common import manifest as manifest_file
+from export import build_checks, quantize
+from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
+from export.onnx_check import VerificationError, check_model, compare_with_reference
+from export.onnx_export import (
+    DTYPE_NAMES,
+    GraphSpec,
+    Limits,
+    draft_spec,
+    export_graph,
+    sample_inputs,
+    target_spec,
+)
+from modeling.checkpoint import CheckpointError, hf_location, resolve
+from modeling.dense import TargetStep
+from modeling.draft import DraftStep, load_draft
+from modeling.draft_config import load_draft_config
+from modeling.target import load_target
+from modeling.target_config import load_target_config
 from plugins.block_attention.ort_contrib import target_rotary
-
-from . import build_checks, quantize
-from . import manifest as manifest_file
-from .checkpoint import CheckpointError, hf_location, resolve
-from .dense_model import TargetStep
-from .draft_config import load_draft_config
-from .draft_model import DraftStep, load_draft
-from .gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
-from .onnx_check import VerificationError, check_model, compare_with_reference
-from .onnx_export import DTYPE_NAMES, GraphSpec, Limits, draft_spec, export_graph, sample_inputs, target_spec
-from .target_config import load_target_config
-from .target_model import load_target
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOKENIZER_DIR = "tokenizer"
@@ -59,7 +66,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
           weights_block: int = 32, quantize_draft: bool = False, progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
     ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
-    ``confidence_threshold`` is recorded as the runtime's default (``runtime.speculative``).
+    ``confidence_threshold`` is recorded as the runtime's default (``runtime.decoding.speculative``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
     ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
     own blocks (and ``quantize_draft`` rounds the draft to int4). A ``None`` in ``limits`` is the
@@ -182,7 +189,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             "tokenizer": TOKENIZER_DIR,
         }
         if backend != "onnx":
-            from .trt_build import build_engines
+            from export.trt_build import build_engines
 
             phase(f"build {backend} engines")
             engines = build_engines(out, manifest, backend, list(gpus))
@@ -330,7 +337,7 @@ def _save_tokenizer(target_dir: Path, destination: Path):
 
 def _save_generation_config(target_dir: Path, out: Path) -> None:
     """The target's ``generation_config.json`` beside the graphs, if it has one: its sampling
-    fields are a server's defaults (``runtime/generator.py``, as vLLM's ``--generation-config
+    fields are a server's defaults (``runtime/decoding/generator.py``, as vLLM's ``--generation-config
     auto``)."""
     import shutil
 

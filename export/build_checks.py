@@ -11,7 +11,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-from .layouts import check_k, trained_block
+from modeling.layouts import check_k, trained_block
 
 BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
@@ -99,7 +99,7 @@ def check_draft_k(draft_dir: Path, k: int | None) -> None:
     """``--k`` against the drafts a block of the draft's declared width proposes, from its
     config.json's fields alone; a config this cannot read is left to the loader, which names
     what is wrong with it."""
-    from .checkpoint import read_config
+    from modeling.checkpoint import read_config
 
     if k is None:
         return

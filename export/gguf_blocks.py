@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .quantize import Blocks
+from export.quantize import Blocks
 
 BLOCK = 32
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")

@@ -7,11 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.errors import VerificationError
+from common.manifest import is_cache
 from plugins.cpu.build import library
 from plugins.ort_session import lowered_session
-
-from .errors import VerificationError
-from .manifest import is_cache
 
 # max |ORT - PyTorch| allowed, relative to max(1, max |reference|), per activation dtype. Rounding
 # differences grow with depth: the tiny pairs agree to ~2e-6, the 30-layer SmolLM2 target to 1.4e-4

@@ -16,15 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.manifest import call_rows, is_cache
+from modeling.dense import TargetStep
+from modeling.draft import DraftStep
 from plugins.block_attention import onnx_function as block_attention_onnx
 from plugins.cache_write import onnx_function as cache_write_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
 from plugins.gated_delta import onnx_function as gated_delta_onnx
 from plugins.moe import onnx_function as moe_onnx
-
-from .dense_model import TargetStep
-from .draft_model import DraftStep
-from .manifest import call_rows, is_cache
 
 OPSETS = (23, 24)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

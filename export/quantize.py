@@ -34,12 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugins.qmatmul.ort_lowering import linear_weight
-
 # the weight formats live where the command line checks them without loading anything
-from .build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
-from .onnx_check import to_numpy
-from .target_model import from_start
+from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
+from export.onnx_check import to_numpy
+from modeling.target import from_start
+from plugins.qmatmul.ort_lowering import linear_weight
 
 # the quality cost is measured on the prompts the demo draft's distillation held out (the last 20
 # records of the file), token by token, at most this many tokens per prompt
@@ -75,7 +74,7 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
     except ``float_weights``, and so each MoE layer's two expert matrices. Returns how many
     matrices were replaced; none is refused, so no engine is labelled quantized that is not."""
-    from .moe import Experts
+    from modeling.moe import Experts
 
     kept = float_weights(module)
     linears = [m for name, m in module.named_modules()
@@ -374,7 +373,7 @@ def _packed(blocks: Blocks) -> np.ndarray:
 def held_out_texts(tokenizer, max_tokens: int) -> list[list[int]] | None:
     """Token ids of the held-out prompts the quality cost is measured on (no chat template), each
     cut to ``max_tokens``; None when the prompt file is not there (an installed package)."""
-    from .prompts import DEFAULT_PROMPTS, read_jsonl_prompts
+    from common.prompts import DEFAULT_PROMPTS, read_jsonl_prompts
 
     if not DEFAULT_PROMPTS.is_file():
         return None

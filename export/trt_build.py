@@ -15,12 +15,11 @@ from pathlib import Path
 
 import onnx
 
+from common.errors import EngineBuildError
+from export.build_checks import TENSORRT_MODULES as MODULES
+from export.build_checks import check_gpus
 from plugins.onnx_domain import DOMAIN
 from plugins.tensorrt_plugin import register_plugins
-
-from .build_checks import TENSORRT_MODULES as MODULES
-from .build_checks import check_gpus
-from .errors import EngineBuildError
 
 PROFILES = ("prefill", "decode")
 

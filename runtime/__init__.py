@@ -10,7 +10,7 @@ __all__ = ["Generation", "Generator"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import generator
+        from runtime.decoding import generator
 
         return getattr(generator, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

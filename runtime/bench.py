@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from .backends import BACKENDS
-from .generate import check_flags, read_prompts, stopping_on_ctrl_c
+from runtime.backends import BACKENDS
+from runtime.generate import check_flags, read_prompts, stopping_on_ctrl_c
 
 
 def parser():
-    from export.cli_parser import Parser
+    from common.cli_parser import Parser
 
     p = Parser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> None:
 def checked_run(args) -> dict:
     """``run``, after the checks that need no engine (the outputs first, so that the result is
     never lost at the end); one line on bad input."""
-    from export.outputs import writable_file
+    from common.outputs import writable_file
 
     try:
         check_flags(args)
         writable_file(args.out, "--out")
         writable_file(args.plot, "--plot")
         if args.llama_cpp:
-            from . import llama_cpp_baseline
+            from runtime import llama_cpp_baseline
 
             llama_cpp_baseline.check(args.llama_cpp)
         args.prompt = []
@@ -105,7 +105,7 @@ def check_held_out(args, count: int) -> int:
     if found is None:
         return 0
     path, record = found
-    from export.prompts import read_jsonl_prompts, trained_records
+    from common.prompts import read_jsonl_prompts, trained_records
 
     trained = trained_records(record, args.prompts_file)
     overlap = range(max(args.skip, trained.start), min(args.skip + count, trained.stop))
@@ -121,12 +121,12 @@ def check_held_out(args, count: int) -> int:
 
 def training_record(engine) -> tuple[Path, dict] | None:
     """``(path, record)`` of the training.json of the engine's draft: beside the draft that
-    manifest.json names, or among the drafts this package ships (``export/drafts/``, for an engine
+    manifest.json names, or among the drafts this package ships (``modeling/drafts/``, for an engine
     built elsewhere); a record that names ``draft_files`` applies only to those exact weights."""
-    from export import manifest as manifest_file
-    from export.checkpoint import read_json
-    from export.demo_pair import DRAFT
-    from export.prompts import TRAINING_RECORD, check_training_record
+    from common import manifest as manifest_file
+    from common.prompts import TRAINING_RECORD, check_training_record
+    from modeling.checkpoint import read_json
+    from modeling.demo_pair import DRAFT
 
     draft = manifest_file.read(Path(engine))["source"]["draft"]
     beside = Path(draft["path"]) / TRAINING_RECORD
@@ -145,7 +145,7 @@ def run(args, prompts: list[str]) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from .generator import Generator
+    from runtime.decoding.generator import Generator
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,7 +240,7 @@ def _over_passes(passes: list[dict]) -> dict:
 
 
 def manifest_weights(engine) -> dict:
-    from export import manifest as manifest_file
+    from common import manifest as manifest_file
 
     return manifest_file.weight_formats(manifest_file.read(Path(engine)))
 
@@ -261,7 +261,7 @@ def _llama_cpp(args, generator):
     import contextlib
     import os
 
-    from . import llama_cpp_baseline
+    from runtime import llama_cpp_baseline
 
     if not args.llama_cpp:
         return contextlib.nullcontext()
@@ -286,7 +286,7 @@ def _engine_run(runs) -> dict:
 def _source_target(engine: str) -> str:
     """The source target recorded in manifest.json, which the transformers baseline loads; checked
     before the benchmark, so that a missing one costs no time."""
-    from export import manifest as manifest_file
+    from common import manifest as manifest_file
 
     path = manifest_file.read(Path(engine))["source"]["target"]["path"]
     if not Path(path).exists():
@@ -300,7 +300,7 @@ def _transformers_run(target_path: str, prompts: list[list[int]], args, lookup: 
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
-    from export.checkpoint import hf_location
+    from modeling.checkpoint import hf_location
 
     location, gguf = hf_location(Path(target_path))
     model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **gguf).eval()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import sys
 
-from .generate import check_flags, stopping_on_ctrl_c, system_messages
+from runtime.generate import check_flags, stopping_on_ctrl_c, system_messages
 
 
 def parser():
-    from export.cli_parser import Parser
-
-    from .backends import BACKENDS
+    from common.cli_parser import Parser
+    from runtime.backends import BACKENDS
 
     p = Parser(prog="python -m runtime.chat", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser().parse_args(argv)
         try:
             check_flags(args)
-            from .generator import Generator
+            from runtime.decoding.generator import Generator
 
             generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
             if not generator.tokenizer.chat_template:

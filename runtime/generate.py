@@ -15,7 +15,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from .backends import BACKENDS
+from runtime.backends import BACKENDS
 
 # what each numeric flag of generate and bench accepts: checked before anything loads, so that no
 # value is clamped, ignored or taken to mean "all"
@@ -35,7 +35,7 @@ EXPECTED = {
 
 
 def parser():
-    from export.cli_parser import Parser
+    from common.cli_parser import Parser
 
     p = Parser(
         prog="python -m runtime.generate",
@@ -96,7 +96,7 @@ def check_flags(args) -> None:
 def read_prompts(args) -> list:
     """The --prompt values and --prompts-file records, or, when neither was given, the lines of
     standard input; then --skip and --limit. With --all-turns, each record's list of turns."""
-    from export.prompts import read_jsonl_conversations, read_jsonl_prompts, utf8_text
+    from common.prompts import read_jsonl_conversations, read_jsonl_prompts, utf8_text
 
     prompts = list(args.prompt)
     if getattr(args, "all_turns", False):
@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> None:
 def prepare(args):
     """Check every input, then load the engine and make the batches (every prompt checked before
     any runs): ``(generator, prompts, decodings)``, or one line on bad input."""
-    from export.outputs import writable_file
+    from common.outputs import writable_file
 
     try:
         check_flags(args)
         if args.trace:
             writable_file(args.trace, "--trace")
         prompts = read_prompts(args)
-        from .generator import Generator
+        from runtime.decoding.generator import Generator
 
         if sys.stderr.isatty():   # a few seconds of ONNX Runtime preparing the graphs: say so
             print(f"loading {args.engine} ({args.backend} backend) ...", file=sys.stderr, flush=True)

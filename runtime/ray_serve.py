@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .backends import BACKENDS, GPU_BACKENDS
+from runtime.backends import BACKENDS, GPU_BACKENDS
 
 # the named actor through which the driver stops the replicas, in a namespace of its own (a replica
 # runs in Ray Serve's)
@@ -77,9 +77,8 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
     """The Ray Serve application (``serve.run`` it); the engine is checked here, in one line."""
     from ray import serve
 
-    from export import manifest as manifest_file
-
-    from .draft_schedule import DraftSchedule
+    from common import manifest as manifest_file
+    from runtime.decoding.draft_schedule import DraftSchedule
 
     manifest = manifest_file.read(Path(engine))
     schedule = DraftSchedule.parse(draft_schedule, manifest["draft"]["k"]) if draft_schedule else None
@@ -87,8 +86,8 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
 
     def build():
         """The replica's app, made where it runs: its own backend, opened before it takes traffic."""
-        from .generator import Generator
-        from .serve import Server
+        from runtime.decoding.generator import Generator
+        from runtime.serve import Server
 
         server = Server(lambda: Generator.from_engine(engine, backend, threads), model, max_queue, schedule)
         server.open()
@@ -126,7 +125,7 @@ def local_cluster(cpus: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from export.cli_parser import Parser
+    from common.cli_parser import Parser
 
     p = Parser(prog="python -m runtime.ray_serve",
                description="Serve an engine directory's OpenAI-compatible routes on Ray Serve replicas "

@@ -2,7 +2,7 @@
 
 HTTP handlers (FastAPI on uvicorn) hand requests to the scheduler thread (``request_loop.Engine``)
 and receive each step's tokens in an asyncio queue of their own, so requests join and leave the
-running batch as they come (``runtime/scheduler.py``). Bad requests get an OpenAI-style error
+running batch as they come (``runtime/decoding/scheduler.py``). Bad requests get an OpenAI-style error
 object with the right status; a full queue gets 429 with ``Retry-After``; a client that goes away
 cancels its request at the next step.
 """
@@ -18,12 +18,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .backends import BACKENDS
-from .draft_schedule import DraftSchedule
-from .generator import Generator
-from .openai_reply import ABORTED, Reply
-from .openai_request import RequestError, body_field, chat_prompt, completion_prompts, request_params
-from .request_loop import Engine
+from runtime.backends import BACKENDS
+from runtime.decoding.draft_schedule import DraftSchedule
+from runtime.decoding.generator import Generator
+from runtime.serving.openai_reply import ABORTED, Reply
+from runtime.serving.openai_request import (
+    RequestError,
+    body_field,
+    chat_prompt,
+    completion_prompts,
+    request_params,
+)
+from runtime.serving.request_loop import Engine
 
 
 class Server:
@@ -269,7 +275,7 @@ class Server:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from export.cli_parser import Parser
+    from common.cli_parser import Parser
 
     p = Parser(prog="python -m runtime.serve",
                description="Serve an engine directory over an OpenAI-compatible HTTP API "
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
                         "with 503 [10]")
     p.add_argument("--access-log", action="store_true", help="log every request on stderr (uvicorn's)")
     args = p.parse_args(argv)
-    from export import manifest as manifest_file
+    from common import manifest as manifest_file
 
     try:   # what can be checked before listening gets one line and status 1 now
         for flag, value in (("--max-body", args.max_body), ("--grace-period", args.grace_period)):

@@ -2,7 +2,7 @@
 runs a Triton Inference Server of its own with the engine as a decoupled model; ``bind(triton,
 engine)`` adds it to a ``pytriton.triton.Triton`` the caller runs beside other models.
 
-The model speaks the generate extension like the model repository's (``runtime/triton_io.py``):
+The model speaks the generate extension like the model repository's (``runtime/serving/tritonserver_io.py``):
 ``/v2/models/NAME/generate``, ``generate_stream`` and gRPC streaming; its requests go to the
 scheduler thread every front end shares (``request_loop.Engine``), which runs in this process, with
 the same per-request options and checks: a refused request gets Triton's error with one line
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import triton_io
-from .openai_request import RequestError
-from .request_loop import Engine, Job
+from runtime.serving import tritonserver_io
+from runtime.serving.openai_request import RequestError
+from runtime.serving.request_loop import Engine, Job
 
 DTYPES = {"TYPE_STRING": np.bytes_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32,
           "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}
@@ -47,8 +47,8 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
     interpreter's ``lib/`` first on ``LD_LIBRARY_PATH`` (``serve`` sees to that)."""
     from pytriton.model_config import ModelConfig, Tensor
 
-    from .draft_schedule import DraftSchedule
-    from .generator import Generator
+    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.generator import Generator
 
     generator = Generator.from_engine(engine, backend, threads)
     schedule = DraftSchedule.parse(draft_schedule, generator.backend.limits.k) if draft_schedule else None
@@ -60,12 +60,12 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
         (request,) = requests
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            ids, params, stream = triton_io.read(request.data, generator)
+            ids, params, stream = tritonserver_io.read(request.data, generator)
             job = Job(ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             engine_loop.submit(job)
         except RequestError as err:
             raise Refused(err.message) from None
-        replies = triton_io.Replies(generator, params, stream)
+        replies = tritonserver_io.Replies(generator, params, stream)
         try:
             while (event := await events.get()) is not None:
                 if isinstance(event, RequestError):
@@ -82,7 +82,7 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
                 for i, entry in enumerate(entries)]
 
     triton.bind(model_name=name or Path(engine).resolve().name, infer_func=infer,
-                inputs=tensors(triton_io.INPUTS, True), outputs=tensors(triton_io.OUTPUTS, False),
+                inputs=tensors(tritonserver_io.INPUTS, True), outputs=tensors(tritonserver_io.OUTPUTS, False),
                 config=ModelConfig(batching=False, decoupled=True))
     return engine_loop
 

@@ -1,7 +1,7 @@
 """A Triton Inference Server Python-backend model over an engine directory: the ``TritonPythonModel``
-that ``python -m export triton-repo`` writes a model repository for (``export/triton_repo.py``).
+that ``python -m export triton-repo`` writes a model repository for (``runtime/serving/tritonserver_repo``).
 
-The model is decoupled and speaks Triton's generate extension (``runtime/triton_io.py``):
+The model is decoupled and speaks Triton's generate extension (``runtime/serving/tritonserver_io.py``):
 ``POST /v2/models/NAME/generate`` (one response: the whole text) and ``generate_stream`` (with
 ``"stream": true``, one response per step with the text that step accepted, then one with the
 finish reason; over SSE). Each instance runs one backend under the scheduler thread the OpenAI
@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import json
 
-from . import triton_io
-from .openai_request import RequestError
-from .request_loop import Engine, Job
-from .triton_metrics import TritonMetrics
+from runtime.serving import tritonserver_io
+from runtime.serving.openai_request import RequestError
+from runtime.serving.request_loop import Engine, Job
+from runtime.serving.tritonserver_metrics import TritonMetrics
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
-        from .draft_schedule import DraftSchedule
-        from .generator import Generator
+        from runtime.decoding.draft_schedule import DraftSchedule
+        from runtime.decoding.generator import Generator
 
         self.pb = pb_utils
         parameters = {key: value["string_value"]
@@ -46,17 +46,17 @@ class TritonPythonModel:
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
-        tensors = {name: tensor.as_numpy() for name, *_ in triton_io.INPUTS
+        tensors = {name: tensor.as_numpy() for name, *_ in tritonserver_io.INPUTS
                    if (tensor := self.pb.get_input_tensor_by_name(request, name)) is not None}
         try:
-            ids, params, stream = triton_io.read(tensors, self.generator)
-            replies = triton_io.Replies(self.generator, params, stream)
+            ids, params, stream = tritonserver_io.read(tensors, self.generator)
+            replies = tritonserver_io.Replies(self.generator, params, stream)
             job = Job(ids, params, lambda event: self._deliver(request, sender, job, replies, event))
             self.engine.submit(job)
         except RequestError as err:
             self._refuse(sender, err)
 
-    def _deliver(self, request, sender, job: Job, replies: triton_io.Replies, event) -> None:
+    def _deliver(self, request, sender, job: Job, replies: tritonserver_io.Replies, event) -> None:
         """A step's event for ``job`` (on the scheduler thread): a streamed request's new text, or
         at its end the rest and its finish reason. A request Triton cancelled (its client went
         away) is cancelled here, at the next step."""

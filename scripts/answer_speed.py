@@ -19,12 +19,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.prompts import encode_prompt  # noqa: E402
 from distill import data  # noqa: E402
 from distill import engine as engine_target  # noqa: E402
 from distill.prompts import load_tokenizer  # noqa: E402
-from export.checkpoint import resolve  # noqa: E402
-from export.prompts import encode_prompt  # noqa: E402
-from export.target_model import from_start, load_target  # noqa: E402
+from modeling.checkpoint import resolve  # noqa: E402
+from modeling.target import from_start, load_target  # noqa: E402
 
 
 def main() -> None:

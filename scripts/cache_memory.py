@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export import gemma4_model  # noqa: E402
-from export.manifest import call_rows  # noqa: E402
-from export.presets import PRESETS, gemma4_layer_types  # noqa: E402
-from export.target_config import load_target_config  # noqa: E402
+from common.manifest import call_rows  # noqa: E402
+from modeling import gemma4  # noqa: E402
+from modeling.fixtures.presets import PRESETS, gemma4_layer_types  # noqa: E402
+from modeling.target_config import load_target_config  # noqa: E402
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -58,7 +58,7 @@ def main() -> None:
     print(f"{'max_seq_len':>11}  {'engine caches':>13}  {'full-length caches':>18}  ratio")
     for capacity in args.max_seq_len:
         engine, full = (sum(math.prod(spec.shape) for spec in
-                            gemma4_model.cache_specs(config, 1, capacity, r, torch.float32))
+                            gemma4.cache_specs(config, 1, capacity, r, torch.float32))
                         * BYTES[args.dtype] for r in (rows, capacity))
         print(f"{capacity:>11}  {engine / 2**30:10.2f} GiB  {full / 2**30:15.2f} GiB  {engine / full:5.1%}")
 

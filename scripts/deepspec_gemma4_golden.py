@@ -34,7 +34,7 @@ BLOCK = 4
 def tiny_target(out: Path):
     import transformers
 
-    from export.tiny import _tokenizer
+    from modeling.fixtures.tiny import _tokenizer
 
     tokenizer = _tokenizer()
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=6,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start: set up, export the built-in demo pair (SmolLM2-135M-Instruct and the DSpark draft
-# distilled for it, export/drafts/smollm2-135m-instruct) to an engine directory, verified against
+# distilled for it, modeling/drafts/smollm2-135m-instruct) to an engine directory, verified against
 # PyTorch in ONNX Runtime, and run speculative decoding on it with statistics, then target-only
 # decoding for comparison. Extra arguments go to `python -m runtime.generate`.
 set -euo pipefail

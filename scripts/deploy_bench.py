@@ -67,9 +67,9 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from export.triton_repo import write_model
     from runtime import Generator
     from runtime.ray_serve import application, local_cluster
+    from runtime.serving.tritonserver_repo import write_model
 
     generator = Generator.from_engine(args.engine, threads=args.threads)
     prompts, clients = chat_prompts(generator, args), [int(n) for n in args.clients.split(",")]

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export import quantize  # noqa: E402
-from runtime.ort_backend import OrtBackend  # noqa: E402
+from runtime.backends.ort import OrtBackend  # noqa: E402
 
 
 def predictions(engine: Path, texts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,7 +210,7 @@ def engine_gpus(backend: str, capability: tuple[int, int]) -> tuple[str, ...]:
 
 def tiny_pair(tmp: Path) -> tuple[Path, Path]:
     """The tiny random pair the engine steps share, made by the first that needs it."""
-    from export.tiny import TinySpec, make_tiny
+    from modeling.fixtures.tiny import TinySpec, make_tiny
 
     pair = tmp / "pair"
     if (pair / "draft" / "config.json").is_file():
@@ -220,9 +220,9 @@ def tiny_pair(tmp: Path) -> tuple[Path, Path]:
 
 def check_torch_backend(tmp: Path) -> str:
     from export.build import build
-    from runtime.ort_backend import OrtBackend
-    from runtime.speculative import generate
-    from runtime.torch_backend import TorchBackend
+    from runtime.backends.ort import OrtBackend
+    from runtime.backends.pytorch import TorchBackend
+    from runtime.decoding.speculative import generate
 
     engine = tmp / "fp32"
     build(*map(str, tiny_pair(tmp)), engine, limits=limits(), progress=False)
@@ -236,9 +236,9 @@ def check_torch_backend(tmp: Path) -> str:
 
 def check_engines(backend: str, tmp: Path) -> str:
     from export.build import build
-    from runtime.ort_backend import OrtBackend
-    from runtime.speculative import generate
-    from runtime.trt_backend import TrtBackend
+    from runtime.backends.ort import OrtBackend
+    from runtime.backends.trt import TrtBackend
+    from runtime.decoding.speculative import generate
 
     gpus = engine_gpus(backend, torch.cuda.get_device_capability())
     out = tmp / backend

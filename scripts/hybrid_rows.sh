@@ -14,7 +14,7 @@ for preset in qwen3.6-27b qwen3-32b; do
     engine="$OUT/engine-$preset-$weights"
     [ -f "$engine/manifest.json" ] && continue
     [ -d "$OUT/$preset" ] || $PY -c "
-from pathlib import Path; from export.presets import make_preset
+from pathlib import Path; from modeling.fixtures.presets import make_preset
 make_preset(Path('$OUT/$preset'), '$preset', layers=4, vocab=32768)"
     # the draft quantized too at int4: it does not enter the target step's time, only the disk
     $PY -m export build --target "$OUT/$preset/target" --draft "$OUT/$preset/draft" --out "$engine" \

@@ -35,8 +35,8 @@ def timed(command: list[str]) -> tuple[float, int]:
 
 
 def main() -> None:
-    from export.outputs import writable_file
-    from export.presets import PRESETS
+    from common.outputs import writable_file
+    from modeling.fixtures.presets import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", choices=list(PRESETS), default=["qwen3-0.6b", "qwen3-1.7b"])

@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 START = """
 import importlib.util, sys, time
 sys.path.insert(0, {root!r})
-from runtime.generator import Generator
+from runtime.decoding.generator import Generator
 g = Generator.from_engine({engine!r}, "ort", {threads})
 if {module!r}:
     spec = importlib.util.spec_from_file_location("runtime._measured_schedule", {module!r})
     schedule_module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(schedule_module)
 else:
-    import runtime.draft_schedule as schedule_module
+    import runtime.decoding.draft_schedule as schedule_module
 begin = time.perf_counter()
 schedule = schedule_module.measure(g.backend)[0]
 print(schedule, f"{{time.perf_counter() - begin:.2f}}")

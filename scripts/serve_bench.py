@@ -13,7 +13,7 @@ per-request tokens/s; for our servers also tau and drafts per step from ``/metri
 our servers' texts must equal ``Generator``'s (checked, reported).
 
     python scripts/serve_bench.py --engine engines/smollm2-135m-instruct \\
-        --llama-cpp "$(python -c 'from export import demo_pair; print(demo_pair.target())')" \\
+        --llama-cpp "$(python -c 'from modeling import demo_pair; print(demo_pair.target())')" \\
         --skip 180 --limit 16 --threads 2 --out docs/bench/serve.json --plot docs/bench/serve.png
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int
 def chat_prompts(generator, args) -> list[str]:
     """``--limit`` held-out prompts from ``--skip`` on, through the chat template here, so that
     every server reads the same text."""
-    from export.prompts import read_jsonl_prompts
+    from common.prompts import read_jsonl_prompts
 
     texts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:][:args.limit]
     return [generator.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.prompts import read_jsonl_prompts  # noqa: E402
-from runtime.generator import Generator  # noqa: E402
+from common.prompts import read_jsonl_prompts  # noqa: E402
+from runtime.decoding.generator import Generator  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from export.onnx_export import Limits
-from export.tiny import TinySpec, make_tiny
+from modeling.fixtures.tiny import TinySpec, make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,8 +133,8 @@ def wait_until_serving(process, url: str, seconds: float) -> None:
 def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> float:
     """The median top probability of the draft's distributions over a generation: as a
     ``confidence_threshold`` it cuts about half the drafts, so sequences propose different counts."""
-    from runtime.speculative import generate
-    from runtime.torch_backend import TorchBackend
+    from runtime.backends.pytorch import TorchBackend
+    from runtime.decoding.speculative import generate
 
     confidences = []
 

@@ -73,7 +73,7 @@ def test_bench_runs_llama_cpp_beside_the_engine(engine_dir, tmp_path):
 
     import pytest
 
-    from export import demo_pair
+    from modeling import demo_pair
 
     pytest.importorskip("llama_cpp")
     if importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None:
@@ -122,7 +122,7 @@ def test_prompts_a_draft_was_distilled_on_are_refused_unless_asked(engine_dir, t
     on, found by the prompt file's checksum wherever the file lies."""
     import pytest
 
-    from export.prompts import TRAINING_RECORD, training_record
+    from common.prompts import TRAINING_RECORD, training_record
 
     prompts = _prompts(tmp_path)
     draft = tmp_path / "draft"
@@ -156,11 +156,11 @@ def test_the_demo_drafts_training_prompts_are_recorded_and_refused(engine_dir, t
     holds for an engine of those weights built anywhere (found by their checksums)."""
     import pytest
 
+    from common.manifest import file_hashes
+    from common.prompts import read_jsonl_prompts
     from distill.options import DistillSpec
     from distill.prompts import _trained
-    from export import demo_pair
-    from export.manifest import file_hashes
-    from export.prompts import read_jsonl_prompts
+    from modeling import demo_pair
 
     record = json.loads((demo_pair.DRAFT / "training.json").read_text())
     # as the command in the draft's README computes it: 180 per file, short of its last 20

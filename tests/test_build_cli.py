@@ -9,7 +9,7 @@ import pytest
 
 import export.__main__ as cli
 import export.onnx_check
-from runtime.ort_backend import OrtBackend
+from runtime.backends.ort import OrtBackend
 
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
 
@@ -123,7 +123,7 @@ print(sorted(m for m in %r if m in sys.modules))
 
 
 def _demo_target() -> str:
-    from export import demo_pair
+    from modeling import demo_pair
 
     try:
         return str(demo_pair.target())
@@ -183,10 +183,10 @@ def test_every_flag_and_path_is_checked_before_anything_loads(tiny, tmp_path, ca
 def test_the_early_k_check_reads_the_block_as_the_loader_does(tiny, fields):
     """``--k`` is checked from the draft's config.json alone, before the target's config (6 s for
     the demo's GGUF file) is read: the block it finds is the one the full loader finds."""
-    from export.checkpoint import read_config
-    from export.draft_config import load_draft_config
-    from export.layouts import trained_block
-    from export.target_config import load_target_config
+    from modeling.checkpoint import read_config
+    from modeling.draft_config import load_draft_config
+    from modeling.layouts import trained_block
+    from modeling.target_config import load_target_config
 
     target, draft = tiny(**fields)
     decoder = load_target_config(target).decoder

@@ -9,8 +9,8 @@ import torch
 
 from export.build import build
 from export.onnx_export import Limits
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import generate
+from runtime.backends.ort import OrtBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS, hf_greedy
 

@@ -1,15 +1,15 @@
-"""What gets captured as a CUDA graph and what survives between requests (``runtime/cuda_graphs.py``),
-and how the TensorRT backend's contexts are made for capture (``runtime/trt_backend.py``): the parts
+"""What gets captured as a CUDA graph and what survives between requests (``runtime/backends/cuda_graphs``),
+and how the TensorRT backend's contexts are made for capture (``runtime/backends/trt.py``): the parts
 that run without a GPU. Capture and replay themselves are checked in ``test_gpu.py``."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from export.pair import load_pair
-from runtime.cuda_graphs import Caches, GraphCache, capture_key
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.pair import load_pair
+from runtime.backends.cuda_graphs import Caches, GraphCache, capture_key
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
 
@@ -145,7 +145,7 @@ def _fake_engine(created, profile_selected=True):
 
 def test_captured_tensorrt_rtx_contexts_compile_their_kernels_eagerly():
     trt = pytest.importorskip("tensorrt_rtx")
-    from runtime.trt_backend import create_context
+    from runtime.backends.trt import create_context
 
     memory = torch.empty(4096, dtype=torch.uint8)
     for captured, specialization in ((True, trt.DynamicShapesKernelSpecializationStrategy.EAGER),
@@ -161,7 +161,7 @@ def test_captured_tensorrt_rtx_contexts_compile_their_kernels_eagerly():
 
 def test_full_tensorrt_contexts_use_our_memory_and_a_refused_profile_is_an_error():
     rtx = pytest.importorskip("tensorrt_rtx")
-    from runtime.trt_backend import create_context, stream_capturable
+    from runtime.backends.trt import create_context, stream_capturable
 
     trt = SimpleNamespace(ExecutionContextAllocationStrategy=rtx.ExecutionContextAllocationStrategy)
     created = []

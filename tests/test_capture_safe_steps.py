@@ -6,7 +6,7 @@ from torch.overrides import TorchFunctionMode
 
 from export.build import _example_inputs
 from export.onnx_export import Limits, draft_spec, target_spec
-from export.pair import load_pair
+from modeling.pair import load_pair
 
 FROM_HOST = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy}
 

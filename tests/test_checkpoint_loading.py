@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.checkpoint import CheckpointError
-from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR, load_draft_config, resolve_k
-from export.draft_model import load_draft
-from export.pair import load_pair
-from export.target_model import every_row, load_target
-from export.tiny import CHARACTERS, SPECIALS
+from modeling.checkpoint import CheckpointError
+from modeling.draft import load_draft
+from modeling.draft_config import ANCHOR_FIRST, BONUS_ANCHOR, load_draft_config, resolve_k
+from modeling.fixtures.tiny import CHARACTERS, SPECIALS
+from modeling.pair import load_pair
+from modeling.target import every_row, load_target
 
 VOCAB = len(SPECIALS) + len(CHARACTERS)
 LAYERS, HIDDEN = 4, 64

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from export.pair import load_pair
+from modeling.pair import load_pair
 
 SPECULATORS = dict(draft_format="speculators", layout="bonus-anchor")  # as test_checkpoint_loading's
 DELETE = object()

@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 import distill.__main__ as cli
 import distill.loop as loop
+from common.prompts import file_checksum
 from distill.draft_init import default_taps
 from distill.evaluate import teacher_forced_tau
 from distill.loop import learning_rate
@@ -15,11 +16,10 @@ from distill.loss import teacher_forced_logits
 from distill.options import DistillSpec
 from distill.prompts import load_tokenizer
 from distill.run import distill
-from export.pair import load_pair
-from export.prompts import file_checksum
-from export.target_model import from_start
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.pair import load_pair
+from modeling.target import from_start
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
 
@@ -181,10 +181,10 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
     the PyTorch one token for token), ``--samples`` adds answers sampled at T = 1, and the taps
     the draft trains on are the engine's, teacher-forced in chunks, equal to the PyTorch target's
     within float32 rounding. An engine of another target is refused in one line."""
+    from common import manifest
     from distill import engine as engine_target
-    from export import manifest
     from export.onnx_export import Limits
-    from export.target_model import from_start, load_target
+    from modeling.target import from_start, load_target
 
     limits = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # chunks of 8: taps in several calls
     engine = engine_dir(limits)

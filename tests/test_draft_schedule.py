@@ -1,4 +1,4 @@
-"""The draft-length schedule (``runtime/draft_schedule.py``): its flag's syntax, and the cap it
+"""The draft-length schedule (``runtime/decoding/draft_schedule.py``): its flag's syntax, and the cap it
 chooses from measured costs: the same on every start where rows cost alike, whatever the noise."""
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from math import comb
 
 import pytest
 
-from runtime.draft_schedule import ROUNDS, Costs, DraftSchedule, _rank_orderings, choose, proven_ratio
+from runtime.decoding.draft_schedule import (
+    ROUNDS,
+    Costs,
+    DraftSchedule,
+    _rank_orderings,
+    choose,
+    proven_ratio,
+)
 
 K = 4
 

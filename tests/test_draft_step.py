@@ -3,8 +3,8 @@ against explicit recomputations."""
 import pytest
 import torch
 
-from export.draft_config import ANCHOR_FIRST, BONUS_ANCHOR
-from export.pair import load_pair
+from modeling.draft_config import ANCHOR_FIRST, BONUS_ANCHOR
+from modeling.pair import load_pair
 from plugins.block_attention import block_attention
 from plugins.d2t_gather import d2t_gather
 

@@ -1,4 +1,4 @@
-"""The family registry (``export/families.py``): every architecture it lists has a config that is
+"""The family registry (``modeling/registry.py``): every architecture it lists has a config that is
 read alike whichever ``transformers`` saved it (the version we pin, and DeepSpec's 5.10.2, whose
 configs sit in ``tests/data/configs``; see ``family_configs.py``), and the manifest schema lists
 the same architectures."""
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from family_configs import configs, save_configs
 
-from export import manifest
-from export.families import ARCHITECTURES
-from export.target_config import load_target_config
+from common import manifest
+from modeling.registry import ARCHITECTURES
+from modeling.target_config import load_target_config
 
 OLD = Path(__file__).parent / "data" / "configs" / "transformers-5.10.2"
 
@@ -46,7 +46,7 @@ def test_the_tiny_tokenizer_reads_alike_in_every_family(tiny, arch):
     spaces and newlines too, as in every other family and in 5.10.2."""
     from transformers import AutoTokenizer
 
-    from export.tiny import CHARACTERS, SPECIALS
+    from modeling.fixtures.tiny import CHARACTERS, SPECIALS
 
     text = "the cat sat\nOn 3+4=7? \"yes\""
     tokenizer = AutoTokenizer.from_pretrained(tiny(arch=arch)[0])

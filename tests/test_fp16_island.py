@@ -15,7 +15,7 @@ from onnx.reference import ReferenceEvaluator
 
 from export.build import build
 from export.onnx_export import Limits, draft_spec
-from export.pair import load_pair
+from modeling.pair import load_pair
 
 from conftest import ENGINE_CASES
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from test_hybrid import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
-from export.checkpoint import CheckpointError
 from export.onnx_export import Limits
-from export.pair import load_pair
-from export.target_model import every_row
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import generate
+from modeling.checkpoint import CheckpointError
+from modeling.pair import load_pair
+from modeling.target import every_row
+from runtime.backends.ort import OrtBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
 

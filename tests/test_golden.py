@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from export.draft_model import load_draft
-from export.target_model import load_target
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.draft import load_draft
+from modeling.target import load_target
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import GEMMA4_GOLDEN, GOLDEN
 

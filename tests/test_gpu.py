@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from export.onnx_export import Limits
-from runtime.ort_backend import OrtBackend
-from runtime.scheduler import Params, Scheduler
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from runtime.backends.ort import OrtBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.scheduler import Params, Scheduler
+from runtime.decoding.speculative import generate
 
 from conftest import ENGINE_CASES, PROMPTS
 

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from export.draft_config import BONUS_ANCHOR
-from export.pair import load_pair
-from runtime.backend import capacity_needed
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.draft_config import BONUS_ANCHOR
+from modeling.pair import load_pair
+from runtime.backends.base import capacity_needed
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS, hf_greedy, median_confidence
 
@@ -170,9 +170,9 @@ def test_presence_and_frequency_penalties_greedy_equal_target_only(tiny):
     count and ``presence_penalty`` once it appeared), each verify row also for the drafts before
     it: speculative output (oracle drafts, so rows carry drafts) equals target-only output with the
     same penalties, which differs from the unpenalized output."""
-    from runtime.params import Params
-    from runtime.penalties import Penalties
-    from runtime.scheduler import Scheduler
+    from runtime.decoding.params import Params
+    from runtime.decoding.penalties import Penalties
+    from runtime.decoding.scheduler import Scheduler
 
     logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
     penalties = Penalties(1.0, 0.5, 0.25, [3], 4, torch.device("cpu"))

@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_greedy_invariant import OracleDrafts
 
-from export.checkpoint import CheckpointError
 from export.onnx_export import Limits
-from export.pair import load_pair
+from modeling.checkpoint import CheckpointError
+from modeling.pair import load_pair
 from plugins.cpu.build import library
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from runtime.backends.ort import OrtBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS, hf_greedy
 
@@ -122,14 +122,14 @@ def test_the_vision_tower_and_mtp_layer_are_never_read(tiny, tmp_path, monkeypat
     layer are GBs)."""
     from safetensors.torch import load_file, save_file
 
-    import export.checkpoint
+    import modeling.checkpoint
 
     target_dir, draft_dir = tiny(arch="qwen3_5-multimodal")
     target = _copy(target_dir, tmp_path)
     weights = target / "model.safetensors"
     save_file({**load_file(weights), "mtp.fc.weight": torch.zeros(2, 2)}, weights)
     read = []
-    real = export.checkpoint.safe_open
+    real = modeling.checkpoint.safe_open
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -149,7 +149,7 @@ def test_the_vision_tower_and_mtp_layer_are_never_read(tiny, tmp_path, monkeypat
             read.append(name)
             return self.inner.get_tensor(name)
 
-    monkeypatch.setattr(export.checkpoint, "safe_open", Recording)
+    monkeypatch.setattr(modeling.checkpoint, "safe_open", Recording)
     load_pair(target, draft_dir)
     assert read and not [n for n in read if n.startswith(("model.visual.", "mtp."))]
 

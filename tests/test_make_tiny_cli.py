@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import export.__main__ as export_cli
-from export.pair import load_pair
-from export.tiny import TinySpec, make_tiny
+from modeling.fixtures.tiny import TinySpec, make_tiny
+from modeling.pair import load_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
-"""``manifest.json`` against ``export/manifest.schema.json``: what build writes is valid, and a
+"""``manifest.json`` against ``common/manifest.schema.json``: what build writes is valid, and a
 manifest of the wrong shape (a field missing, of the wrong type or out of range) is refused by
-``export.manifest.read`` with one line that names manifest.json, the field's JSON path and what was
+``common.manifest.read`` with one line that names manifest.json, the field's JSON path and what was
 expected, before any reader can trip over it."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import export.__main__ as export_cli
-from export import manifest
+from common import manifest
 from export.onnx_export import Limits
 
 from conftest import ENGINE_CASES
@@ -201,10 +201,10 @@ def test_write_refuses_what_the_schema_refuses(built, tmp_path):
 
 def test_the_package_ships_the_schema_and_the_demo_draft(tmp_path):
     """A wheel of the project holds the schema ``read`` needs, the distill package and the demo
-    pair's draft, and setuptools has nothing to warn about the data folders (export.drafts)."""
+    pair's draft, and setuptools has nothing to warn about the data folders (modeling.drafts)."""
     pytest.importorskip("setuptools", reason="builds the wheel offline, with the setuptools installed here")
     source = tmp_path / "source"
-    for package in ("export", "distill", "runtime", "plugins"):
+    for package in ("common", "modeling", "export", "distill", "runtime", "plugins"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -215,6 +215,6 @@ def test_the_package_ships_the_schema_and_the_demo_draft(tmp_path):
     assert "absent from the `packages` configuration" not in result.stderr
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"export/manifest.schema.json", "distill/__main__.py"} <= names
-    assert {"export/drafts/smollm2-135m-instruct/config.json",
-            "export/drafts/smollm2-135m-instruct/model.safetensors"} <= names
+    assert {"common/manifest.schema.json", "distill/__main__.py"} <= names
+    assert {"modeling/drafts/smollm2-135m-instruct/config.json",
+            "modeling/drafts/smollm2-135m-instruct/model.safetensors"} <= names

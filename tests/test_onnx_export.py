@@ -8,12 +8,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from export.manifest import cache_output, is_cache
+from common.manifest import cache_output, is_cache
 from export.onnx_export import Limits
-from export.pair import load_pair
+from modeling.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import ENGINE_CASES, PROMPTS
 

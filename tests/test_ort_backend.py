@@ -3,12 +3,12 @@ PyTorch backend, chunked prefill, caches bound in place, and engine limits."""
 import pytest
 import torch
 
-from export.manifest import is_cache
+from common.manifest import is_cache
 from export.onnx_export import Limits
-from export.pair import load_pair
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import generate
-from runtime.torch_backend import TorchBackend
+from modeling.pair import load_pair
+from runtime.backends.ort import OrtBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.speculative import generate
 
 from conftest import ENGINE_CASES, PROMPTS, hf_greedy
 
@@ -44,7 +44,7 @@ def test_onnx_runtime_and_torch_backends_agree(case):
 def test_the_limits_read_from_the_manifest_are_the_modules_own(case):
     """The backend contract's one ``Limits``: an engine's, read from its manifest, equal the
     reference modules' for the same pair and build limits; the capacity a run needs follows it."""
-    from runtime.backend import BackendLimits, capacity_needed
+    from runtime.backends.base import BackendLimits, capacity_needed
 
     backend, _ = case
     reference = TorchBackend.from_engine(backend.directory)

@@ -7,11 +7,11 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from export.manifest import is_cache
+from common.manifest import is_cache
 from export.onnx_export import Limits
 from plugins.block_attention import ort_contrib
 from plugins.cpu import build
-from runtime.ort_backend import OrtBackend
+from runtime.backends.ort import OrtBackend
 
 from conftest import ENGINE_CASES
 
@@ -110,8 +110,8 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
 @pytest.mark.parametrize("graph, lowered_op", [("target", "GroupQueryAttention"), ("draft", "Attention")])
 def test_the_build_verifies_the_lowered_form(tiny, tmp_path, monkeypatch, graph, lowered_op):
     """A lowering that changed the result (here: the wrong attention scale) fails the build."""
+    from common.errors import VerificationError
     from export import build
-    from export.errors import VerificationError
 
     lower = ort_contrib.lower
 
@@ -132,7 +132,7 @@ def test_an_engine_whose_files_are_links_into_a_cache_runs_lowered(engine_dir, t
     """A Hugging Face cache's snapshot holds links to blobs named by hash: ONNX Runtime refuses a
     graph loaded from memory whose weights file is a link out of its folder, so the lowered graph
     gets the file mapped instead, and generates what the engine itself does."""
-    from runtime.speculative import generate
+    from runtime.decoding.speculative import generate
 
     from conftest import PROMPTS
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export import presets
-from export.pair import load_pair
+from modeling.fixtures import presets
+from modeling.pair import load_pair
 
 
 @pytest.mark.parametrize("name, non_embedding", [

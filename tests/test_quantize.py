@@ -11,14 +11,15 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export import manifest, quantize
+from common import manifest
+from export import quantize
 from export.build import build
 from export.onnx_check import VerificationError
 from export.onnx_export import Limits
 from plugins.cpu.build import library
 from plugins.qmatmul import ort_lowering as qmatmul_lowering
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import generate
+from runtime.backends.ort import OrtBackend
+from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
 
@@ -167,7 +168,7 @@ def test_the_markov_head_stays_float_in_the_module_and_the_graph(tmp_path):
     """ONNX Runtime fuses the Markov head's product and the add of the base logits into a Gemm
     before it could fuse a DequantizeLinear, so a quantized Markov weight would be de-quantized at
     every step: the PyTorch reference and the graph both keep it float, and quantize the rest."""
-    from export.draft_model import MarkovHead
+    from modeling.draft import MarkovHead
 
     model = torch.nn.Module()
     model.head, model.proj = MarkovHead(100, 64, rank=32), torch.nn.Linear(32, 48, bias=False)

@@ -18,8 +18,8 @@ import runtime.bench as bench
 import runtime.generate as generate
 from export.onnx_export import Limits
 from runtime import Generator
-from runtime.ort_backend import OrtBackend
-from runtime.speculative import Decoding
+from runtime.backends.ort import OrtBackend
+from runtime.decoding.speculative import Decoding
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
@@ -339,7 +339,7 @@ def test_ctrl_c_while_importing_bench_exits_cleanly(engine, prompts_file, tmp_pa
 
 
 @pytest.mark.parametrize("cli", ["generate", "bench"])
-@pytest.mark.parametrize("stage", ["ort_backend.OrtBackend.__init__", "scheduler.prefill_chunks"])
+@pytest.mark.parametrize("stage", ["backends.ort.OrtBackend.__init__", "decoding.scheduler.prefill_chunks"])
 def test_ctrl_c_while_loading_or_running_exits_130(engine, prompts_file, tmp_path, capsys, monkeypatch,
                                                    cli, stage):
     module, name = stage.rsplit(".", 1)

@@ -3,17 +3,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import runtime.scheduler
+import runtime.decoding.scheduler
 from export.onnx_export import Limits
-from export.pair import load_pair
-from export.target_model import from_start
-from runtime.ort_backend import OrtBackend
-from runtime.sampling import draw, pick, probabilities
-from runtime.scheduler import Params, Scheduler
-from runtime.speculative import generate
-from runtime.stats import SpecStats
-from runtime.torch_backend import TorchBackend
-from runtime.verify import rejection_verify
+from modeling.pair import load_pair
+from modeling.target import from_start
+from runtime.backends.ort import OrtBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.sampling import draw, pick, probabilities
+from runtime.decoding.scheduler import Params, Scheduler
+from runtime.decoding.speculative import generate
+from runtime.decoding.stats import SpecStats
+from runtime.decoding.verify import rejection_verify
 
 from conftest import median_confidence
 
@@ -124,7 +124,7 @@ def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
 
 
 def test_a_wrong_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(runtime.scheduler, "rejection_verify", _wrong_rule_resample_from_p)
+    monkeypatch.setattr(runtime.decoding.scheduler, "rejection_verify", _wrong_rule_resample_from_p)
     tokens, _ = _sample(pair, 1.0)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6
@@ -180,7 +180,7 @@ def _wrong_rule_residual_at_the_limit(drafts, q, p, uniform, limit=None):
 
 def test_a_wrong_rule_at_the_confidence_limit_is_detected(pair, monkeypatch):
     threshold = median_confidence(pair, [PROMPT] * 64, 3, 1.0)
-    monkeypatch.setattr(runtime.scheduler, "rejection_verify", _wrong_rule_residual_at_the_limit)
+    monkeypatch.setattr(runtime.decoding.scheduler, "rejection_verify", _wrong_rule_residual_at_the_limit)
     tokens, _, _ = _sample_with_threshold(pair, threshold)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6

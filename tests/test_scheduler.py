@@ -1,4 +1,4 @@
-"""Continuous batching (``runtime/scheduler.py``): requests that join and leave a running pool get
+"""Continuous batching (``runtime/decoding/scheduler.py``): requests that join and leave a running pool get
 exactly what they get alone, on ONNX Runtime (an engine's own slots) and on the PyTorch reference
 (pooled: every decode step runs the whole pool, an empty or prefilling slot a frozen row)."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from export.onnx_export import Limits
-from export.pair import load_pair
-from runtime.draft_schedule import DraftSchedule, measure
-from runtime.ort_backend import OrtBackend
-from runtime.scheduler import Params, Scheduler
-from runtime.torch_backend import TorchBackend
+from modeling.pair import load_pair
+from runtime.backends.ort import OrtBackend
+from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.draft_schedule import DraftSchedule, measure
+from runtime.decoding.scheduler import Params, Scheduler
 
 from conftest import PROMPTS, hf_greedy
 

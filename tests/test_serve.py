@@ -349,7 +349,7 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
     import uvicorn
 
     from runtime import Generator
-    from runtime.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import DraftSchedule
     from runtime.serve import Server
 
     engine = engine_dir(LIMITS, arch="qwen3")
@@ -531,7 +531,7 @@ def test_the_models_generation_config_sets_the_sampling_defaults(server, tmp_pat
     import shutil
 
     from runtime import Generator
-    from runtime.openai_request import Prompt, request_params
+    from runtime.serving.openai_request import Prompt, request_params
 
     target = json.loads((server[1] / "manifest.json").read_text())["source"]["target"]["path"]
     copied = (server[1] / "generation_config.json").read_text()   # the build's copy

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from export.target_model import every_row, load_target
+from modeling.target import every_row, load_target
 
 TOL = 1e-4
 

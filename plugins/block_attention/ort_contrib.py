@@ -130,7 +130,7 @@ def _to_attention_over_seen_rows(graph, node) -> bool:
 
 def rotary_tables(inv_freq, scaling: float, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """GroupQueryAttention's cos and sin caches ``[capacity, head_dim / 2]`` for a decoder's
-    rotate-half RoPE, computed as ``export.decoder.Rotary`` computes them (float32)."""
+    rotate-half RoPE, computed as ``modeling.decoder.Rotary`` computes them (float32)."""
     import torch
 
     freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)

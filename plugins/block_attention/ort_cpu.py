@@ -6,7 +6,7 @@ ONNX Runtime call whose rows each compute what they compute alone. The caches be
 slots: batch row ``b`` reads and writes slot ``slots[b]`` (a new graph input), so a step may run
 any subset of the pool's sequences.
 
-ONNX Runtime's own kernels cannot do this (``runtime/ort_backend.py`` says why); the rewrite is
+ONNX Runtime's own kernels cannot do this (``runtime/backends/ort.py`` says why); the rewrite is
 made when a graph is loaded with the compiled library, as ``ort_contrib.py``'s is.
 """
 from __future__ import annotations

@@ -137,7 +137,7 @@ def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.Grap
         node("ReduceSum", ["e_weights_kept", "e_axis1"], ["e_weight"], keepdims=0),  # [T]
         # the products run on n + 1 rows, the first repeated, and the copy is dropped: ONNX Runtime
         # multiplies one row with another kernel than several, which rounds it differently, and
-        # an expert's n varies with the call (runtime/ort_backend.py)
+        # an expert's n varies with the call (runtime/backends/ort.py)
         node("Slice", ["e_rows", "e_first", "e_axis1"], ["e_first_row"]),
         node("Concat", ["e_rows", "e_first_row"], ["e_rows_padded"], axis=0),
         node("Gather", ["x", "e_rows_padded"], ["e_x"], axis=0),              # [n + 1, H]

@@ -1,0 +1,285 @@
+"""``DraftStep``: one DSpark proposal — context K/V update, non-causal block forward, base logits,
+and the Markov sampler unrolled ``k`` times — as one module with flat tensors in and out.
+
+Semantics: ``docs/dspark.md`` (the block backbone, the Markov head, the reduced vocabulary).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modeling.checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
+from modeling.decoder import CachedStep, DecoderLayer, RMSNorm, Rotary
+from modeling.dense import TargetStep
+from modeling.draft_config import DraftConfig, load_draft_config, resolve_k
+from modeling.gemma4 import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
+from modeling.target import load_embeddings
+from modeling.target_config import TargetConfig, load_target_config
+from plugins.cache_write import cache_write
+from plugins.d2t_gather import d2t_gather
+
+
+class MarkovHead(nn.Module):
+    """Low-rank logit bias ``markov_w2 @ markov_w1[prev]`` from the previous *target* token."""
+
+    # ``build --weights`` leaves it float: ONNX Runtime fuses its product and the add of the base
+    # logits into a Gemm before it can fuse a DequantizeLinear into the product, so a quantized
+    # weight is de-quantized at every step, once per unrolled draft (0.66 ms of the demo draft's
+    # 4 ms step, profiled); and it is small (rank x V_d)
+    keep_float = True
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+
+class DraftStep(CachedStep, nn.Module):
+    """Inputs:
+
+    - ``ctx_aux [B, Sc, T*H_t]``: target aux rows verified since the last call (padded per row),
+    - ``ctx_start [B]``: the draft cache's valid length, where those rows are written,
+    - ``ctx_count [B]``: how many of the ``Sc`` rows are real; the anchor sits at
+      ``p_anchor = ctx_start + ctx_count``,
+    - ``anchor [B]``: the target's last emitted token (at ``p_anchor``),
+    - ``temperature [B]`` (> 0) and ``noise [B, k, V_d]``: drafts are
+      ``argmax(z / temperature + noise)``; zero noise gives greedy drafts, Gumbel noise samples,
+    - per-layer caches ``k_0, v_0, k_1, ...`` each ``[B, Hkv, C, D]``.
+
+    Outputs: ``tokens [B, k]`` (target ids), ``q [B, k, V_target]`` (the distribution each draft
+    was drawn from, zero outside the draft vocabulary), the updated caches. Cache rows at and past
+    ``p_anchor`` hold the block's scratch K/V; the next call's context rows overwrite them.
+    """
+
+    def __init__(self, config: DraftConfig, target_vocab_size: int, k: int):
+        super().__init__()
+        d = config.decoder
+        self.config, self.k = config, k
+        self.target_vocab_size = target_vocab_size
+        taps, g = len(config.target_layer_ids), config.gemma4
+        self.fc = nn.Linear(taps * config.target_hidden_size, d.hidden_size, bias=False)
+        if g is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
+            self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+            self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
+            self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        else:   # DeepSpec's Gemma4DSparkModel: Gemma 4 layers, all full attention
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5)
+            self.hidden_norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
+            shape = AttentionShape(d.num_heads, d.num_kv_heads, d.head_dim, k_eq_v=g.attention_k_eq_v)
+            self.layers = nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps,
+                                                    d.attention_bias) for size in g.mlp_sizes)
+            self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = nn.Linear(d.hidden_size, config.draft_vocab_size, bias=False)
+        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.rotary = Rotary(d)
+
+    def forward(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, *caches):
+        caches = self.write_context(ctx_aux, ctx_start, *caches)
+        base, *caches = self.block_logits(anchor, ctx_start + ctx_count, *caches)
+        first = self.config.first_draft_row
+        tokens, q = self.sample(base[:, first:first + self.k], anchor, temperature, noise)
+        return tokens, q, *caches
+
+    def write_context(self, ctx_aux, ctx_start, *caches):
+        """``hidden_norm(fc(aux))`` -> each layer's ``k_proj``/``k_norm``/RoPE and ``v_proj``,
+        written at rows ``ctx_start + i``. Context rows bypass the layers' ``input_layernorm``."""
+        rows = ctx_aux.shape[1]
+        positions = ctx_start[:, None] + torch.arange(rows, device=ctx_aux.device)
+        context = self.context_input(ctx_aux)
+        cos, sin = self.rotary.cos_sin(positions, context.dtype)
+        new_caches = []
+        for layer_index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(context, cos, sin)
+            new_caches += [cache_write(caches[2 * layer_index], k, ctx_start),
+                           cache_write(caches[2 * layer_index + 1], v, ctx_start)]
+        return new_caches
+
+    def context_input(self, ctx_aux):
+        """``hidden_norm(fc(ctx_aux))`` in ``fc``'s precision, fp32 even in an fp16 / bf16 draft
+        (see ``keep_context_input_fp32``), then cast to the model dtype for the layers."""
+        island = self.fc.weight.dtype
+        return self.hidden_norm(self.fc(ctx_aux.to(island))).to(self.lm_head.weight.dtype)
+
+    def precision(self) -> dict[str, torch.dtype]:
+        """Which parts compute in which dtype, for the manifest."""
+        return {"fc": self.fc.weight.dtype, "hidden_norm": self.hidden_norm.weight.dtype,
+                "rest": self.lm_head.weight.dtype}
+
+    def block_logits(self, anchor, anchor_pos, *caches):
+        """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
+        ``anchor_pos + j``, every slot attending to all context rows and to every block slot."""
+        block = self.config.block_size
+        masks = torch.full((anchor.shape[0], block - 1), self.config.mask_token_id,
+                           dtype=anchor.dtype, device=anchor.device)
+        ids = torch.cat([anchor[:, None], masks], dim=1)
+        positions = anchor_pos[:, None] + torch.arange(block, device=anchor.device)
+        h = self.embed_tokens(ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        new_caches = []
+        for index, layer in enumerate(self.layers):
+            h, k, v, *_ = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], anchor_pos,
+                                causal=False)
+            new_caches += [k, v]
+        return self.logits(h), *new_caches
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Base logits of the last hidden rows (a Gemma 4 draft's soft-capped)."""
+        cap = self.config.gemma4.final_logit_softcapping if self.config.gemma4 else None
+        return softcap(self.lm_head(self.norm(h)), cap)
+
+    def sample(self, base, anchor, temperature, noise):
+        """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
+        then the target id emitted at row ``i - 1``), is scaled by the temperature, and draws
+        ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row."""
+        w1 = self.markov_head.markov_w1.weight
+        w2 = self.markov_head.markov_w2.weight
+        batch = base.shape[0]
+        target_columns = (torch.arange(w2.shape[0], device=w2.device) + self.d2t).expand(batch, -1)
+        row = w1[anchor]
+        tokens, probs = [], []
+        for i in range(self.k):
+            z = (base[:, i] + row @ w2.T).float() / temperature[:, None]
+            q = torch.zeros(batch, self.target_vocab_size, dtype=torch.float32, device=base.device)
+            probs.append(q.scatter(1, target_columns, torch.softmax(z, dim=-1)))
+            token, row = d2t_gather(z + noise[:, i], self.d2t, w1)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def training_logits(self, aux, tokens, anchors):
+        """Training's forward (``python -m distill``): the logits ``[n, block_size, V_d]`` of every
+        anchor's block at once, in one dense masked attention, as ``write_context`` +
+        ``block_logits`` + the Markov bias compute them one anchor at a time, with the true tokens
+        as Markov predecessors. ``aux [S, T*H]`` are the target's taps of ``tokens [S]``;
+        ``anchors [n]`` are positions (each with a token after it)."""
+        block, length, count = self.config.block_size, tokens.numel(), anchors.numel()
+        span = anchors[:, None] + torch.arange(block)                      # [n, B] positions
+        seen = int(anchors.max())                                          # context rows any block sees
+        context = self.context_input(aux[None, :seen])
+        ctx_cos, ctx_sin = self.rotary.cos_sin(torch.arange(seen)[None], context.dtype)
+        ids = torch.full((count, block), self.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = tokens[anchors]
+        h = self.embed_tokens(ids.reshape(1, -1))
+        cos, sin = self.rotary.cos_sin(span.reshape(1, -1), h.dtype)
+        mask = _block_mask(anchors, seen, block)
+        for layer in self.layers:
+            context_kv = layer.self_attn.key_value(context, ctx_cos, ctx_sin)   # skips input_layernorm
+            h = layer(h, cos, sin, context_kv=context_kv, mask=mask)[0]
+        base = self.logits(h).reshape(count, block, -1)
+        predecessors = tokens[span.clamp(max=length - 1)]                  # [anchor, y_1 .. y_{B-1}]
+        return base + self.markov_head.markov_w2(self.markov_head.markov_w1(predecessors))
+
+
+def _block_mask(anchors: torch.Tensor, seen: int, block: int) -> torch.Tensor:
+    """``[n*B, seen + n*B]``: a row of anchor ``i``'s block sees the context rows ``< p_i`` and the
+    ``B`` rows of its own block (non-causal), nothing of the other blocks."""
+    owner = torch.arange(anchors.numel()).repeat_interleave(block)
+    sees_context = torch.arange(seen)[None] < anchors.repeat_interleave(block)[:, None]
+    return torch.cat([sees_context, owner[:, None] == owner[None]], dim=1)
+
+
+def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None = None,
+               dtype: torch.dtype = torch.float32) -> DraftStep:
+    """Load a native or Speculators DSpark draft for ``target``: ``embed_tokens`` and ``lm_head``
+    are shared from the target when the draft has none; ``t2d`` is ignored; the confidence head is
+    not used for proposals (``docs/dspark.md#shared-and-ignored-tensors``).
+
+    ``target`` is a loaded ``TargetStep``, or the target's checkpoint: then only its config is read,
+    and its embeddings only if the draft shares them (``build`` exports one model at a time)."""
+    directory = resolve(path, "draft")
+    if isinstance(target, torch.nn.Module):
+        tc: TargetConfig = target.config
+
+        def shared() -> dict[str, torch.Tensor]:
+            return {"embed_tokens.weight": target.embed_tokens.weight.detach(),
+                    "lm_head.weight": target.lm_head.weight.detach()}
+    else:
+        target_dir = resolve(target, "target")
+        tc = load_target_config(target_dir)
+
+        def shared() -> dict[str, torch.Tensor]:
+            return load_embeddings(target_dir)
+    config = load_draft_config(directory, tc.decoder.num_layers, tc.decoder.hidden_size)
+    k = resolve_k(config, k)
+    tensors = {name: t for name, t in load_tensors(directory).items()
+               if not name.startswith("confidence_head.") and name != "t2d"}
+    where = f"{directory}/config.json"
+    check_layer_count(tensors, config.decoder.num_layers, f"{where}: field 'num_hidden_layers'")
+
+    owns_embeddings = {"embed_tokens.weight", "lm_head.weight"} <= tensors.keys()
+    if config.decoder.hidden_size != tc.decoder.hidden_size and not owns_embeddings:
+        raise CheckpointError(f"{where}: hidden_size {config.decoder.hidden_size} differs from the "
+                              f"target's {tc.decoder.hidden_size}, so the draft must ship its own "
+                              f"embed_tokens.weight and lm_head.weight")
+    if config.vocab_size > tc.vocab_size and "embed_tokens.weight" not in tensors:
+        raise CheckpointError(f"{where}: vocab_size {config.vocab_size} is larger than the target's "
+                              f"{tc.vocab_size}; such a draft must include embed_tokens.weight")
+    if config.vocab_size < tc.vocab_size:
+        raise CheckpointError(f"{where}: vocab_size {config.vocab_size} is smaller than the target's "
+                              f"{tc.vocab_size}; markov_w1 needs a row for every target token id")
+    reduced = config.draft_vocab_size < tc.vocab_size
+    if reduced and "lm_head.weight" not in tensors:
+        raise CheckpointError(f"{directory}: reduced-vocabulary draft (draft_vocab_size "
+                              f"{config.draft_vocab_size} < target vocab {tc.vocab_size}) must include "
+                              f"lm_head.weight; the target's lm_head cannot be shared")
+    if reduced and "d2t" not in tensors:
+        raise CheckpointError(f"{directory}: reduced-vocabulary draft (draft_vocab_size "
+                              f"{config.draft_vocab_size}) must include a d2t tensor mapping draft ids "
+                              f"to target ids")
+    fc = tensors.get("fc.weight")
+    expected_fc = len(config.target_layer_ids) * config.target_hidden_size
+    if fc is not None and (fc.ndim != 2 or fc.shape[1] != expected_fc):
+        raise CheckpointError(f"{directory}: fc.weight has input width {list(fc.shape)[1:]} but "
+                              f"{len(config.target_layer_ids)} taps x target hidden size "
+                              f"{config.target_hidden_size} = {expected_fc} (config.json "
+                              f"target_layer_ids / aux_hidden_state_layer_ids)")
+
+    if not owns_embeddings:
+        for name, tensor in shared().items():
+            tensors.setdefault(name, tensor)
+    if "d2t" in tensors:
+        _check_d2t(tensors["d2t"], config.draft_vocab_size, tc.vocab_size, directory)
+        tensors["d2t"] = tensors["d2t"].long()
+    else:
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    if config.draft_vocab_size > tc.vocab_size:
+        # A padded draft vocabulary: ids past the target's can never be verified, so drop them.
+        config = replace(config, draft_vocab_size=tc.vocab_size)
+        for name in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
+            tensors[name] = tensors[name][:tc.vocab_size]
+    if config.logit_scale != 1.0:   # as vLLM's logits processor: the base logits and the Markov bias
+        for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+            tensors[name] = tensors[name].float() * config.logit_scale   # a new tensor: lm_head may be shared
+    island = {name: tensors[name] for name in FP32_ISLAND}  # build_module consumes ``tensors``
+    draft = build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
+    return keep_context_input_fp32(draft, island)
+
+
+# The draft's context input, kept in fp32 whatever the model dtype: Qwen3's tap activations reach
+# ~2e4, so the concatenated taps times ``fc`` overflow fp16 (TensorRT Edge-LLM accumulates its
+# DSpark ``fc`` in fp32 for the same reason), and bf16 has the range but only 8 significant bits.
+FP32_ISLAND = ("fc.weight", "hidden_norm.weight")
+
+
+def keep_context_input_fp32(draft: DraftStep, tensors: dict[str, torch.Tensor]) -> DraftStep:
+    """Give ``fc`` and ``hidden_norm`` their checkpoint ``tensors`` in fp32 (``build_module`` cast
+    them to the model dtype); ``DraftStep.context_input`` then computes in fp32."""
+    for name in FP32_ISLAND:
+        module = draft.get_submodule(name.removesuffix(".weight"))
+        module.weight = nn.Parameter(tensors[name].float(), requires_grad=False)
+    return draft
+
+
+def _check_d2t(d2t: torch.Tensor, draft_vocab: int, target_vocab: int, directory: Path) -> None:
+    if d2t.dtype not in (torch.int64, torch.int32) or d2t.shape != (draft_vocab,):
+        raise CheckpointError(f"{directory}: d2t must be an integer tensor of shape [{draft_vocab}] "
+                              f"(offsets), got {d2t.dtype} {list(d2t.shape)}")
+    mapped = torch.arange(draft_vocab) + d2t.long()
+    if mapped.min() < 0 or mapped.max() >= target_vocab:
+        raise CheckpointError(f"{directory}: d2t maps draft ids outside the target vocabulary "
+                              f"[0, {target_vocab}) (d2t holds offsets: target = draft + d2t[draft])")
+

@@ -1,0 +1,157 @@
+"""``load_target``: a target checkpoint (directory or GGUF file) as its family's step module
+(``families.py``; the dense one is ``dense_model.TargetStep``, whose contract every step keeps),
+and ``from_start``, a teacher-forced pass over fresh caches."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from modeling.checkpoint import (
+    CheckpointError,
+    build_module,
+    check_layer_count,
+    hf_location,
+    load_tensors,
+    resolve,
+)
+from modeling.dense import TargetStep
+from modeling.gemma4 import Gemma4TargetStep
+from modeling.moe import fuse_experts
+from modeling.qwen3_5 import HybridTargetStep
+from modeling.registry import ARCHITECTURES
+from modeling.target_config import TargetConfig, load_target_config
+
+# a multimodal checkpoint's towers and MTP layer, which the text model ignores
+IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+           "model.embed_audio.", "model.vision_embedder.", "model.audio_embedder.")
+
+
+def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
+                role: str = "target") -> TargetStep | HybridTargetStep | Gemma4TargetStep:
+    directory = resolve(path, role)
+    config = load_target_config(directory)
+    tensors = _tensors(directory, config)
+    config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
+    arch = ARCHITECTURES[config.architecture]
+    nested = f"{arch.text_config}." if arch.text_config else ""
+    fields = f"{config_file}: field '{nested}"
+    check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
+    if config.moe is not None:
+        fuse_experts(tensors, config.moe)
+    if config.linear is not None:
+        _check_layer_types(tensors, config, f"{fields}layer_types'")
+    target = build_module(lambda: arch.family.step(config, taps), tensors, directory, dtype)
+    if config.gemma4 is not None:   # build_module took what the module holds: the rest is unused
+        _check_unused(tensors, config.gemma4, directory)
+    if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
+        # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
+        # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
+        # over the same storage still become two initializers)
+        target.lm_head.weight = target.embed_tokens.weight
+    return target
+
+
+SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})   # what a draft may take from its target
+
+
+def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
+    """The target's ``embed_tokens.weight`` and ``lm_head.weight`` (the same tensor when tied),
+    read without the rest of its weights: what a draft that shares them needs."""
+    directory = resolve(path, "target")
+    tensors = _tensors(directory, load_target_config(directory), only=SHARED)
+    missing = SHARED - tensors.keys()
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {', '.join(sorted(missing))}")
+    return tensors
+
+
+def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None):
+    """The checkpoint's tensors under the module's names (``model.`` prefix stripped, a tied
+    ``lm_head.weight`` filled in from the embedding, no RoPE tables)."""
+    if directory.suffix == ".gguf":
+        tensors = _gguf_embeddings(directory) if only == SHARED else _gguf_tensors(directory)
+    else:
+        # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
+        wanted = None if only is None else only | {"embed_tokens.weight"}
+        prefix = ARCHITECTURES[config.architecture].weight_prefix
+        tensors = load_tensors(directory, strip_prefix=prefix, only=wanted, skip=IGNORED)
+        if prefix != "model." and not any(name.startswith("layers.") or name == "embed_tokens.weight"
+                                          for name in tensors):
+            raise CheckpointError(f"{directory}: no text weights ({prefix}*) although config.json's "
+                                  f"architectures names {config.architecture}")
+    if "lm_head.weight" not in tensors:
+        if not config.tie_word_embeddings:
+            raise CheckpointError(f"{directory}: missing tensor lm_head.weight "
+                                  f"(config.json: tie_word_embeddings is false)")
+        tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
+    return {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")
+            and (only is None or k in only)}
+
+
+def _check_layer_types(tensors: dict[str, torch.Tensor], config: TargetConfig, where: str) -> None:
+    """Each layer's weights are of the kind ``layer_types`` names (linear or full attention)."""
+    for index, kind in enumerate(config.linear.layer_types):
+        held = "linear_attn" if any(n.startswith(f"layers.{index}.linear_attn.") for n in tensors) \
+            else "self_attn" if any(n.startswith(f"layers.{index}.self_attn.") for n in tensors) else None
+        expected = "linear_attn" if kind == "linear_attention" else "self_attn"
+        if held != expected:
+            raise CheckpointError(f"{where}[{index}] = {kind!r}, but the weights hold "
+                                  f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")
+
+
+def _check_unused(left: dict[str, torch.Tensor], layout, directory: Path) -> None:
+    """A Gemma 4 checkpoint's tensors that the module its config.json describes does not hold,
+    beyond the K / V projections and norms of KV-shared layers (which ``transformers`` ignores
+    too): the weights of a per-layer input, a V projection or a layer the config turned off, which
+    would otherwise be dropped without a word."""
+    ignored = tuple(f"layers.{i}.self_attn.{part}." for i in range(len(layout.layer_types))
+                    if layout.kv_source(i) != i for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    # a multimodal checkpoint's other parts keep their prefix: only the text model's are checked
+    unused = sorted(name for name in left if not name.startswith((*ignored, "model.")))
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+        raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
+                              f"describes (a field such as hidden_size_per_layer_input, attention_k_eq_v "
+                              f"or num_kv_shared_layers disagrees with the weights)")
+
+
+def from_start(target: TargetStep, input_ids: torch.Tensor,
+               logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, aux)`` of ``target`` on ``input_ids [B, S]`` from position 0 over fresh caches
+    (a hybrid's state in one slot): a teacher-forced pass, the caches discarded."""
+    batch, rows = input_ids.shape
+    start = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+    states = (start, torch.full_like(start, rows - 1)[:, None]) if target.takes_states else ()
+    logits, aux, *_ = target(input_ids, start, logit_rows, *states, *target.empty_cache(batch, rows))
+    return logits, aux
+
+
+def every_row(input_ids: torch.Tensor) -> torch.Tensor:
+    """``logit_rows`` that ask for the logits of every row of ``input_ids [B, S]``."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+
+
+# llama.cpp's names of the tensors a draft may share (``SHARED``), the same in every architecture
+GGUF_SHARED = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight"}
+
+
+def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
+    """A GGUF target's ``SHARED`` tensors alone, de-quantized as ``transformers`` de-quantizes
+    them (with ``gguf``'s own code; no other tensor is read): a fifth of the time of all of them."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    return {GGUF_SHARED[t.name]: torch.from_numpy(np.copy(dequantize(t.data, t.tensor_type))).float()
+            for t in GGUFReader(path).tensors if t.name in GGUF_SHARED}
+
+
+def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A GGUF target's weights, de-quantized to fp32 by ``transformers``."""
+    from transformers import AutoModelForCausalLM
+
+    location, options = hf_location(path)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **options)
+    return {name.removeprefix("model."): tensor for name, tensor in model.state_dict().items()}

@@ -1,0 +1,110 @@
+"""The registry of target model families: architecture name -> ``Architecture`` -> ``Family``, the one
+place that says which checkpoints the engine takes and, for each, how its config is read and which
+step module computes it. ``target_config``, ``target_model``, the manifest schema's architecture
+list (a test keeps them equal) and ``make-tiny`` read it; a new family is one entry here and its
+module."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from models.decoder import DecoderConfig
+from models.dense import TargetStep
+from models.gemma4 import SLIDING, Gemma4Layout, Gemma4TargetStep, layout_from_hf
+from models.moe import MOE_FIELDS, MoeConfig
+from models.qwen3_5 import FULL, LINEAR, HybridTargetStep, LinearAttentionConfig
+
+# the hybrid's shape fields beyond the dense decoder's
+LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
+# Gemma 4's full layers' shapes (transformers takes them as arguments, or per_layer_config)
+GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a family's config reader makes of a ``transformers`` text config."""
+    decoder: DecoderConfig
+    linear: LinearAttentionConfig | None = None   # a hybrid's linear-attention layers
+    moe: MoeConfig | None = None                    # a MoE target's sparse blocks
+    gemma4: Gemma4Layout | None = None              # a Gemma 4 target's layers beyond decoder's
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of text models, whichever checkpoint layout holds it."""
+    model_type: str                          # its text config's model_type
+    read: Callable[[object], Parts]          # transformers text config -> Parts; ValueError names a field
+    step: type                               # the step module: ``step(target_config, taps)``
+    layer_kinds: tuple[str, ...] = (FULL,)   # the layer_types its layers may have
+    fields: tuple[str, ...] = ()             # shape fields beyond the dense decoder's (decoder.check_fields)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A checkpoint's ``architectures`` entry: its family, and where the text model sits in it."""
+    name: str
+    family: Family
+    model_type: str                          # config.json's model_type
+    text_config: str | None = None           # a multimodal checkpoint keeps its text config under this key
+    weight_prefix: str = "model."            # ... and its text weights under this prefix
+
+
+def _dense(qk_norm: bool) -> Callable[[object], Parts]:
+    return lambda hf: Parts(DecoderConfig.from_hf(hf, qk_norm=qk_norm))
+
+
+def _qwen3_moe(hf) -> Parts:
+    return Parts(DecoderConfig.from_hf(hf, qk_norm=True), moe=MoeConfig.from_hf(hf, shared_expert=False))
+
+
+def _hybrid(moe: bool) -> Callable[[object], Parts]:
+    def read(hf) -> Parts:
+        # Qwen3.5's MLP has no biases whatever mlp_bias says (transformers ignores it)
+        decoder = replace(DecoderConfig.from_hf(hf, qk_norm=True, partial_rotary=True), mlp_bias=False)
+        linear = LinearAttentionConfig.from_hf(hf)
+        if len(linear.layer_types) != decoder.num_layers:
+            raise ValueError(f"field 'layer_types' has {len(linear.layer_types)} entries: expected one per "
+                             f"layer ({decoder.num_layers}, num_hidden_layers)")
+        return Parts(decoder, linear=linear, moe=MoeConfig.from_hf(hf, shared_expert=True) if moe else None)
+    return read
+
+
+def _gemma4(hf) -> Parts:
+    decoder, layout = layout_from_hf(hf)
+    return Parts(decoder, gemma4=layout)
+
+
+QWEN3 = Family("qwen3", _dense(qk_norm=True), TargetStep)
+LLAMA = Family("llama", _dense(qk_norm=False), TargetStep)
+QWEN3_MOE = Family("qwen3_moe", _qwen3_moe, TargetStep, fields=MOE_FIELDS)
+QWEN3_5 = Family("qwen3_5_text", _hybrid(moe=False), HybridTargetStep, (FULL, LINEAR), LINEAR_FIELDS)
+QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (FULL, LINEAR),
+                     LINEAR_FIELDS + MOE_FIELDS + ("shared_expert_intermediate_size",))
+# Gemma 4, and its "unified" form (the 12B: the same text layers without per-layer inputs or MoE)
+GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), GEMMA4_FIELDS)
+GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), GEMMA4_FIELDS)
+
+def _multimodal(name: str, family: Family) -> Architecture:
+    return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",
+                        weight_prefix="model.language_model.")
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("Qwen3ForCausalLM", QWEN3, "qwen3"),
+    Architecture("LlamaForCausalLM", LLAMA, "llama"),
+    Architecture("Qwen3MoeForCausalLM", QWEN3_MOE, "qwen3_moe"),
+    Architecture("Qwen3_5ForCausalLM", QWEN3_5, "qwen3_5_text"),
+    _multimodal("Qwen3_5ForConditionalGeneration", QWEN3_5),
+    Architecture("Qwen3_5MoeForCausalLM", QWEN3_5_MOE, "qwen3_5_moe_text"),
+    _multimodal("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE),
+    Architecture("Gemma4ForCausalLM", GEMMA4, "gemma4_text"),
+    _multimodal("Gemma4ForConditionalGeneration", GEMMA4),
+    Architecture("Gemma4UnifiedForCausalLM", GEMMA4_UNIFIED, "gemma4_unified_text"),
+    _multimodal("Gemma4UnifiedForConditionalGeneration", GEMMA4_UNIFIED),
+)}
+
+
+def by_model_type(model_type: str) -> Architecture | None:
+    """The architecture ``transformers`` picks for a config without ``architectures``."""
+    return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)

@@ -1,0 +1,66 @@
+"""The packages are layers in the order data flows (README, "Repository layout"): a module imports
+only from its own package or the layers before it, so reading who imports whom goes checkpoint ->
+module -> graph -> engine -> loop -> server. Imports inside functions count as much as top-level ones."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = ["common", "plugins", "modeling", "export", "runtime.backends", "runtime.decoding",
+          "runtime.serving", "distill"]
+# what users run or embed: CLIs, the modules Triton and Ray load, README's Python API
+ENTRY = len(LAYERS)
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    if module.endswith("__main__"):
+        return ENTRY
+    for i, layer in reversed(list(enumerate(LAYERS))):
+        if module == layer or module.startswith(layer + "."):
+            return i
+    return ENTRY if module == "runtime" or module.startswith("runtime.") else -1
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            found.add(base)
+    return {name for name in found if _layer(name) >= 0}
+
+
+def test_no_module_imports_from_a_layer_after_its_own():
+    sources = [path for layer in ("common", "plugins", "modeling", "export", "runtime", "distill")
+               for path in (ROOT / layer).rglob("*.py")]
+    assert len(sources) > 100
+    upward = []
+    for path in sources:
+        module = _module(path)
+        for name in _imports(path, module):
+            if _layer(name) > _layer(module):
+                upward.append(f"{module} imports {name}")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_layers_are_told_apart():
+    """The rule above is only as good as the layer each name gets."""
+    assert [_layer(m) for m in ("common.manifest", "plugins.moe.torch_op", "modeling.fixtures.tiny",
+                                "export.build", "runtime.backends", "runtime.decoding.scheduler",
+                                "runtime.serving.request_loop", "distill.loop")] == list(range(ENTRY))
+    assert {_layer(m) for m in ("runtime", "runtime.serve", "runtime.scheduler", "export.__main__",
+                                "distill.__main__")} == {ENTRY}
+    assert _layer("torch") == _layer("onnxruntime") == -1
