@@ -9,6 +9,7 @@ from pathlib import Path
 from common.cli_parser import Parser
 from common.errors import run_command
 from common.outputs import check_replaceable, staged_directory
+from export import build_checks
 from modeling.fixtures.presets import PRESETS
 from modeling.fixtures.tiny import ARCHS
 from modeling.layouts import LAYOUTS
@@ -51,7 +52,6 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
     """``build``'s flags, the demo pair's defaults filled in, and its paths, checked before
     anything loads (``build_checks``: no torch, transformers or onnx): ``(out, where k came
     from)``, or one line on the first mistake."""
-    from export import build_checks
     from modeling.checkpoint import resolve
 
     if (args.target is None) != (args.draft is None):
@@ -211,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
                    help="quantize the draft's linear layers too, as --weights says (int4 beside a gguf "
                         "target: a draft has no GGUF file) [the draft keeps its --dtype weights; the "
                         "demo pair: quantized]")
-    b.add_argument("--backend", choices=["onnx", "trt", "trt-rtx"], default="onnx",
+    b.add_argument("--backend", choices=build_checks.BACKENDS, default="onnx",
                    help="also build TensorRT (trt) or TensorRT-RTX (trt-rtx) engines with the "
                         "dspark plugins; build those graphs with --dtype fp16 or bf16 [onnx]")
     b.add_argument("--gpu", action="append", default=[], metavar="SM",

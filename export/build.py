@@ -8,7 +8,7 @@ weights. Then the engines and the manifest.
 
 With ``--weights int4|int8`` the module's linear weights are replaced by their de-quantized values
 before it is traced (after the target's teacher-forced predictions on held-out text are taken, for
-the quality cost), and the written graph is rewritten to hold them quantized (``quantize.py``): the
+the quality cost), and the written graph is rewritten to hold them quantized (``qdq.py``): the
 graph is then verified against a reference with exactly its weights. ``--weights gguf`` leaves the
 module as ``transformers`` loaded it (the GGUF file's de-quantized values) and writes the file's own
 blocks into the graph (``gguf_blocks.py``).
@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common import manifest as manifest_file
-from export import build_checks, quantize
+from export import build_checks, qdq, quantize
 from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from export.onnx_check import VerificationError, check_model, compare_with_reference
 from export.onnx_export import (
@@ -39,6 +39,7 @@ from export.onnx_export import (
     sample_inputs,
     target_spec,
 )
+from export.quality import QUALITY_MAX_TOKENS, held_out_texts, quality_cost, teacher_forced
 from modeling.checkpoint import CheckpointError, hf_location, resolve
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
@@ -57,7 +58,7 @@ class BuildResult:
     seconds: float
     max_difference: dict[str, float | None]   # None: not run (bf16 has no ORT CPU kernels)
     quantized_layers: dict[str, int]          # graph name -> linear layers quantized
-    quality: dict | None                      # quantize.quality_cost of the target, when quantized
+    quality: dict | None                      # quality_cost of the target, when quantized
 
 
 def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: Limits,
@@ -136,7 +137,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
             trace, verify = _example_inputs(spec, limits, target_config.vocab_size,
                                             draft_config.block_size, generator)
             if name == "target":
-                verify = _with_context(module, verify, quantize.held_out_texts(tokenizer, 256),
+                verify = _with_context(module, verify, held_out_texts(tokenizer, 256),
                                        limits.max_prompt_chunk)
             phase(f"{name}: export")
             path = export_graph(module, spec, trace, limits, out, opset)
@@ -153,7 +154,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 phase(f"{name}: {formats[name]} weights into the graph")
                 # a layer the tracer shares may be written twice (the draft's K/V projections), so
                 # the graph may hold more; fewer means a layer was traced in a form left unquantized
-                in_graph = quantize.quantize_graph(path, blocks_of, keep_float)
+                in_graph = qdq.quantize_graph(path, blocks_of, keep_float)
                 if in_graph < quantized[name] and formats[name] == quantize.GGUF:
                     raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
                                      f"{quantized[name]} linear layers are not in it as "
@@ -259,13 +260,13 @@ def _quantize(module: TargetStep | DraftStep, bits: int, block: int, tokenizer) 
     """Quantize ``module``'s linear layers (``quantize.quantize_linears``); given the target's
     ``tokenizer``, also measure what that costs, teacher-forced on held-out text before and after
     (None where that text is not installed)."""
-    texts = None if tokenizer is None else quantize.held_out_texts(
-        tokenizer, min(quantize.QUALITY_MAX_TOKENS, module.config.max_position_embeddings))
-    reference = quantize.teacher_forced(module, texts) if texts else None
+    texts = None if tokenizer is None else held_out_texts(
+        tokenizer, min(QUALITY_MAX_TOKENS, module.config.max_position_embeddings))
+    reference = teacher_forced(module, texts) if texts else None
     count = quantize.quantize_linears(module, bits, block)
     if reference is None:
         return count, None
-    return count, quantize.quality_cost(reference, quantize.teacher_forced(module, texts))
+    return count, quality_cost(reference, teacher_forced(module, texts))
 
 
 def _outputs(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:

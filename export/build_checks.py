@@ -17,7 +17,7 @@ BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
 GGUF = "gguf"     # the target GGUF file's own blocks (export/gguf_blocks.py)
 # a draft has no GGUF file: beside a GGUF target, --quantize-draft rounds it to int4, the class of
-# the file's Q4 blocks (the demo draft: tau 1.71 -> 1.69, draft step 3.9 -> 2.7 ms; README "Measured")
+# the file's Q4 blocks (its cost in acceptance and time: docs/measurements.md)
 GGUF_DRAFT = "int4"
 BACKENDS = ("onnx", "trt", "trt-rtx")
 TENSORRT_MODULES = {"trt": "tensorrt", "trt-rtx": "tensorrt_rtx"}

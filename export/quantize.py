@@ -1,21 +1,14 @@
-"""Weight-only int4 / int8 quantization of the linear layers (``build --weights``), and its cost.
+"""Weight-only int4 / int8 quantization of the linear layers (``build --weights``): the rounding
+and the PyTorch module's weights. The graph gets the same blocks from ``qdq.py``; the cost is
+measured in ``quality.py``.
 
 Symmetric, blockwise round-to-nearest along each weight's input axis. int4 is the rounding of ONNX
 Runtime's ``MatMulNBitsQuantizer`` (a block's scale is its largest-magnitude value over -8, so it
 takes that value's sign; the values are rounded and clipped to [-8, 7]; ``tests/test_quantize.py``
 holds the two equal). int8 takes a positive scale, the largest magnitude over 127, and [-127, 127]:
 TensorRT's ONNX parser refuses a negative int8 scale ("Scale coefficients must all be positive"; it
-lets int4's through), and ONNX Runtime fuses either. A graph gets it as standard ONNX: a blocked
-``DequantizeLinear`` (int4 / int8 weight, one scale per block, no zero point) feeding a ``MatMul``,
-which ONNX Runtime fuses into ``MatMulNBits`` on the CPU and TensorRT-RTX builds as a weight-only
-quantized layer, its weights kept int4 / int8 in the engine (``tests/test_tensorrt_build.py``).
-The rewrite is ours rather than the tool's, whose QDQ path refuses 8 bits, skips ``Gemm`` (the
-target's ``lm_head``) and writes a weight that several MatMuls share (the draft's K/V projections)
-once per use. Function bodies (the ``dspark`` nodes') are not touched; a MoE layer's experts
-(``dspark::MoeExperts``, most of such a target's weights) become ``MoeExpertsInt4`` / ``Int8``,
-which gather the integers and blocks of the experts a step selects and de-quantize only those
-(``plugins/moe/onnx_function.py``). The router stays float (``keep_float``), as llama.cpp keeps it:
-a rounded router may pick other experts.
+lets int4's through), and ONNX Runtime fuses either. The router stays float (``keep_float``), as
+llama.cpp keeps it: a rounded router may pick other experts.
 
 The PyTorch module is quantized first (``quantize_linears``): its weights become the de-quantized
 values, so the reference that verifies the graph computes with exactly the graph's weights. The
@@ -24,12 +17,8 @@ quantizing those values again in the traced graph gives the same integers and sc
 """
 from __future__ import annotations
 
-import math
-import shutil
-from collections import Counter
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,12 +26,6 @@ import torch
 # the weight formats live where the command line checks them without loading anything
 from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from export.onnx_check import to_numpy
-from modeling.target import from_start
-from plugins.qmatmul.ort_lowering import linear_weight
-
-# the quality cost is measured on the prompts the demo draft's distillation held out (the last 20
-# records of the file), token by token, at most this many tokens per prompt
-QUALITY_HELD_OUT, QUALITY_MAX_TOKENS = 20, 256
 
 
 def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,275 +120,3 @@ def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:
     def blocks_of(matrix: np.ndarray) -> Blocks | None:
         return None if matrix.shape[0] % block else Blocks(*rtn(matrix, bits, block), bits=bits)
     return blocks_of
-
-
-def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
-                   keep: Set[str] = frozenset()) -> int:
-    """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
-    which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
-    ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the input's per-block sums
-    times the offsets); returns how many.
-    A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
-    stored ``[N, K]``). Layers that read the same input (q / k / v, gate / up) become one product
-    with their weights side by side, split after it: one kernel call instead of two or three
-    (docs/measurements.md). The weights are read mapped from the old file while
-    the new one is written beside it, then the new one takes its place."""
-    import onnx_ir as ir
-
-    model = ir.load(path)
-    rewrite = _Rewrite(model.graph, blocks_of, path.name)
-    pending, replaced = _linear_groups(model.graph, keep), 0
-    while pending:
-        group = pending.pop(0)
-        if rewrite.replace(group):
-            replaced += len(group)
-        elif len(group) > 1:   # e.g. one of them is not the GGUF file's: each on its own
-            pending[:0] = [[member] for member in group]
-    replaced += 2 * _quantize_experts(model, blocks_of)
-    staging = path.parent / f".{path.name}.quantized"
-    staging.mkdir()
-    try:
-        ir.save(model, staging / path.name, external_data=f"{path.name}.data")
-        del model, rewrite
-        for name in (path.name, f"{path.name}.data"):
-            (staging / name).replace(path.parent / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return replaced
-
-
-class _Rewrite:
-    """``quantize_graph``'s edits of one graph: a group of linear layers at a time."""
-
-    def __init__(self, graph, blocks_of: Callable[[np.ndarray], Blocks | None], file: str):
-        self.graph, self.blocks_of, self.file = graph, blocks_of, file
-        self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, blocks): a shared weight once
-        self.readers: Counter[str] = Counter()       # products made so far that read each
-        self.block_sums: dict[tuple[str, int], object] = {}   # (input, block) -> its block sums, once
-
-    def replace(self, group: list[tuple]) -> bool:
-        """Replace ``group``'s layers ``(node, weight, transposed)``, which read one input, by one
-        product (False, nothing changed, when ``blocks_of`` gives no blocks for their weights)."""
-        import onnx_ir as ir
-
-        new_nodes = []
-        found = self._dequantize(group, new_nodes)
-        if found is None:
-            return False
-        weight_values, offsets = found
-        nodes = [node for node, _, _ in group]
-        x = nodes[0].inputs[0]
-        name = "_".join(node.name or weight.name for node, weight, _ in group)
-        matmul = ir.node("MatMul", [x, weight_values], name=name)
-        new_nodes.append(matmul)
-        result = matmul.outputs[0]
-        if offsets is not None:   # + (x summed over each block of the input axis) @ offsets
-            block = weight_values.producer().attributes["block_size"].value
-            offset = ir.node("MatMul", [self._block_sums(x, block, name, new_nodes), offsets],
-                             name=f"{name}_offsets")
-            add = ir.node("Add", [result, offset.outputs[0]], name=f"{name}_add_offsets")
-            new_nodes += [offset, add]
-            result = add.outputs[0]
-        results = [result]
-        if len(group) > 1:
-            widths = [weight.const_value.shape[0 if transposed else 1] for _, weight, transposed in group]
-            sizes = _initializer(self.graph, f"{name}_widths", np.array(widths, np.int64))
-            split = ir.node("Split", [result, sizes], attributes={"axis": -1}, num_outputs=len(group),
-                            name=f"{name}_split")
-            new_nodes.append(split)
-            results = list(split.outputs)
-        for index, node in enumerate(nodes):
-            if len(node.inputs) > 2 and node.inputs[2] is not None:   # a Gemm's bias
-                add = ir.node("Add", [results[index], node.inputs[2]], name=f"{node.name}_bias")
-                new_nodes.append(add)
-                results[index] = add.outputs[0]
-        feeds = [node.inputs[1] for node in nodes]   # the weights, or a shared weight's Transpose
-        ir.convenience.replace_nodes_and_values(self.graph, nodes[0], nodes, new_nodes,
-                                                [node.outputs[0] for node in nodes], results)
-        for feed in feeds:
-            if not feed.is_initializer() and not feed.uses():
-                self.graph.remove(feed.producer(), safe=True)
-        for _, weight, _ in group:
-            if not weight.uses():
-                self.graph.initializers.pop(weight.name)
-        return True
-
-    def _dequantize(self, group: list[tuple], new_nodes: list) -> tuple | None:
-        """``(weights side by side [K, sum N] as DequantizeLinear's output, offsets or None)``.
-        A weight that several products read (the draft's K/V projections) is quantized once,
-        and each product reads a copy of its blocks through a ``DequantizeLinear`` of its own:
-        ONNX Runtime fuses one into ``MatMulNBits`` only where the product is the one reader of it
-        and of its blocks, and otherwise de-quantizes the whole weight at every step."""
-        import onnx_ir as ir
-
-        key = tuple((weight.name, transposed) for _, weight, transposed in group)
-        if key not in self.dequantized:
-            matrices = [weight.const_value.numpy().T if transposed else weight.const_value.numpy()
-                        for _, weight, transposed in group]
-            blocks = self.blocks_of(np.ascontiguousarray(np.concatenate(matrices, axis=1)))
-            if blocks is None:
-                return None
-            fused = "_fused" if len(group) > 1 else ""
-            self.dequantized[key] = f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}", blocks
-        stem, blocks = self.dequantized[key]
-        reader, self.readers[stem] = self.readers[stem], self.readers[stem] + 1
-        stem += f"_{reader}" if reader else ""
-        dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)),
-                                          _initializer(self.graph, f"{stem}_scales", blocks.scales)],
-                     attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
-        new_nodes.append(dq)
-        if blocks.offsets is None:
-            return dq.outputs[0], None
-        return dq.outputs[0], _initializer(self.graph, f"{stem}_offsets", blocks.offsets)
-
-    def _block_sums(self, x, block: int, name: str, new_nodes: list):
-        """``x [..., K]`` summed over each block of ``block`` values: ``[..., K / block]``."""
-        import onnx_ir as ir
-
-        if (x.name, block) not in self.block_sums:
-            if x.shape is None:
-                raise ValueError(f"{self.file}: {name}'s input has no known rank")
-            shape = [0] * (len(x.shape) - 1) + [-1, block]
-            reshape = ir.node("Reshape", [x, _initializer(self.graph, f"{x.name}_blocks_{block}_shape",
-                                                          np.array(shape, np.int64))])
-            reduce = ir.node("ReduceSum", [reshape.outputs[0], _initializer(
-                self.graph, f"{x.name}_blocks_{block}_axis", np.array([-1], np.int64))],
-                             attributes={"keepdims": 0})
-            new_nodes += [reshape, reduce]
-            self.block_sums[(x.name, block)] = reduce.outputs[0]
-        return self.block_sums[(x.name, block)]
-
-
-def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
-    """Rewrite each ``dspark::MoeExperts`` node whose two expert stacks are constants and have
-    blocks as ``MoeExpertsInt{bits}`` (``plugins/moe/onnx_function.py``); returns how many."""
-    import onnx_ir as ir
-
-    from plugins.moe import MATRICES
-    from plugins.moe import onnx_function as moe
-    from plugins.onnx_domain import DOMAIN
-
-    graph, replaced, used = model.graph, 0, set()
-    for node in [n for n in graph if n.domain == DOMAIN and n.op_type == moe.NAME]:
-        stacks = [node.inputs[moe.INPUTS.index(m)] for m in MATRICES]
-        if not all(s.is_initializer() and s.const_value is not None for s in stacks):
-            continue
-        quantized = [expert_blocks(s.const_value.numpy(), blocks_of) for s in stacks]
-        if None in quantized:
-            continue
-        bits = quantized[0][2]
-        inputs = list(node.inputs[:3])
-        for stack, (q, scales, _) in zip(stacks, quantized):
-            inputs += [_initializer(graph, f"{stack.name}_int{bits}", q),
-                       _initializer(graph, f"{stack.name}_scales", scales)]
-        new = ir.node(f"{moe.NAME}Int{bits}", inputs, domain=DOMAIN, name=node.name,
-                      attributes={k: a.value for k, a in node.attributes.items()})
-        ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
-        for stack in stacks:
-            if not stack.uses():
-                graph.initializers.pop(stack.name)
-        used.add(bits)
-        replaced += 1
-    if replaced:
-        if not any(n.op_type == moe.NAME for n in graph if n.domain == DOMAIN):
-            model.functions.pop((DOMAIN, moe.NAME, ""), None)
-        for bits in used:
-            function = ir.serde.deserialize_function(moe.quantized_function(bits))
-            function.opset_imports[""] = model.opset_imports[""]
-            model.functions[function.identifier()] = function
-    return replaced
-
-
-def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
-    """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales
-    [E, K / b, N], bits)`` in ``MoeExpertsInt{bits}``'s layout: ``q`` int8 ``[E, K / b, b, N]``,
-    or for int4 ``[E, K / b, b / 2, N]`` bytes, their bits as int8 (block row ``j`` low, ``j + b / 2``
-    high, plus 8); None where an expert has no blocks."""
-    q = scales = None
-    for expert, matrix in enumerate(stack):
-        blocks = blocks_of(np.ascontiguousarray(matrix.T))
-        if blocks is None or blocks.offsets is not None:
-            return None
-        integers = blocks.q.reshape(blocks.scales.shape[0], blocks.block, -1)   # [K/b, b, N]
-        if blocks.bits == 4:
-            unsigned = (integers + 8).astype(np.uint8)
-            half = blocks.block // 2
-            integers = (unsigned[:, :half] | (unsigned[:, half:] << 4)).view(np.int8)   # the bits as int8
-        if q is None:
-            q = np.empty((len(stack), *integers.shape), integers.dtype)
-            scales = np.empty((len(stack), *blocks.scales.shape), blocks.scales.dtype)
-        q[expert], scales[expert] = integers, blocks.scales
-    return q, scales, blocks.bits
-
-
-def _linear_groups(graph, keep: Set[str]) -> list[list[tuple]]:
-    """The graph's linear layers as ``(node, weight, stored transposed)``, in order, but those
-    whose weight is named in ``keep``; the layers that read the same input, each with a weight of
-    its own and of the same input size, in one group."""
-    groups: dict[object, list[tuple]] = {}
-    for node in graph:
-        found = linear_weight(node)
-        if found is None or found[0].name in keep:
-            continue
-        weight, transposed = found
-        size = weight.const_value.shape[1 if transposed else 0]
-        # a weight shared between layers stays alone
-        key = (node.inputs[0].name, size) if len(node.inputs[1].uses()) == 1 else node
-        groups.setdefault(key, []).append((node, weight, transposed))
-    return list(groups.values())
-
-
-def _initializer(graph, name: str, array: np.ndarray):
-    import onnx_ir as ir
-
-    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
-def _packed(blocks: Blocks) -> np.ndarray:
-    """The weight's integers in the ONNX type of their width."""
-    import ml_dtypes
-
-    return blocks.q.astype(ml_dtypes.int4) if blocks.bits == 4 else blocks.q
-
-
-def held_out_texts(tokenizer, max_tokens: int) -> list[list[int]] | None:
-    """Token ids of the held-out prompts the quality cost is measured on (no chat template), each
-    cut to ``max_tokens``; None when the prompt file is not there (an installed package)."""
-    from common.prompts import DEFAULT_PROMPTS, read_jsonl_prompts
-
-    if not DEFAULT_PROMPTS.is_file():
-        return None
-    prompts = read_jsonl_prompts(DEFAULT_PROMPTS, "prompts")[-QUALITY_HELD_OUT:]
-    ids = [tokenizer.encode(text, add_special_tokens=False)[:max_tokens] for text in prompts]
-    return [i for i in ids if len(i) > 1]
-
-
-def teacher_forced(target, texts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-1 prediction and the negative log-likelihood of the true next token at
-    every position of ``texts`` (each one sequence from position 0), concatenated."""
-    predictions = []
-    with torch.no_grad():
-        for ids in texts:
-            rows = torch.arange(len(ids) - 1)[None]
-            logits = from_start(target, torch.tensor([ids]), rows)[0][0]
-            predictions.append(next_token_predictions(logits, ids))
-    return tuple(torch.cat(part) for part in zip(*predictions))
-
-
-def next_token_predictions(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """From ``logits [len(ids) - 1, V]`` (row ``i`` predicts ``ids[i + 1]``): the top-1 prediction
-    and the true next token's negative log-likelihood at each row."""
-    logits = logits.float()
-    return logits.argmax(-1), -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-def quality_cost(reference: tuple[torch.Tensor, torch.Tensor],
-                 quantized: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """Teacher-forced top-1 agreement of the quantized target with the unquantized one, and both
-    perplexities, from ``teacher_forced`` of each on the same texts."""
-    return {"tokens": int(reference[0].numel()),
-            "top1_agreement": float((reference[0] == quantized[0]).float().mean()),
-            "perplexity": {"reference": math.exp(float(reference[1].mean())),
-                           "quantized": math.exp(float(quantized[1].mean()))}}

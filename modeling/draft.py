@@ -27,8 +27,8 @@ class MarkovHead(nn.Module):
 
     # ``build --weights`` leaves it float: ONNX Runtime fuses its product and the add of the base
     # logits into a Gemm before it can fuse a DequantizeLinear into the product, so a quantized
-    # weight is de-quantized at every step, once per unrolled draft (0.66 ms of the demo draft's
-    # 4 ms step, profiled); and it is small (rank x V_d)
+    # weight is de-quantized at every step, once per unrolled draft (docs/measurements.md, "The
+    # demo pair with quantized weights"); and it is small (rank x V_d)
     keep_float = True
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):

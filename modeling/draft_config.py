@@ -215,7 +215,7 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
     ``num_global_key_value_heads`` where K is V, RoPE as the target's full layers."""
     from transformers import AutoConfig
 
-    from modeling.gemma4 import FULL, rope_frequencies
+    from modeling.gemma4 import FULL_LAYER_FIELDS, layout_from_hf, mlp_size
 
     model_type = raw.get("model_type")
     if model_type not in ("gemma4_text", "gemma4_unified_text"):   # a copy of its target's text config
@@ -240,35 +240,14 @@ def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gem
                               f"(attention_k_eq_v is true)")
     clean = {k: v for k, v in raw.items() if k not in IGNORED_BACKBONE_FIELDS}
     try:
-        check_fields(clean, model_type, ("global_head_dim", "num_global_key_value_heads"))
+        check_fields(clean, model_type, FULL_LAYER_FIELDS)
         hf = AutoConfig.for_model(model_type, **clean)
-        layer = hf.per_layer_config[0]
-        if hf.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(f"field 'hidden_activation' = {hf.hidden_activation!r}: expected "
-                             f"'gelu_pytorch_tanh'")
-        shared = getattr(hf, "num_kv_shared_layers", 0)
-        if not (is_int(shared) and shared >= 0):
-            raise ValueError(f"field 'num_kv_shared_layers' = {shared!r}: expected an integer >= 0")
-        (inv_freq, scaling), = rope_frequencies(hf, {FULL}).values()
+        decoder, layout = layout_from_hf(hf, draft=True)
     except CONFIG_ERRORS as err:
         raise CheckpointError(f"{path}: {one_line(err)}") from None
-    decoder = DecoderConfig(
-        hidden_size=hf.hidden_size, num_layers=layers, num_heads=hf.num_attention_heads,
-        num_kv_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
-        intermediate_size=hf.intermediate_size, rms_norm_eps=hf.rms_norm_eps,
-        attention_bias=bool(hf.attention_bias), mlp_bias=False, qk_norm=True,
-        rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
-    # transformers 5.10's Gemma4TextMLP, which DeepSpec builds: double width from the first
-    # KV-shared layer on, when there is one after layer 0
-    first_shared = layers - shared
-    wide = [bool(hf.use_double_wide_mlp) and i >= first_shared > 0 for i in range(layers)]
-    cap = hf.final_logit_softcapping
-    if cap is not None and not is_positive_number(cap):
-        raise CheckpointError(f"{path}: field 'final_logit_softcapping' = {cap!r}: expected a number > 0 "
-                              f"or null")
-    gemma4 = Gemma4Draft(attention_k_eq_v=bool(hf.attention_k_eq_v),
-                         final_logit_softcapping=None if cap is None else float(cap),
-                         mlp_sizes=tuple(hf.intermediate_size * (2 if w else 1) for w in wide))
+    gemma4 = Gemma4Draft(attention_k_eq_v=layout.attention_k_eq_v,
+                         final_logit_softcapping=layout.final_logit_softcapping,
+                         mlp_sizes=tuple(mlp_size(decoder, layout, i) for i in range(layers)))
     return decoder, hf.vocab_size, hf.max_position_embeddings, gemma4
 
 

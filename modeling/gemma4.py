@@ -29,10 +29,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling.decoder import CachedStep, CacheSpec, DecoderConfig, Rotary, apply_rotary, logits_and_aux
+from modeling.decoder import (
+    CachedStep,
+    CacheSpec,
+    DecoderConfig,
+    Rotary,
+    apply_rotary,
+    is_int,
+    logits_and_aux,
+)
 from plugins.block_attention import block_attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# the full layers' shape fields (transformers takes them as arguments, or in per_layer_config)
+FULL_LAYER_FIELDS = ("global_head_dim", "num_global_key_value_heads")
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,7 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class Gemma4TargetStep(CachedStep, nn.Module):
-    """``target_model.TargetStep``'s contract. The caches are those of the layers that own K/V
+    """``dense.TargetStep``'s contract. The caches are those of the layers that own K/V
     (``k_l, v_l`` in layer order, none for a KV-shared layer): ``[B, Hkv, C, D]`` for a full layer,
     ``[B, Hkv, R, D]`` for a sliding one, ``R = Gemma4Layout.cache_rows`` (a ring)."""
 
@@ -303,14 +313,20 @@ def cache_specs(config, batch, capacity: int, max_rows: int, dtype: torch.dtype)
     return specs
 
 
-def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
+def layout_from_hf(hf, draft: bool = False) -> tuple[DecoderConfig, Gemma4Layout]:
     """A ``transformers`` ``Gemma4TextConfig`` (or ``Gemma4UnifiedTextConfig``) -> the sliding
-    layers' ``DecoderConfig`` and the rest. ``ValueError`` names the first field the engine cannot
-    follow."""
+    layers' ``DecoderConfig`` (the full ones' where there is no sliding layer) and the rest.
+    ``ValueError`` names the first field the engine cannot follow.
+
+    ``draft``: the config of a DSpark draft (DeepSpec's ``Gemma4DSparkModel``, a copy of its
+    target's text config with every layer full attention), which never decodes on its own and
+    shares no K/V: ``num_kv_shared_layers`` only widens the MLPs, as ``transformers`` 5.10's
+    ``Gemma4TextMLP`` (which DeepSpec builds) does from the first shared layer on, none when that
+    would be layer 0."""
     if getattr(hf, "enable_moe_block", False):
         raise ValueError("field 'enable_moe_block' = true: Gemma 4's MoE blocks (26B-A4B) are not "
                          "supported yet; expected false")
-    if hf.use_bidirectional_attention == "all":
+    if not draft and hf.use_bidirectional_attention == "all":
         raise ValueError("field 'use_bidirectional_attention' = 'all': a bidirectional decoder cannot "
                          "decode; expected null or 'vision'")
     if hf.hidden_activation != "gelu_pytorch_tanh":
@@ -322,14 +338,16 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
         raise ValueError(f"field 'layer_types' = {list(types)}: expected {layers} entries (one per "
                          f"layer), each {SLIDING!r} or {FULL!r}")
     shared = hf.num_kv_shared_layers
-    if not (isinstance(shared, int) and 0 <= shared < layers) or (
+    if draft and is_int(shared) and shared >= 0:
+        shared = shared if shared < layers else 0
+    if not (is_int(shared) and 0 <= shared < layers) or (
             shared and set(types[layers - shared:]) - set(types[:layers - shared])):
         raise ValueError(f"field 'num_kv_shared_layers' = {shared!r}: expected 0 .. {layers - 1}, "
                          f"leaving a layer of each shared type before the shared ones")
-    for name in ("sliding_window", "hidden_size_per_layer_input"):
-        value = getattr(hf, name, 0)   # the unified form (12B) has no per-layer inputs at all
-        low = 1 if name == "sliding_window" else 0
-        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 24):
+    # the unified form (12B) has no per-layer inputs at all; a draft has no sliding layers
+    for name, low in ((("sliding_window", 1),) if not draft else ()) + (("hidden_size_per_layer_input", 0),):
+        value = getattr(hf, name, 0)
+        if not (is_int(value) and low <= value <= 1 << 24):
             raise ValueError(f"field '{name}' = {value!r}: expected an integer >= {low}")
     ple = getattr(hf, "hidden_size_per_layer_input", 0) or 0
     if ple and hf.vocab_size_per_layer_input < hf.vocab_size:
@@ -348,21 +366,21 @@ def layout_from_hf(hf) -> tuple[DecoderConfig, Gemma4Layout]:
         if hf.num_attention_heads % layer.num_key_value_heads:
             raise ValueError(f"field '{field}' = {layer.num_key_value_heads}: expected a divisor of "
                              f"num_attention_heads ({hf.num_attention_heads})")
-    sliding_freq, sliding_scaling = frequencies.get(SLIDING, ((), 1.0))
-    full_freq, full_scaling = frequencies.get(FULL, ((), 1.0))
+    sliding_freq, sliding_scaling = frequencies.get(SLIDING) or frequencies[FULL]
+    full_freq, full_scaling = frequencies.get(FULL) or frequencies[SLIDING]
     decoder = DecoderConfig(
         hidden_size=hf.hidden_size, num_layers=layers, num_heads=hf.num_attention_heads,
         num_kv_heads=sliding_config.num_key_value_heads, head_dim=sliding_config.head_dim,
         intermediate_size=hf.intermediate_size, rms_norm_eps=hf.rms_norm_eps,
         attention_bias=bool(hf.attention_bias), mlp_bias=False, qk_norm=True,
-        rope_inv_freq=sliding_freq or full_freq, rope_attention_scaling=sliding_scaling)
+        rope_inv_freq=sliding_freq, rope_attention_scaling=sliding_scaling)
     layout = Gemma4Layout(
         layer_types=types, sliding_window=hf.sliding_window, full_head_dim=full_config.head_dim,
         full_kv_heads=full_config.num_key_value_heads, attention_k_eq_v=bool(hf.attention_k_eq_v),
         kv_shared_layers=shared, double_wide_mlp=bool(hf.use_double_wide_mlp),
         per_layer_input_size=ple, per_layer_vocab_size=hf.vocab_size_per_layer_input if ple else 0,
         final_logit_softcapping=None if cap is None else float(cap),
-        full_rope_inv_freq=full_freq or sliding_freq, full_rope_attention_scaling=full_scaling)
+        full_rope_inv_freq=full_freq, full_rope_attention_scaling=full_scaling)
     return decoder, layout
 
 

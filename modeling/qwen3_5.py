@@ -11,7 +11,7 @@ conv_dim]`` and its recurrent state ``[B, N, H, Dk, Dv]`` (fp32). A call starts 
 ``state_slot[b]`` and writes into slots ``0 .. R-1`` the window and state after rows
 ``state_rows[b]`` (``-1``: before the call), which is how a verify step keeps the state after
 every row without knowing yet how many will be accepted (``docs/engine-contract.md``,
-"Recurrent state"). A full layer's caches are K / V as in ``target_model.TargetStep``.
+"Recurrent state"). A full layer's caches are K / V as in ``dense.TargetStep``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The registry of target model families: architecture name -> ``Architecture`` -> ``Family``, the one
 place that says which checkpoints the engine takes and, for each, how its config is read and which
-step module computes it. ``target_config``, ``target_model``, the manifest schema's architecture
+step module computes it. ``target_config``, ``target``, the manifest schema's architecture
 list (a test keeps them equal) and ``make-tiny`` read it; a new family is one entry here and its
 module."""
 from __future__ import annotations
@@ -10,15 +10,13 @@ from typing import Callable
 
 from modeling.decoder import DecoderConfig
 from modeling.dense import TargetStep
-from modeling.gemma4 import SLIDING, Gemma4Layout, Gemma4TargetStep, layout_from_hf
+from modeling.gemma4 import FULL_LAYER_FIELDS, SLIDING, Gemma4Layout, Gemma4TargetStep, layout_from_hf
 from modeling.moe import MOE_FIELDS, MoeConfig
 from modeling.qwen3_5 import FULL, LINEAR, HybridTargetStep, LinearAttentionConfig
 
 # the hybrid's shape fields beyond the dense decoder's
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")
-# Gemma 4's full layers' shapes (transformers takes them as arguments, or per_layer_config)
-GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads")
 
 
 @dataclass(frozen=True)
@@ -82,8 +80,8 @@ QWEN3_5 = Family("qwen3_5_text", _hybrid(moe=False), HybridTargetStep, (FULL, LI
 QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (FULL, LINEAR),
                      LINEAR_FIELDS + MOE_FIELDS + ("shared_expert_intermediate_size",))
 # Gemma 4, and its "unified" form (the 12B: the same text layers without per-layer inputs or MoE)
-GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), GEMMA4_FIELDS)
-GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), GEMMA4_FIELDS)
+GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), FULL_LAYER_FIELDS)
+GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), FULL_LAYER_FIELDS)
 
 def _multimodal(name: str, family: Family) -> Architecture:
     return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",

@@ -1,5 +1,5 @@
 """``load_target``: a target checkpoint (directory or GGUF file) as its family's step module
-(``families.py``; the dense one is ``dense_model.TargetStep``, whose contract every step keeps),
+(``registry.py``; the dense one is ``dense.TargetStep``, whose contract every step keeps),
 and ``from_start``, a teacher-forced pass over fresh caches."""
 from __future__ import annotations
 

@@ -61,12 +61,12 @@ async def _stop_when_asked(server, replica: str) -> None:
         return
     while (grace := await stopping.asked.remote()) is None:
         await asyncio.sleep(0.2)
-    engine, deadline = server.engine, time.monotonic() + grace
-    while (engine.jobs or engine.inbox.qsize()) and time.monotonic() < deadline:
+    request_loop, deadline = server.request_loop, time.monotonic() + grace
+    while (request_loop.jobs or request_loop.inbox.qsize()) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     server.stop()
     deadline = time.monotonic() + 5
-    while engine.thread.is_alive() and time.monotonic() < deadline:
+    while request_loop.thread.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)        # the handlers' last bytes through Ray's proxy
     await stopping.end.remote(replica)
@@ -87,7 +87,7 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
     def build():
         """The replica's app, made where it runs: its own backend, opened before it takes traffic."""
         from runtime.decoding.generator import Generator
-        from runtime.serve import Server
+        from runtime.serving.openai_server import Server
 
         server = Server(lambda: Generator.from_engine(engine, backend, threads), model, max_queue, schedule)
         server.open()

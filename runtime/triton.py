@@ -4,7 +4,7 @@ engine)`` adds it to a ``pytriton.triton.Triton`` the caller runs beside other m
 
 The model speaks the generate extension like the model repository's (``runtime/serving/tritonserver_io.py``):
 ``/v2/models/NAME/generate``, ``generate_stream`` and gRPC streaming; its requests go to the
-scheduler thread every front end shares (``request_loop.Engine``), which runs in this process, with
+scheduler thread every front end shares (``request_loop.RequestLoop``), which runs in this process, with
 the same per-request options and checks: a refused request gets Triton's error with one line
 naming the input. The environment needs NumPy 1 (PyTriton's pin): ``.venv-triton``
 (``scripts/setup_triton.sh``) is one.
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.serving import tritonserver_io
-from runtime.serving.openai_request import RequestError
-from runtime.serving.request_loop import Engine, Job
+from runtime.serving.request_error import RequestError
+from runtime.serving.request_loop import Job, RequestLoop
 
 DTYPES = {"TYPE_STRING": np.bytes_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32,
           "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}
@@ -40,7 +40,7 @@ class Refused(Exception):
 
 
 def bind(triton, engine: str | Path, name: str | None = None, backend: str = "ort",
-         threads: int | None = None, max_queue: int = 64, draft_schedule: str | None = None) -> Engine:
+         threads: int | None = None, max_queue: int = 64, draft_schedule: str | None = None) -> RequestLoop:
     """Add ``engine`` to ``triton`` as model ``name`` (default: the engine directory's name) on a
     ``backend`` (``threads`` CPU threads for ORT), with at most ``max_queue`` requests waiting for
     a slot; returns its scheduler thread. A ``Triton`` started before this must have had the
@@ -52,7 +52,7 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
 
     generator = Generator.from_engine(engine, backend, threads)
     schedule = DraftSchedule.parse(draft_schedule, generator.backend.limits.k) if draft_schedule else None
-    engine_loop = Engine(generator.backend, max_queue, schedule)
+    request_loop = RequestLoop(generator.backend, max_queue, schedule)
 
     async def infer(requests):
         """One request's responses (a model without a batcher gets its requests one at a time),
@@ -62,7 +62,7 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
         try:
             ids, params, stream = tritonserver_io.read(request.data, generator)
             job = Job(ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-            engine_loop.submit(job)
+            request_loop.submit(job)
         except RequestError as err:
             raise Refused(err.message) from None
         replies = tritonserver_io.Replies(generator, params, stream)
@@ -74,7 +74,7 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
                     yield [outputs]
             yield [replies.final(job.request)]
         except BaseException:
-            engine_loop.cancel(job)
+            request_loop.cancel(job)
             raise
 
     def tensors(entries, optional):
@@ -84,7 +84,7 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
     triton.bind(model_name=name or Path(engine).resolve().name, infer_func=infer,
                 inputs=tensors(tritonserver_io.INPUTS, True), outputs=tensors(tritonserver_io.OUTPUTS, False),
                 config=ModelConfig(batching=False, decoupled=True))
-    return engine_loop
+    return request_loop
 
 
 def serve(engine: str | Path, config=None, **options) -> None:
@@ -98,9 +98,9 @@ def serve(engine: str | Path, config=None, **options) -> None:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")]))
     with Triton(config=config) as triton:
-        engine_loop = bind(triton, engine, **options)
+        request_loop = bind(triton, engine, **options)
         try:
             triton.serve()
         finally:   # requests still running end with UNAVAILABLE, the scheduler thread before the process
-            engine_loop.stop()
-            engine_loop.join()
+            request_loop.stop()
+            request_loop.join()

@@ -5,7 +5,7 @@ The model is decoupled and speaks Triton's generate extension (``runtime/serving
 ``POST /v2/models/NAME/generate`` (one response: the whole text) and ``generate_stream`` (with
 ``"stream": true``, one response per step with the text that step accepted, then one with the
 finish reason; over SSE). Each instance runs one backend under the scheduler thread the OpenAI
-server uses (``request_loop.Engine``), so requests join and leave its batch as they come, with the
+server uses (``request_loop.RequestLoop``), so requests join and leave its batch as they come, with the
 same per-request options and checks.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 from runtime.serving import tritonserver_io
-from runtime.serving.openai_request import RequestError
-from runtime.serving.request_loop import Engine, Job
+from runtime.serving.request_error import RequestError
+from runtime.serving.request_loop import Job, RequestLoop
 from runtime.serving.tritonserver_metrics import TritonMetrics
 
 
@@ -34,8 +34,8 @@ class TritonPythonModel:
         backend = self.generator.backend
         schedule = parameters.get("draft_schedule")
         schedule = DraftSchedule.parse(schedule, backend.limits.k) if schedule else None
-        self.engine = Engine(backend, int(parameters.get("max_queue", 64)), schedule)
-        self.metrics = TritonMetrics(pb_utils, self.engine.metrics.registry,
+        self.request_loop = RequestLoop(backend, int(parameters.get("max_queue", 64)), schedule)
+        self.metrics = TritonMetrics(pb_utils, self.request_loop.metrics.registry,
                                      {"model": args["model_name"], "version": args["model_version"],
                                       "instance": args["model_instance_name"]})
 
@@ -52,7 +52,7 @@ class TritonPythonModel:
             ids, params, stream = tritonserver_io.read(tensors, self.generator)
             replies = tritonserver_io.Replies(self.generator, params, stream)
             job = Job(ids, params, lambda event: self._deliver(request, sender, job, replies, event))
-            self.engine.submit(job)
+            self.request_loop.submit(job)
         except RequestError as err:
             self._refuse(sender, err)
 
@@ -63,7 +63,7 @@ class TritonPythonModel:
         if isinstance(event, RequestError):
             self._refuse(sender, event)
         elif event is not None and request.is_cancelled():
-            self.engine.cancel(job)
+            self.request_loop.cancel(job)
         elif event is not None:
             if (outputs := replies.step(event)) is not None:
                 sender.send(self._response(outputs))
@@ -83,9 +83,9 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Requests still running end with UNAVAILABLE, and the scheduler thread ends before the
-        backend goes (``Engine.stop``). Triton unloads a model once its requests are done, or at
+        backend goes (``RequestLoop.stop``). Triton unloads a model once its requests are done, or at
         its exit timeout, when it exits without calling this: those requests break off there."""
-        self.engine.stop()
-        self.engine.join(10)
+        self.request_loop.stop()
+        self.request_loop.join(10)
         self.metrics.close()
-        self.metrics = self.engine = self.generator = None
+        self.metrics = self.request_loop = self.generator = None

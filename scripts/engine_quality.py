@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export import quantize  # noqa: E402
+from export import quality  # noqa: E402
 from runtime.backends.ort import OrtBackend  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def predictions(engine: Path, texts: list[list[int]]) -> tuple[torch.Tensor, tor
             logits, _ = backend.target_step(torch.tensor([piece]), torch.tensor([start]),
                                             torch.arange(len(piece))[None])
             rows.append(logits[0].float().clone())
-        predictions.append(quantize.next_token_predictions(torch.cat(rows)[:len(ids) - 1], ids))
+        predictions.append(quality.next_token_predictions(torch.cat(rows)[:len(ids) - 1], ids))
     return tuple(torch.cat(part) for part in zip(*predictions))
 
 
@@ -50,12 +50,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.reference / "tokenizer")
-    texts = quantize.held_out_texts(tokenizer, quantize.QUALITY_MAX_TOKENS)
+    texts = quality.held_out_texts(tokenizer, quality.QUALITY_MAX_TOKENS)
     reference = predictions(args.reference, texts)
     results = {"reference": str(args.reference), "tokens": int(reference[0].numel()),
                "perplexity": math.exp(float(reference[1].mean())), "engines": {}}
     for engine in args.engines:
-        cost = quantize.quality_cost(reference, predictions(engine, texts))
+        cost = quality.quality_cost(reference, predictions(engine, texts))
         results["engines"][str(engine)] = {"top1_agreement": cost["top1_agreement"],
                                            "perplexity": cost["perplexity"]["quantized"]}
     print(json.dumps(results, indent=1))

@@ -107,7 +107,7 @@ def check_kernels() -> str:
 def check_plugin_enqueue() -> str:
     from types import SimpleNamespace
 
-    from export import quantize
+    from export import qdq, quantize
     from plugins.block_attention.reference import block_attention as attention_reference
     from plugins.block_attention.trt_plugin import SPEC as ATTENTION
     from plugins.cache_write.reference import cache_write as write_reference
@@ -177,7 +177,7 @@ def check_plugin_enqueue() -> str:
         error = ((out.float().cpu() - want).abs().max() / want.abs().max()).item()
         assert error < 2e-2, f"MoeExperts {dtype}: relative error {error}"
         stacks = [quantize.dequantized(m, 4, 32).detach() for m in (gate_up, down)]
-        blocks = [quantize.expert_blocks(m.float().numpy(), quantize.rtn_blocks(4, 32))[:2] for m in stacks]
+        blocks = [qdq.expert_blocks(m.float().numpy(), quantize.rtn_blocks(4, 32))[:2] for m in stacks]
         quantized = [t for q, scales in blocks
                      for t in (torch.from_numpy(q).cuda(), torch.from_numpy(scales).to(dtype).cuda())]
         enqueue(MOE_INT4, {}, [x.cuda(), experts.cuda(), weights.to(dtype).cuda(), *quantized], [out])

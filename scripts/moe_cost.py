@@ -77,7 +77,7 @@ def _session(weights: str, stacks: dict[str, torch.Tensor], args, compiled: bool
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from export import quantize
+    from export import qdq, quantize
     from plugins.cpu.build import library
     from plugins.moe import onnx_function
     from plugins.onnx_domain import PLUGIN_ATTRIBUTES
@@ -92,7 +92,7 @@ def _session(weights: str, stacks: dict[str, torch.Tensor], args, compiled: bool
         name, inputs = f"{onnx_function.NAME}Int{bits}", onnx_function.QUANTIZED_INPUTS
         function, constants = onnx_function.quantized_function(bits), {}
         for m, t in stacks.items():
-            q, scales, _ = quantize.expert_blocks(t.numpy(), quantize.rtn_blocks(bits, args.block))
+            q, scales, _ = qdq.expert_blocks(t.numpy(), quantize.rtn_blocks(bits, args.block))
             constants |= {f"{m}_q": q, f"{m}_scales": scales}
     value = helper.make_tensor_value_info
     node = helper.make_node(name, inputs, ["out"], domain="dspark", **PLUGIN_ATTRIBUTES)

@@ -136,7 +136,7 @@ def test_int8_weights_of_minus_128_are_left_to_the_stock_kernels():
 
 
 def _linear_graph(path, q, scales, offsets, bits):
-    """``y = x @ DequantizeLinear(q, scales) [+ block sums of x @ offsets]`` as ``export/quantize.py``
+    """``y = x @ DequantizeLinear(q, scales) [+ block sums of x @ offsets]`` as ``export/qdq.py``
     writes it, x ``[batch, rows, K]``, saved at ``path``."""
     import ml_dtypes
 

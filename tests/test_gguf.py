@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export import quantize
+from export import quality, quantize
 from modeling import demo_pair
 from modeling.pair import load_pair
 from modeling.target import every_row
@@ -144,7 +144,7 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
         _, verify = _example_inputs(target_spec(target, limits), limits, target.config.vocab_size,
                                     demo_pair.K, generator)
         assert 0 < int(verify["start"].max()) < 2 * verify["input_ids"].shape[1]
-        verify = _with_context(target, verify, quantize.held_out_texts(tokenizer, 256),
+        verify = _with_context(target, verify, quality.held_out_texts(tokenizer, 256),
                                limits.max_prompt_chunk)
         with torch.no_grad():
             logits[dtype] = target(*verify.values())[0].float().numpy()

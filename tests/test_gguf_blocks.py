@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from export import quantize
+from export import qdq
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
 K, N = 128, 48
@@ -85,7 +85,7 @@ def test_q4_1_runs_as_matmulnbits_with_the_files_weights(gguf_file, tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "rows", N])],
         [onnx.numpy_helper.from_array(weight, "w")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
-    assert quantize.quantize_graph(model, GgufBlocks(path).lookup) == 1
+    assert qdq.quantize_graph(model, GgufBlocks(path).lookup) == 1
     ops = [node.op_type for node in onnx.load(model).graph.node]
     assert ops == ["DequantizeLinear", "MatMul", "Reshape", "ReduceSum", "MatMul", "Add"]
 
@@ -133,7 +133,7 @@ def test_layers_that_read_one_input_run_as_one_product(gguf_file, tmp_path):
             [helper.make_tensor_value_info(n, TensorProto.FLOAT, [5, N]) for n in names], initializers)
         model = tmp_path / f"{''.join(names)}.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
-        assert quantize.quantize_graph(model, GgufBlocks(path).lookup) == len(names)
+        assert qdq.quantize_graph(model, GgufBlocks(path).lookup) == len(names)
         ops = [node.op_type for node in onnx.load(model).graph.node]
         assert {op: ops.count(op) for op in nodes_after} == nodes_after, ops
 

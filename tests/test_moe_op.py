@@ -88,14 +88,14 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
     graph, compute what the reference computes with the module's de-quantized experts."""
     import onnxruntime as ort
 
-    from export import quantize
+    from export import qdq, quantize
 
     x, experts, weights, gate_up, down = (t if t.dtype == torch.long else t.to(dtype)
                                           for t in routed(tokens, seed=2))
     stacks = [quantize.dequantized(m, bits, BLOCK).detach() for m in (gate_up, down)]
     feeds = {"x": x, "experts": experts, "weights": weights}
     for name, stack in zip(MATRICES, stacks):
-        q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
+        q, scales, _ = qdq.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK))
         feeds |= {f"{name}_q": torch.from_numpy(q), f"{name}_scales": torch.from_numpy(scales)}
         assert q.dtype == np.int8
         assert q.shape == (EXPERTS, stack.shape[-1] // BLOCK, BLOCK * bits // 8, stack.shape[1])
@@ -145,7 +145,7 @@ def test_triton_kernel_reads_the_quantized_layout(bits):
     """The integers and scales ``quantize_graph`` writes, de-quantized tile by tile (blocks of 8
     under tiles of 16): the reference's output on the de-quantized experts."""
     pytest.importorskip("triton")
-    from export import quantize
+    from export import qdq, quantize
     from plugins.moe import triton_kernel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,7 +153,7 @@ def test_triton_kernel_reads_the_quantized_layout(bits):
     stacks = [quantize.dequantized(m, bits, BLOCK).detach() for m in (gate_up, down)]
     expected = moe_experts(x, experts, weights, *stacks)
     (gate_up_q, gate_up_scales, _), (down_q, down_scales, _) = (
-        quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK)) for stack in stacks)
+        qdq.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, BLOCK)) for stack in stacks)
     on = [torch.from_numpy(t).to(device) if isinstance(t, np.ndarray) else t.to(device).contiguous()
           for t in (x, experts, weights, gate_up_q, down_q, gate_up_scales, down_scales)]
     out = torch.empty_like(on[0])
@@ -176,7 +176,7 @@ def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, o
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from export import quantize
+    from export import qdq, quantize
     from plugins.moe import ort_cpu
     from plugins.ort_session import lowered_session
 
@@ -189,7 +189,7 @@ def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, o
     for name, stack in zip(MATRICES, stacks):
         arrays = {name: stack.numpy()}
         if bits:
-            q, scales, _ = quantize.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, 32))
+            q, scales, _ = qdq.expert_blocks(stack.numpy(), quantize.rtn_blocks(bits, 32))
             arrays = {f"{name}_q": q, f"{name}_scales": scales}
         model.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in arrays.items())
     kept = [i for i in model.graph.input if i.name in ("x", "experts", "weights")]

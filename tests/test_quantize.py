@@ -12,7 +12,7 @@ import torch
 
 import export.__main__ as cli
 from common import manifest
-from export import quantize
+from export import qdq, quantize
 from export.build import build
 from export.onnx_check import VerificationError
 from export.onnx_export import Limits
@@ -37,7 +37,7 @@ def engines(tiny, tmp_path_factory):
     def make(weights):
         if weights not in built:
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
-            rewrite = quantize.quantize_graph
+            rewrite = qdq.quantize_graph
 
             def keeping_the_traced_graph(path, blocks_of, keep):
                 for name in (path.name, f"{path.name}.data"):
@@ -45,7 +45,7 @@ def engines(tiny, tmp_path_factory):
                 return rewrite(path, blocks_of, keep)
 
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(quantize, "quantize_graph", keeping_the_traced_graph)
+                patch.setattr(qdq, "quantize_graph", keeping_the_traced_graph)
                 result = build(*map(str, tiny()), out, limits=LIMITS, weights=weights,
                                quantize_draft=QUANTIZE_DRAFT[weights], progress=False)
             built[weights] = out, traced, result
@@ -147,7 +147,7 @@ def test_a_weight_shared_through_a_transpose_is_quantized_once_and_not_kept(tmp_
         [onnx.numpy_helper.from_array(weight, "w")])
     path = tmp_path / "shared.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
-    assert quantize.quantize_graph(path, quantize.rtn_blocks(4, 32)) == 2
+    assert qdq.quantize_graph(path, quantize.rtn_blocks(4, 32)) == 2
     model = onnx.load(path)
     assert sorted(n.op_type for n in model.graph.node) == ["DequantizeLinear"] * 2 + ["MatMul"] * 2
     assert [t.name for t in model.graph.initializer if t.name == "w"] == []
@@ -187,7 +187,7 @@ def test_the_markov_head_stays_float_in_the_module_and_the_graph(tmp_path):
          onnx.numpy_helper.from_array(markov.numpy().T.copy(), "head.markov_w2.weight")])
     path = tmp_path / "markov.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]), path)
-    assert quantize.quantize_graph(path, quantize.rtn_blocks(4, 32), quantize.float_weights(model)) == 1
+    assert qdq.quantize_graph(path, quantize.rtn_blocks(4, 32), quantize.float_weights(model)) == 1
     nodes = {n.name: n for n in onnx.load(path).graph.node}
     assert nodes["markov"].input[1] == "head.markov_w2.weight"
     assert sorted(n.op_type for n in nodes.values()) == ["DequantizeLinear", "MatMul", "MatMul"]
@@ -220,7 +220,7 @@ def test_the_manifest_records_the_weights_and_their_quality_cost(engines, capsys
 def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypatch):
     """The graph is verified against a reference with the weights it should hold: one block of
     one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
-    rewrite = quantize.quantize_graph
+    rewrite = qdq.quantize_graph
 
     def corrupted(path, blocks_of, keep):
         def flipped(matrix):
@@ -231,7 +231,7 @@ def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypa
 
         return rewrite(path, flipped, keep)
 
-    monkeypatch.setattr(quantize, "quantize_graph", corrupted)
+    monkeypatch.setattr(qdq, "quantize_graph", corrupted)
     with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
         build(*map(str, tiny()), tmp_path, limits=LIMITS, weights="int4", quantize_draft=True,
               progress=False)

@@ -350,7 +350,7 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
 
     from runtime import Generator
     from runtime.decoding.draft_schedule import DraftSchedule
-    from runtime.serve import Server
+    from runtime.serving.openai_server import Server
 
     engine = engine_dir(LIMITS, arch="qwen3")
     release, failures = threading.Event(), []

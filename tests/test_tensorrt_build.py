@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx")
 
-from export import quantize, trt_build  # noqa: E402
+from export import qdq, quantize, trt_build  # noqa: E402
 from export.build import build  # noqa: E402
 from export.onnx_export import Limits  # noqa: E402
 from export.trt_build import build_engines  # noqa: E402
@@ -119,7 +119,7 @@ def test_quantized_matricesstay_quantized_in_the_engine(tmp_path, weights, layer
         path = tmp_path / f"{name}.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), path)
         if name == weights:
-            assert quantize.quantize_graph(path, quantize.rtn_blocks(quantize.BITS[weights], 32)) == layers
+            assert qdq.quantize_graph(path, quantize.rtn_blocks(quantize.BITS[weights], 32)) == layers
         profiles = {"decode": {"x": ((1, size), (4, size), (16, size))}}
         assert _parsed_layers(path) == ({}, {} if name == "fp16" else {weights: 1})
         engine = tmp_path / f"{name}.engine"

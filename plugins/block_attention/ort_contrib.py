@@ -5,8 +5,8 @@ over the rows it sees.
 
 ONNX Runtime runs a ``dspark`` node by inlining its portable function body, about 18 small ops per
 layer (write indices, the visible-row count, the mask, two scatters and two slices), and on a small
-model those ops, not the matrix products, weigh most in a step: the SmolLM2-135M target's two-row
-step took 18.0 ms with the body and 14.6 ms with this form (interleaved, 2 threads).
+model those ops, not the matrix products, weigh most in a step (docs/measurements.md, "The demo
+pair with quantized weights").
 GroupQueryAttention does the same work in one kernel, in place when its past and present caches
 are one buffer (the runtime binds them so): it writes each sequence's new K/V rows at ``start``
 (its ``seqlens_k + 1 - rows``) and attends causally over the rows before them, the causal pattern

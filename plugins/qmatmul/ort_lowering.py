@@ -1,5 +1,5 @@
 """ONNX Runtime's form of a linear layer with the compiled kernels: each ``DequantizeLinear ->
-MatMul`` that ``export/quantize.py`` writes (plus, for GGUF Q4_1, the input's block sums times
+MatMul`` that ``export/qdq.py`` writes (plus, for GGUF Q4_1, the input's block sums times
 the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
 constant float32 weight (``MatMul``, ``MatMul`` of its ``Transpose``, ``Gemm`` with ``transB``)
 one ``dspark.cpu::FMatMul`` (an fp16 one ``HMatMul``, its weight kept in fp16), their weights in
@@ -100,7 +100,7 @@ def _float_weight(node):
 def linear_weight(node) -> tuple[object, bool] | None:
     """``(weight value, stored transposed)`` when ``node`` is a linear layer with a constant 2-D
     weight (``MatMul`` of it or of its ``Transpose``, or ``Gemm(transB=1)`` with unit alpha and
-    beta), else None: what ``export/quantize.py`` quantizes and ``FMatMul`` takes. A weight the
+    beta), else None: what ``export/qdq.py`` quantizes and ``FMatMul`` takes. A weight the
     tracer shares between layers (the draft's K/V projections, the Markov head of every unrolled
     draft) reaches them through one ``Transpose`` of the constant."""
     if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:

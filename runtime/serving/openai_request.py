@@ -13,22 +13,10 @@ from runtime.backends.base import capacity_needed
 from runtime.decoding.generator import Generator
 from runtime.decoding.params import MAX_LOGPROBS, Params
 from runtime.decoding.stop_strings import StopStrings
+from runtime.serving.request_error import RequestError
 
 # OpenAI's roles that a chat template reads; ``developer`` is OpenAI's newer name for ``system``
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status, OpenAI error type and one-line message."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}
 
 
 def body_field(body: dict, name: str, kind, default, check=None, expected: str = ""):

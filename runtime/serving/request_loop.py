@@ -17,7 +17,7 @@ from runtime.decoding.draft_schedule import DraftSchedule, measure
 from runtime.decoding.params import Params
 from runtime.decoding.scheduler import Request, Scheduler
 from runtime.serving.metrics import Metrics
-from runtime.serving.openai_request import RequestError
+from runtime.serving.request_error import RequestError
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Job:
 SHUTTING_DOWN = RequestError(503, "the server is shutting down", kind="unavailable_error")
 
 
-class Engine:
+class RequestLoop:
     """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work, until
     ``stop``. Without a ``draft_schedule`` it measures one on this machine first
     (``draft_schedule.measure``) and says which on stderr."""

@@ -18,7 +18,8 @@ from runtime.decoding.generator import Generator
 from runtime.decoding.params import Params
 from runtime.decoding.scheduler import Request
 from runtime.decoding.text_stream import TextStream
-from runtime.serving.openai_request import Prompt, RequestError, request_params
+from runtime.serving.openai_request import Prompt, request_params
+from runtime.serving.request_error import RequestError
 
 # the generate extension's names (TensorRT-LLM's where it has them): (name, Triton data type,
 # dims, and for an input the field of an OpenAI request it is)

@@ -1,4 +1,4 @@
-"""``runtime.serve``'s counters and gauges (``serve_metrics.py``: tokens, requests by finish reason,
+"""``runtime.serve``'s counters and gauges (``metrics.py``: tokens, requests by finish reason,
 drafts proposed and accepted, per position) in Triton's own ``/metrics``, as the Python backend's
 custom metrics under the same names, labelled with Triton's ``model`` and ``version`` and the
 model instance. Triton measures latency itself (``nv_inference_*``), so our histograms stay out.
