@@ -146,7 +146,7 @@ def gemma4_native_config(target: dict, *, layers: int, block_size: int, taps, ma
     config.update(
         architectures=["Gemma4DSparkModel"], num_target_layers=target["num_hidden_layers"],
         num_hidden_layers=layers, layer_types=["full_attention"] * layers, hidden_size_per_layer_input=0,
-        tie_word_embeddings=False, target_layer_ids=list(taps), block_size=block_size,
+        enable_moe_block=False, tie_word_embeddings=False, target_layer_ids=list(taps), block_size=block_size,
         mask_token_id=mask_token_id, num_anchors=num_anchors, markov_rank=markov_rank,
         markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True)
     return config

@@ -15,7 +15,11 @@ What sets it apart from the Qwen3 decoder (``decoder.py``):
 - the last ``num_kv_shared_layers`` layers have no K/V of their own: each attends to the caches of
   the last earlier layer of its type;
 - a gelu-tanh MLP, ``x * w`` RMSNorms in fp32, the embedding scaled by ``sqrt(hidden)`` in the
-  weights' dtype, and tanh soft-capped logits.
+  weights' dtype, and tanh soft-capped logits;
+- with ``enable_moe_block`` (26B-A4B), routed gelu-tanh experts beside each layer's MLP, each
+  branch normed before the two are added; the router norms the residual without a weight, scales
+  it by ``scale`` and ``hidden^-0.5``, renormalises its top-k softmax weights and multiplies them
+  by each chosen expert's ``per_expert_scale``.
 
 Parameters are named as ``transformers`` names them, so checkpoints load as they are.
 """
@@ -38,11 +42,17 @@ from modeling.decoder import (
     is_int,
     logits_and_aux,
 )
+from modeling.moe import Experts, MoeConfig
 from plugins.block_attention import block_attention
+from plugins.moe import ACTIVATIONS, moe_experts
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# the full layers' shape fields (transformers takes them as arguments, or in per_layer_config)
+# the full layers' shape fields (transformers takes them as arguments, or in per_layer_config), and
+# the MoE blocks'
 FULL_LAYER_FIELDS = ("global_head_dim", "num_global_key_value_heads")
+MOE_FIELDS = ("num_experts", "top_k_experts", "moe_intermediate_size")
+SHAPE_FIELDS = FULL_LAYER_FIELDS + MOE_FIELDS
+GELU_TANH = ACTIVATIONS.index("gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -167,18 +177,44 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
+class Gemma4Router(nn.Module):
+    """``transformers``' ``Gemma4TextRouter``: each token's ``top_k`` experts and their weights."""
+
+    def __init__(self, hidden: int, experts: int, eps: float):
+        super().__init__()
+        self.norm = Gemma4RMSNorm(hidden, eps, scale=False)
+        self.proj = nn.Linear(hidden, experts, bias=False)
+        self.proj.keep_float = True   # --weights leaves the router float (export/quantize.py)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+
+    def forward(self, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+        weights, experts = scores.softmax(dim=-1, dtype=torch.float).topk(top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
 class Gemma4Layer(nn.Module):
-    """Norm -> attention -> norm, residual; norm -> MLP -> norm, residual; the PLE term; times
-    ``layer_scalar``. The attention is ``block_attention`` over the caches (causal, windowed in a
-    sliding layer) or, in training, a masked attention over ``context_kv`` and the block."""
+    """Norm -> attention -> norm, residual; norm -> MLP (beside the routed experts, with ``moe``)
+    -> norm, residual; the PLE term; times ``layer_scalar``. The attention is ``block_attention``
+    over the caches (causal, windowed in a sliding layer) or, in training, a masked attention over
+    ``context_kv`` and the block."""
 
     def __init__(self, hidden: int, shape: AttentionShape, mlp_size: int, eps: float, bias: bool,
-                 per_layer_input_size: int = 0):
+                 per_layer_input_size: int = 0, moe: MoeConfig | None = None):
         super().__init__()
         self.self_attn = Gemma4Attention(hidden, shape, eps, bias)
         self.mlp = Gemma4MLP(hidden, mlp_size)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"]
+        self.moe = moe
+        if moe is not None:
+            self.router = Gemma4Router(hidden, moe.num_experts, eps)
+            self.experts = Experts(hidden, moe)
+            norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                      "post_feedforward_layernorm_2"]
+        for name in norms:
             setattr(self, name, Gemma4RMSNorm(hidden, eps))
         self.register_buffer("layer_scalar", torch.ones(1))
         if per_layer_input_size:
@@ -204,11 +240,22 @@ class Gemma4Layer(nn.Module):
                                                torch.cat([context_kv[1], v], dim=2), attn_mask=mask,
                                                scale=1.0, enable_gqa=True)
         h = h + self.post_attention_layernorm(attn.output(o))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(self._feed_forward(h))
         if per_layer_input is not None:
             gated = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar, k_cache, v_cache, (k, v)
+
+    def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe is None:
+            return mlp
+        x = h.flatten(0, 1)
+        weights, experts = self.router(x, self.moe.top_k)
+        routed = moe_experts(self.pre_feedforward_layernorm_2(x), experts, weights.to(h.dtype),
+                             self.experts.gate_up_proj, self.experts.down_proj, GELU_TANH)
+        return (self.post_feedforward_layernorm_1(mlp)
+                + self.post_feedforward_layernorm_2(routed.unflatten(0, h.shape[:2])))
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -229,7 +276,7 @@ class Gemma4TargetStep(CachedStep, nn.Module):
         self.embed_tokens = ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5)
         self.layers = nn.ModuleList(
             Gemma4Layer(d.hidden_size, attention_shape(d, g, i), mlp_size(d, g, i), d.rms_norm_eps,
-                        d.attention_bias, g.per_layer_input_size) for i in range(d.num_layers))
+                        d.attention_bias, g.per_layer_input_size, config.moe) for i in range(d.num_layers))
         self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({SLIDING: Rotary(d), FULL: Rotary(replace(
@@ -323,9 +370,6 @@ def layout_from_hf(hf, draft: bool = False) -> tuple[DecoderConfig, Gemma4Layout
     shares no K/V: ``num_kv_shared_layers`` only widens the MLPs, as ``transformers`` 5.10's
     ``Gemma4TextMLP`` (which DeepSpec builds) does from the first shared layer on, none when that
     would be layer 0."""
-    if getattr(hf, "enable_moe_block", False):
-        raise ValueError("field 'enable_moe_block' = true: Gemma 4's MoE blocks (26B-A4B) are not "
-                         "supported yet; expected false")
     if not draft and hf.use_bidirectional_attention == "all":
         raise ValueError("field 'use_bidirectional_attention' = 'all': a bidirectional decoder cannot "
                          "decode; expected null or 'vision'")
@@ -382,6 +426,21 @@ def layout_from_hf(hf, draft: bool = False) -> tuple[DecoderConfig, Gemma4Layout
         final_logit_softcapping=None if cap is None else float(cap),
         full_rope_inv_freq=full_freq, full_rope_attention_scaling=full_scaling)
     return decoder, layout
+
+
+def moe_from_hf(hf) -> MoeConfig | None:
+    """``enable_moe_block``'s experts (26B-A4B: 128, top 8), in every layer; None without."""
+    if not getattr(hf, "enable_moe_block", False):   # the unified form (12B) has no such field
+        return None
+    experts, top_k = hf.num_experts, hf.top_k_experts
+    for name in MOE_FIELDS:
+        if not (is_int(getattr(hf, name)) and getattr(hf, name) >= 1):
+            raise ValueError(f"field '{name}' = {getattr(hf, name)!r}: expected an integer >= 1 "
+                             f"(enable_moe_block is true)")
+    if top_k > experts:
+        raise ValueError(f"field 'top_k_experts' = {top_k}: expected 1 .. num_experts ({experts})")
+    return MoeConfig(num_experts=experts, top_k=top_k, expert_size=hf.moe_intermediate_size,
+                     normalize=True, shared_size=0, sparse_layers=(True,) * hf.num_hidden_layers)
 
 
 def rope_frequencies(hf, kinds: set[str]) -> dict[str, tuple[tuple[float, ...], float]]:

@@ -10,7 +10,14 @@ from typing import Callable
 
 from modeling.decoder import DecoderConfig
 from modeling.dense import TargetStep
-from modeling.gemma4 import FULL_LAYER_FIELDS, SLIDING, Gemma4Layout, Gemma4TargetStep, layout_from_hf
+from modeling.gemma4 import (
+    SHAPE_FIELDS,
+    SLIDING,
+    Gemma4Layout,
+    Gemma4TargetStep,
+    layout_from_hf,
+    moe_from_hf,
+)
 from modeling.moe import MOE_FIELDS, MoeConfig
 from modeling.qwen3_5 import FULL, LINEAR, HybridTargetStep, LinearAttentionConfig
 
@@ -70,7 +77,7 @@ def _hybrid(moe: bool) -> Callable[[object], Parts]:
 
 def _gemma4(hf) -> Parts:
     decoder, layout = layout_from_hf(hf)
-    return Parts(decoder, gemma4=layout)
+    return Parts(decoder, moe=moe_from_hf(hf), gemma4=layout)
 
 
 QWEN3 = Family("qwen3", _dense(qk_norm=True), TargetStep)
@@ -79,9 +86,10 @@ QWEN3_MOE = Family("qwen3_moe", _qwen3_moe, TargetStep, fields=MOE_FIELDS)
 QWEN3_5 = Family("qwen3_5_text", _hybrid(moe=False), HybridTargetStep, (FULL, LINEAR), LINEAR_FIELDS)
 QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (FULL, LINEAR),
                      LINEAR_FIELDS + MOE_FIELDS + ("shared_expert_intermediate_size",))
-# Gemma 4, and its "unified" form (the 12B: the same text layers without per-layer inputs or MoE)
-GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), FULL_LAYER_FIELDS)
-GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), FULL_LAYER_FIELDS)
+# Gemma 4 (MoE blocks too: 26B-A4B), and its "unified" form (the 12B: the same text layers without
+# per-layer inputs)
+GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS)
+GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS)
 
 def _multimodal(name: str, family: Family) -> Architecture:
     return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",

@@ -26,7 +26,8 @@ from conftest import PROMPTS
 ARCH = "gemma4-multimodal"
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
 CLASSES = {"gemma4": "Gemma4ForCausalLM", "gemma4-multimodal": "Gemma4ForConditionalGeneration",
-           "gemma4_unified-multimodal": "Gemma4UnifiedForConditionalGeneration"}
+           "gemma4_unified-multimodal": "Gemma4UnifiedForConditionalGeneration",
+           "gemma4_moe": "Gemma4ForCausalLM"}
 
 
 @pytest.mark.parametrize("arch", CLASSES)
@@ -57,12 +58,14 @@ def test_greedy_speculative_equals_target_only_and_transformers(tiny):
     assert rings == {oracle.target.config.gemma4.sliding_window + CHUNK - 1, 96}
 
 
-def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
+@pytest.mark.parametrize("arch", [ARCH, "gemma4_moe"])
+def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir, arch):
     """The sliding layers' attention as the ring's ONNX function, the full layers' lowered for
     ONNX Runtime (their own rotations kept), one sequence per call: transformers' output,
-    speculative with every acceptance count and target-only, at batch 1 and 3."""
-    target_dir, _ = tiny(arch=ARCH)
-    engine = engine_dir(LIMITS, arch=ARCH)
+    speculative with every acceptance count and target-only, at batch 1 and 3. With MoE blocks
+    (26B-A4B's form), each layer's routed experts are one ``MoeExperts`` node with the tanh GELU."""
+    target_dir, _ = tiny(arch=arch)
+    engine = engine_dir(LIMITS, arch=arch)
     manifest = json.loads((engine / "manifest.json").read_text())
     layout = manifest["target"]["gemma4"]
     caches = {t["name"]: t["shape"] for t in manifest["graphs"]["target"]["inputs"] if "_cache_" in t["name"]}
@@ -72,6 +75,14 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     assert caches["k_cache_0"][2] == layout["sliding_window"] + max(CHUNK, k + 1) - 1
     full = ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
     assert caches["k_cache_1"] == full
+    if arch == "gemma4_moe":
+        import onnx
+
+        assert manifest["target"]["moe"]["num_experts"] == 8
+        graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
+        experts = [n for n in graph.node if n.op_type == "MoeExperts"]
+        assert len(experts) == len(layout["layer_types"])
+        assert {a.i for n in experts for a in n.attribute if a.name == "activation"} == {1}
     check_engine_invariant(engine, target_dir)
 
 
@@ -142,8 +153,10 @@ def _edited(tiny, tmp_path, arch=ARCH, draft=False, **fields):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8),
-     "field 'enable_moe_block' = true: Gemma 4's MoE blocks .* not supported yet"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=6, moe_intermediate_size=8),
+     r"field 'top_k_experts' = 6: expected 1 .. num_experts \(4\)"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=None),
+     "field 'moe_intermediate_size' = None: expected an integer >= 1"),
     (dict(use_bidirectional_attention="all"), "field 'use_bidirectional_attention' = 'all'"),
     (dict(hidden_activation="silu"), "field 'hidden_activation' = 'silu': expected 'gelu_pytorch_tanh'"),
     (dict(num_kv_shared_layers=6), "field 'num_kv_shared_layers' = 6: expected 0 .. 5"),

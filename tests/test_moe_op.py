@@ -1,4 +1,5 @@
-"""``dspark::MoeExperts`` against ``transformers``' own experts (``Qwen3MoeExperts``), and its ONNX
+"""``dspark::MoeExperts`` against ``transformers``' own experts (``Qwen3MoeExperts``, and with the
+tanh GELU ``Gemma4TextExperts``), and its ONNX
 function in ONNX Runtime against the reference, fp32 and fp16: a decode step (1 token), a verify
 block (9 tokens, most experts selected by some token) and a prefill chunk; and its int4 / int8
 forms (``--weights``) against the reference on the de-quantized experts."""
@@ -9,7 +10,7 @@ import torch
 from onnx import TensorProto, helper
 
 from plugins.cpu.build import library
-from plugins.moe import MATRICES, onnx_function
+from plugins.moe import ACTIVATIONS, MATRICES, onnx_function
 from plugins.moe.reference import moe_experts
 from plugins.onnx_domain import PLUGIN_ATTRIBUTES
 
@@ -45,14 +46,33 @@ def test_matches_transformers_experts(tokens):
     assert torch.equal(moe_experts(x, experts, weights, gate_up, down), expected)
 
 
-def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_the_gelu_experts_match_gemma4s(tokens):
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    x, experts, weights, gate_up, down = routed(tokens)
+    config = AutoConfig.for_model("gemma4_text", hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE,
+                                  num_experts=EXPERTS, top_k_experts=TOP_K, enable_moe_block=True)
+    reference = Gemma4TextExperts(config)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(gate_up)
+        reference.down_proj.copy_(down)
+        expected = reference(x, experts, weights)
+    assert torch.equal(moe_experts(x, experts, weights, gate_up, down, ACTIVATIONS.index("gelu_tanh")),
+                       expected)
+    assert not torch.equal(moe_experts(x, experts, weights, gate_up, down), expected)
+
+
+def _onnx_model(dtype, bits: int | None = None, activation: int = 0) -> onnx.ModelProto:
     """One ``MoeExperts`` node, or with ``bits`` one ``MoeExpertsInt{bits}``."""
     names = onnx_function.QUANTIZED_INPUTS if bits else onnx_function.INPUTS
     integers = TensorProto.INT8
     types = {n: TensorProto.INT64 if n == "experts" else integers if n.endswith("_q") else dtype
              for n in names}
     node = helper.make_node(f"{onnx_function.NAME}Int{bits}" if bits else onnx_function.NAME, names,
-                            onnx_function.OUTPUTS, domain="dspark", **PLUGIN_ATTRIBUTES)
+                            onnx_function.OUTPUTS, domain="dspark", activation=activation,
+                            **PLUGIN_ATTRIBUTES)
     rank = {n: 2 if n in ("x", "experts", "weights") else 4 if n.endswith("_q") else 3 for n in names}
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info(n, types[n], [None] * rank[n]) for n in names],
@@ -66,17 +86,18 @@ def _onnx_model(dtype, bits: int | None = None) -> onnx.ModelProto:
     return model
 
 
+@pytest.mark.parametrize("activation", [0, 1], ids=ACTIVATIONS)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 9, 40])
-def test_onnx_function_matches_reference(tokens, dtype, tolerance):
+def test_onnx_function_matches_reference(tokens, dtype, tolerance, activation):
     import onnxruntime as ort
 
     onnx_type = TensorProto.FLOAT if dtype == torch.float32 else TensorProto.FLOAT16
-    session = ort.InferenceSession(_onnx_model(onnx_type).SerializeToString(),
+    session = ort.InferenceSession(_onnx_model(onnx_type, activation=activation).SerializeToString(),
                                    providers=["CPUExecutionProvider"])
     inputs = [t if t.dtype == torch.long else t.to(dtype) for t in routed(tokens, seed=1)]
     (out,) = session.run(None, dict(zip(onnx_function.INPUTS, (t.numpy() for t in inputs))))
-    expected = moe_experts(*[t if t.dtype == torch.long else t.float() for t in inputs])
+    expected = moe_experts(*[t if t.dtype == torch.long else t.float() for t in inputs], activation)
     np.testing.assert_allclose(out.astype(np.float32), expected.numpy(), atol=tolerance)
 
 
@@ -108,9 +129,10 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
     assert not torch.equal(stacks[0], gate_up)   # the weights were rounded
 
 
+@pytest.mark.parametrize("activation", [0, 1], ids=ACTIVATIONS)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 9, 70])
-def test_triton_kernel_matches_reference(tokens, dtype, tolerance):
+def test_triton_kernel_matches_reference(tokens, dtype, tolerance, activation):
     """Blocks that do not divide the widths (24 by 16), an expert with more pairs than a block (at
     70 tokens), experts nobody chose; a token's output the same alone as among others."""
     pytest.importorskip("triton")
@@ -119,14 +141,14 @@ def test_triton_kernel_matches_reference(tokens, dtype, tolerance):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, experts, weights, gate_up, down = (t if t.dtype == torch.long else t.to(dtype)
                                           for t in routed(tokens, seed=3))
-    expected = moe_experts(x.float(), experts, weights.float(), gate_up.float(), down.float())
+    expected = moe_experts(x.float(), experts, weights.float(), gate_up.float(), down.float(), activation)
 
     def kernel(x, experts, weights):
         on = [t.to(device).contiguous() for t in (x, experts, weights, gate_up, down)]
         out = torch.empty_like(on[0])
         workspace = torch.empty(triton_kernel.workspace_bytes(len(x), TOP_K, EXPERTS, HIDDEN,
                                                               INTERMEDIATE) // 4, device=device)
-        triton_kernel.moe_experts(*on, out, workspace, block_n=16, block_k=16)
+        triton_kernel.moe_experts(*on, out, workspace, activation=activation, block_n=16, block_k=16)
         return out.cpu()
 
     out = kernel(x, experts, weights)
@@ -164,10 +186,11 @@ def test_triton_kernel_reads_the_quantized_layout(bits):
 
 
 @pytest.mark.skipif(library() is None, reason="no compiler or no AVX2: the stock path runs")
+@pytest.mark.parametrize("activation", [0, 1], ids=ACTIVATIONS)
 @pytest.mark.parametrize("form, op, tolerance", [
     ("int4", "QMoeExperts", 2e-2), ("int8", "QMoeExperts", 2e-2), ("float32", "FMoeExperts", 1e-5),
     ("float16", "HMoeExperts", 2e-2)])
-def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, op, tolerance):
+def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, op, tolerance, activation):
     """Loaded with the compiled kernels, a ``MoeExperts`` node with constant experts (int4 / int8
     in blocks of 32, float32 or fp16) becomes one ``dspark.cpu`` op: it computes the reference's
     experts (within int8 activations' error where the weights are integers), and a token's output
@@ -185,7 +208,7 @@ def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, o
                                           for t in routed(9, seed=3, hidden=64, intermediate=32))
     bits = {"int4": 4, "int8": 8}.get(form)
     stacks = [quantize.dequantized(m, bits, 32).detach() if bits else m for m in (gate_up, down)]
-    model = _onnx_model(TensorProto.FLOAT16 if form == "float16" else TensorProto.FLOAT, bits)
+    model = _onnx_model(TensorProto.FLOAT16 if form == "float16" else TensorProto.FLOAT, bits, activation)
     for name, stack in zip(MATRICES, stacks):
         arrays = {name: stack.numpy()}
         if bits:
@@ -207,7 +230,8 @@ def test_the_compiled_kernels_run_the_experts_a_token_as_alone(tmp_path, form, o
         return session.run(None, feeds)[0]
 
     out = run(slice(None))
-    expected = moe_experts(x.float(), experts, weights.float(), *(s.float() for s in stacks)).numpy()
+    expected = moe_experts(x.float(), experts, weights.float(), *(s.float() for s in stacks),
+                           activation).numpy()
     assert np.abs(out.astype(np.float32) - expected).max() < tolerance * np.abs(expected).max()
     if bits:   # the function de-quantizes in float32; the kernel quantizes x to int8, as llama.cpp does
         stock = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(

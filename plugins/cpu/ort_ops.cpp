@@ -132,14 +132,21 @@ OrtStatus* float_product(void* state, OrtKernelContext* context) {
 // kernels (plugins/moe/ort_cpu.py). x [T, H]; experts int64 and weights [T, k]; each expert's
 // gate_up ([2I, H], gate then up) and down ([H, I]) in its product's layout, stacked on a leading
 // expert axis: QMatMul's q, scales and sums (QMoeExperts), FMatMul's float32 (FMoeExperts) or
-// fp16 (HMoeExperts) tiles. Attribute `intermediate`: I. Output [T, H], x's type:
-// out_t = sum over t's experts e, ascending, of weight * down_e(silu(gate) * up). Each row goes
+// fp16 (HMoeExperts) tiles. Attributes `intermediate`: I; `activation`: the gate's, 0 SiLU, 1 the
+// tanh-approximated GELU. Output [T, H], x's type:
+// out_t = sum over t's experts e, ascending, of weight * down_e(act(gate) * up). Each row goes
 // through its kernel as a dense layer's does, in float32 (an fp16 x widened, the output rounded
 // once), so a token's result does not depend on the other tokens of the call.
 
 struct Experts {
-    int64_t intermediate;
+    int64_t intermediate, activation;
 };
+
+// act(gate) as gate * sigmoid(z): SiLU z = gate; the tanh GELU z = 2 sqrt(2 / pi) (gate + 0.044715 gate^3)
+inline float gated(float gate, int64_t activation) {
+    const float z = activation == 0 ? gate : 1.5957691216057308f * (gate + 0.044715f * gate * gate * gate);
+    return gate / (1.f + std::exp(-z));
+}
 
 // Each stack's `product`: y [rows, N] = x @ expert e's matrix, on its dense op's kernel.
 struct QuantizedStack {   // q [E, tiles, K / 32, bytes], scales and sums [E, tiles, K / 32, 16]
@@ -186,7 +193,7 @@ template <typename X, typename Stack>   // X: x's and the output's type (float o
 OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
     const char* op = std::is_same_v<Stack, QuantizedStack> ? "QMoeExperts"
                      : std::is_same_v<X, float> ? "FMoeExperts" : "HMoeExperts";
-    const int64_t I = static_cast<Experts*>(state)->intermediate;
+    const int64_t I = static_cast<Experts*>(state)->intermediate, act = static_cast<Experts*>(state)->activation;
     const Tensor x = input(context, 0), experts = input(context, 1), weights = input(context, 2);
     const Stack gate_up = stack_at<Stack>(context, 3), down = stack_at<Stack>(context, 3 + Stack::INPUTS);
     if (x.dims.size() != 2 || experts.dims.size() != 2 || experts.dims != weights.dims
@@ -229,7 +236,7 @@ OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
         for (int64_t r = 0; r < n; ++r)
             for (int64_t i = 0; i < I; ++i) {
                 const float gate = h[size_t(r * 2 * I + i)], up = h[size_t(r * 2 * I + I + i)];
-                a[size_t(r * I + i)] = gate / (1.f + std::exp(-gate)) * up;
+                a[size_t(r * I + i)] = gated(gate, act) * up;
             }
         if (OrtStatus* status = down.product(context, e, I, H, a.data(), n, y.data())) return status;
         for (int64_t r = 0; r < n; ++r) {
@@ -245,10 +252,11 @@ OrtStatus* moe_experts(void* state, OrtKernelContext* context) {
 }
 
 OrtStatus* create_experts(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new Experts{0};
-    return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "intermediate",
-                                                                                           &state->intermediate),
-                   kernel);
+    auto* state = new Experts{0, 0};
+    const auto attribute = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64);
+    OrtStatus* status = attribute(info, "intermediate", &state->intermediate);
+    if (status == nullptr) status = attribute(info, "activation", &state->activation);
+    return created(state, status, kernel);
 }
 
 // ---- CausalAttention: q [B, H, R, D], k_new / v_new [B, Hkv, R, D], k_cache / v_cache

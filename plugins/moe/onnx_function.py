@@ -6,7 +6,7 @@ two ``Gemm(transB=1)`` apply them as stored, and ``ScatterND`` writes its rows o
 output with the weighted rows added (ONNX Runtime has no fp16 ``reduction="add"`` on the CPU).
 
 ``MoeExpertsInt8`` / ``MoeExpertsInt4`` (``build --weights``) take each matrix as integers in
-blocks along its input axis with one scale per block (``export/quantize.py`` writes them; the
+blocks along its input axis with one scale per block (``export/qdq.py`` writes them; the
 layout is ``_quantized_product``'s) and compute with only the experts they gather. ONNX has no
 ``Gather`` of ``int4``, so int4 comes packed two to a byte and is unpacked with bit ops."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Callable
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper
+from onnx.defs import OpSchema
 from onnxscript.values import Opset
 
 from ..onnx_domain import DOMAIN, DOMAIN_VERSION, FLOAT_TYPES, PLUGIN_ATTRIBUTES, register_schema
@@ -26,14 +27,15 @@ QUANTIZED_INPUTS = ["x", "experts", "weights", "gate_up_q", "gate_up_scales", "d
 BITS = (8, 4)   # int4 two to a byte, stored as int8: TensorRT's parser widens uint8 constants to int32
 
 _DOC = ("The routed experts of a MoE layer, only those selected: out_t = sum_j weights[t, j] * "
-        "down[e] @ (silu(gate) * up), gate, up = split(gate_up[e] @ x_t), e = experts[t, j]; see "
-        "plugins/moe/reference.py.")
+        "down[e] @ (act(gate) * up), gate, up = split(gate_up[e] @ x_t), e = experts[t, j]; act is "
+        "SiLU (activation 0) or the tanh-approximated GELU (1); see plugins/moe/reference.py.")
+ATTRIBUTES = [("activation", OpSchema.AttrType.INT)]
 register_schema(
     NAME,
     inputs=[("x", "T"), ("experts", "tensor(int64)"), ("weights", "T"), ("gate_up", "T"), ("down", "T")],
     outputs=[("out", "T")],
     type_constraints=[("T", FLOAT_TYPES, "activation and weight type")],
-    attributes=[], doc=_DOC,
+    attributes=ATTRIBUTES, doc=_DOC,
 )
 for _bits in BITS:
     register_schema(
@@ -42,7 +44,7 @@ for _bits in BITS:
                 ("gate_up_scales", "T"), ("down_q", "tensor(int8)"), ("down_scales", "T")],
         outputs=[("out", "T")],
         type_constraints=[("T", FLOAT_TYPES, "activation and scale type")],
-        attributes=[],
+        attributes=ATTRIBUTES,
         doc=f"{_DOC} Each matrix [N, K] is int{_bits} as [E, K/b, b, N]"
             + (" (packed [E, K/b, b/2, N]: row j low, j + b/2 high, each plus 8)" if _bits == 4 else "")
             + " with scales [E, K/b, N].",
@@ -120,8 +122,30 @@ def _quantized_constants(bits: int) -> list[onnx.NodeProto]:
     return [_ints("e_keep", [0]), *(unpacking if bits == 4 else [])]
 
 
+def _gated(gate: str, up: str, out: str) -> list[onnx.NodeProto]:
+    """``out = act(gate) * up``, ``act`` as ``gate * sigmoid(z)``: SiLU with ``z = gate``, the
+    tanh-approximated GELU with ``z = 2 sqrt(2 / pi) (gate + 0.044715 gate^3)`` (the same function
+    as ``0.5 gate (1 + tanh(z / 2))``), chosen by ``is_gelu``, the function's ``activation``."""
+    node = helper.make_node
+
+    def constant(name: str, value: float) -> list[onnx.NodeProto]:
+        return [node("Constant", [], [f"{name}_float"], value_float=value),
+                node("CastLike", [f"{name}_float", gate], [name])]
+
+    return [*constant("e_cubic", 0.044715), *constant("e_gelu_scale", 1.5957691216057308),
+            node("Mul", [gate, gate], ["e_gate_squared"]),
+            node("Mul", ["e_gate_squared", gate], ["e_gate_cubed"]),
+            node("Mul", ["e_gate_cubed", "e_cubic"], ["e_cubic_term"]),
+            node("Add", [gate, "e_cubic_term"], ["e_gelu_inner"]),
+            node("Mul", ["e_gelu_inner", "e_gelu_scale"], ["e_gelu_z"]),
+            node("Where", ["is_gelu", "e_gelu_z", gate], ["e_z"]),
+            node("Sigmoid", ["e_z"], ["e_sigmoid"]),
+            node("Mul", [gate, "e_sigmoid"], ["e_act"]),
+            node("Mul", ["e_act", up], [out])]
+
+
 def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.GraphProto:
-    """Iteration ``i``: expert ``selected[i]``'s tokens through its SwiGLU, weighted, added to
+    """Iteration ``i``: expert ``selected[i]``'s tokens through its gated MLP, weighted, added to
     ``acc [T, H]``; ``product(matrix, x, y)`` applies one of the expert's two matrices."""
     node = helper.make_node
     nodes = [
@@ -143,9 +167,7 @@ def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.Grap
         node("Gather", ["x", "e_rows_padded"], ["e_x"], axis=0),              # [n + 1, H]
         *product("gate_up", "e_x", "e_h"),                                    # [n + 1, 2I]
         node("Split", ["e_h"], ["e_gate", "e_up"], axis=-1, num_outputs=2),
-        node("Sigmoid", ["e_gate"], ["e_sigmoid"]),
-        node("Mul", ["e_gate", "e_sigmoid"], ["e_silu"]),
-        node("Mul", ["e_silu", "e_up"], ["e_a"]),
+        *_gated("e_gate", "e_up", "e_a"),
         *product("down", "e_a", "e_y_padded"),                                # [n + 1, H]
         node("Shape", ["e_rows"], ["e_count"]),
         node("Slice", ["e_y_padded", "e_first", "e_count"], ["e_y"]),         # [n, H]
@@ -168,6 +190,14 @@ def _expert_body(product: Product, constants: list[onnx.NodeProto]) -> onnx.Grap
         [value("cond_next", TensorProto.BOOL, []), onnx.ValueInfoProto(name="acc_next")])
 
 
+def _int_attribute(name: str) -> onnx.NodeProto:
+    """A ``Constant`` whose value is the function's integer attribute ``name``."""
+    value = onnx.AttributeProto(name="value_int", type=AttributeProto.INT, ref_attr_name=name)
+    constant = helper.make_node("Constant", [], [name])
+    constant.attribute.append(value)
+    return constant
+
+
 def _function(name: str, inputs: list[str], product: Product,
               constants: list[onnx.NodeProto] = ()) -> onnx.FunctionProto:
     node = helper.make_node
@@ -182,9 +212,13 @@ def _function(name: str, inputs: list[str], product: Product,
         node("CastLike", ["zero", "x"], ["zero_like"]),
         node("Shape", ["x"], ["x_shape"]),
         node("Expand", ["zero_like", "x_shape"], ["acc0"]),
+        # the attribute read here, where the function's own nodes may refer to it, for the loop body
+        _int_attribute("activation"),
+        node("Cast", ["activation"], ["is_gelu"], to=TensorProto.BOOL),
         node("Loop", ["count", "true", "acc0"], ["out"], body=_expert_body(product, list(constants))),
     ]
-    return helper.make_function(DOMAIN, name, inputs, OUTPUTS, nodes, [helper.make_opsetid("", 23)])
+    return helper.make_function(DOMAIN, name, inputs, OUTPUTS, nodes, [helper.make_opsetid("", 23)],
+                                attributes=["activation"])
 
 
 class MoeExperts:
@@ -202,6 +236,7 @@ def quantized_function(bits: int) -> onnx.FunctionProto:
                      _quantized_constants(bits))
 
 
-def translate(x, experts, weights, gate_up, down):
+def translate(x, experts, weights, gate_up, down, activation: int = 0):
     """``torch.ops.dspark.moe_experts`` -> one ``dspark::MoeExperts`` node."""
-    return dspark.MoeExperts(x, experts, weights, gate_up, down, **PLUGIN_ATTRIBUTES)
+    return dspark.MoeExperts(x, experts, weights, gate_up, down, activation=int(activation),
+                             **PLUGIN_ATTRIBUTES)

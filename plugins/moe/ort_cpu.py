@@ -50,8 +50,9 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
         for name, array in arrays.items():
             packed[f"{node.name}_{name}"] = array
             inputs.append(placeholder(graph, f"{node.name}_{name}", array, location))
-        new = ir.node(op, inputs, domain=DOMAIN, attributes={"intermediate": intermediate},
-                      name=f"{node.name}_cpu")
+        activation = node.attributes.get("activation")
+        new = ir.node(op, inputs, domain=DOMAIN, name=f"{node.name}_cpu", attributes={
+            "intermediate": intermediate, "activation": activation.value if activation is not None else 0})
         ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
     if packed:
         model.opset_imports[DOMAIN] = 1

@@ -11,17 +11,17 @@ from .reference import moe_experts as reference
 
 @torch.library.custom_op("dspark::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, activation: int = 0) -> torch.Tensor:
     if not x.is_cuda:
-        return reference(x, experts, weights, gate_up, down)
+        return reference(x, experts, weights, gate_up, down, activation)
     from .triton_kernel import moe_experts as kernel
 
     out = torch.empty_like(x)
     kernel(x.contiguous(), experts.contiguous(), weights.contiguous(), gate_up.contiguous(),
-           down.contiguous(), out)
+           down.contiguous(), out, activation=activation)
     return out
 
 
 @moe_experts.register_fake
-def _(x, experts, weights, gate_up, down):
+def _(x, experts, weights, gate_up, down, activation=0):
     return torch.empty_like(x)

@@ -7,7 +7,7 @@ scratch is one caller-given buffer) and no host sync, so a CUDA graph can hold t
 reference's ``unique().tolist()`` cannot be captured):
 
 1. ``_route``: per expert, the (token, choice) pairs that chose it, listed in order;
-2. ``_gate_up``: per expert and block of the intermediate width, its pairs' ``silu(gate) * up``;
+2. ``_gate_up``: per expert and block of the intermediate width, its pairs' ``act(gate) * up``;
 3. ``_down``: per expert and block of the hidden width, ``down @ a`` times the routing weight;
 4. ``_combine``: per token, its ``k`` weighted rows summed.
 
@@ -41,7 +41,7 @@ def _route(experts_ptr, counts_ptr, lists_ptr, pairs, BLOCK_P: tl.constexpr):
 def _weights(w_ptr, scales_ptr, e, k, n, K, N, BITS: tl.constexpr, QBLOCK: tl.constexpr):
     """Expert ``e``'s weights ``[k, n]`` (a ``[BLOCK_K, 1]`` by ``[1, BLOCK_N]`` tile of its
     ``[N, K]`` matrix, transposed), fp32: float as stored ``[E, N, K]``, or (``BITS`` 8 / 4) from
-    ``MoeExpertsInt{BITS}``'s block-major integers and scales (``export/quantize.py``)."""
+    ``MoeExpertsInt{BITS}``'s block-major integers and scales (``export/qdq.py``)."""
     mask = (k < K) & (n < N)
     if BITS == 0:
         return tl.load(w_ptr + e * N * K + n * K + k, mask=mask, other=0.0).to(tl.float32)
@@ -59,9 +59,11 @@ def _weights(w_ptr, scales_ptr, e, k, n, K, N, BITS: tl.constexpr, QBLOCK: tl.co
 @triton.jit
 def _gate_up(x_ptr, gate_up_ptr, gate_up_scales_ptr, counts_ptr, lists_ptr, inter_ptr, pairs, hidden,
              size, TOP_K: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
-             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """Program (e, n): ``inter[p, n block] = silu(x_t @ gate[e]ᵀ) * (x_t @ up[e]ᵀ)`` for e's pairs."""
+             PRECISION: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n): ``inter[p, n block] = act(x_t @ gate[e]ᵀ) * (x_t @ up[e]ᵀ)`` for e's pairs,
+    ``act`` SiLU (``ACTIVATION`` 0) or tanh-approximated GELU (1), as ``x * sigmoid(2z)`` with
+    ``z = sqrt(2 / pi) (x + 0.044715 x^3)``, the same function."""
     e, n_block = tl.program_id(0), tl.program_id(1)
     count = tl.load(counts_ptr + e)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,7 +83,10 @@ def _gate_up(x_ptr, gate_up_ptr, gate_up_scales_ptr, counts_ptr, lists_ptr, inte
                             2 * size, BITS, QBLOCK)
             gate = tl.dot(x, w_gate.to(x.dtype), gate, input_precision=PRECISION)
             up = tl.dot(x, w_up.to(x.dtype), up, input_precision=PRECISION)
-        a = gate * tl.sigmoid(gate) * up
+        if ACTIVATION == 0:
+            a = gate * tl.sigmoid(gate) * up
+        else:
+            a = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
         tl.store(inter_ptr + p[:, None] * size + n[None, :], a,
                  mask=(m[:, None] < count) & (n[None, :] < size))
 
@@ -139,11 +144,13 @@ def sizes(x, experts, gate_up, down, gate_up_scales=None, down_scales=None) -> t
 
 
 def moe_experts(x, experts, weights, gate_up, down, out, workspace=None, gate_up_scales=None,
-                down_scales=None, bits: int = 0, block_m: int = 16, block_n: int = 64, block_k: int = 64):
+                down_scales=None, bits: int = 0, activation: int = 0, block_m: int = 16, block_n: int = 64,
+                block_k: int = 64):
     """Fill ``out [T, H]`` from ``x [T, H]``, ``experts [T, k]`` (int64), ``weights [T, k]``,
     ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (contiguous), or with ``bits`` 8 / 4 their integers
     and ``*_scales`` as ``MoeExpertsInt{bits}`` takes them; ``workspace`` a flat fp32 tensor of at
-    least ``workspace_bytes`` / 4 elements (allocated here when not given)."""
+    least ``workspace_bytes`` / 4 elements (allocated here when not given); ``activation`` the
+    gate's (``plugins.moe.ACTIVATIONS``)."""
     import torch
 
     dims = sizes(x.shape, experts.shape, gate_up.shape, down.shape,
@@ -164,7 +171,8 @@ def moe_experts(x, experts, weights, gate_up, down, out, workspace=None, gate_up
     _route[(num_experts,)](experts, counts, lists, pairs, BLOCK_P=min(1024, triton.next_power_of_2(pairs)))
     _gate_up[(num_experts, triton.cdiv(size, block_n))](
         x, gate_up, gate_up_scales, counts, lists, inter, pairs, hidden, size, TOP_K=top_k, BITS=bits,
-        QBLOCK=qblock, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        QBLOCK=qblock, PRECISION=precision, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k)
     _down[(num_experts, triton.cdiv(hidden, block_n))](
         inter, down, down_scales, weights, counts, lists, rows, pairs, hidden, size, BITS=bits,
         QBLOCK=qblock, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)

@@ -1,9 +1,10 @@
 """``dspark::MoeExperts`` as a TensorRT plugin: inputs ``x [T, H], experts [T, k]`` (int64),
-``weights [T, k], gate_up [E, 2I, H], down [E, H, I]``; output ``out [T, H]``. TensorRT has no
-``Unique``, and its ``Loop`` could not skip the experts nobody chose: the Triton kernel reads only
-those, its pair lists and rows in the plugin's workspace. ``MoeExpertsInt8`` / ``Int4`` take each
-matrix as integers and block scales instead (``x, experts, weights, gate_up_q, gate_up_scales,
-down_q, down_scales``), which the kernel de-quantizes tile by tile."""
+``weights [T, k], gate_up [E, 2I, H], down [E, H, I]``, attribute ``activation``; output
+``out [T, H]``. TensorRT has no ``Unique``, and its ``Loop`` could not skip the experts nobody
+chose: the Triton kernel reads only those, its pair lists and rows in the plugin's workspace.
+``MoeExpertsInt8`` / ``Int4`` take each matrix as integers and block scales instead (``x, experts,
+weights, gate_up_q, gate_up_scales, down_q, down_scales``), which the kernel de-quantizes tile by
+tile."""
 from __future__ import annotations
 
 from functools import partial
@@ -56,12 +57,13 @@ def _enqueue(bits: int, trt, attrs, input_desc, output_desc, inputs, outputs, wo
     else:
         (x, experts, weights, gate_up, down), matrices = tensors, {}
     with on_stream(stream):
-        moe_experts(x, experts, weights, gate_up, down, out, workspace_floats(workspace, needed), **matrices)
+        moe_experts(x, experts, weights, gate_up, down, out, workspace_floats(workspace, needed),
+                    activation=int(attrs["activation"]), **matrices)
 
 
 def _spec(bits: int) -> PluginSpec:
-    return PluginSpec(name=f"MoeExpertsInt{bits}" if bits else "MoeExperts", num_outputs=1, fields={},
-                      output_types=_output_types, output_shapes=_output_shapes,
+    return PluginSpec(name=f"MoeExpertsInt{bits}" if bits else "MoeExperts", num_outputs=1,
+                      fields={"activation": "int"}, output_types=_output_types, output_shapes=_output_shapes,
                       supports=partial(_supports, bits), enqueue=partial(_enqueue, bits),
                       workspace=partial(_workspace, bits))
 
