@@ -49,6 +49,8 @@ def configs() -> dict[str, tuple[str, dict]]:
         "Gemma4ForCausalLM": ("Gemma4TextConfig", gemma4),
         "Gemma4ForCausalLM-k-eq-v": ("Gemma4TextConfig", dict(gemma4, attention_k_eq_v=True,
                                                               num_global_key_value_heads=1)),
+        "Gemma4ForCausalLM-moe": ("Gemma4TextConfig", dict(gemma4, enable_moe_block=True, num_experts=4,
+                                                           top_k_experts=2, moe_intermediate_size=32)),
         "Gemma4ForConditionalGeneration": ("Gemma4Config", {"text_config": gemma4}),
         "Gemma4UnifiedForCausalLM": ("Gemma4UnifiedTextConfig", GEMMA4),
         "Gemma4UnifiedForConditionalGeneration": ("Gemma4UnifiedConfig", {"text_config": GEMMA4}),

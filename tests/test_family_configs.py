@@ -33,6 +33,7 @@ def test_every_architecture_is_covered():
 def test_a_config_saved_by_either_version_reads_alike(saved_now, name):
     old, now = load_target_config(OLD / name), load_target_config(saved_now / name)
     assert old == now and old.architecture == name.split("-")[0]
+    assert (old.moe is not None) == ("Moe" in name or name.endswith("-moe"))
     if old.gemma4 is not None:
         # 5.10.2 writes num_global_key_value_heads null unless the full layers share k and v
         expected = 1 if old.gemma4.attention_k_eq_v else old.decoder.num_kv_heads

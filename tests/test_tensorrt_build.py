@@ -142,7 +142,8 @@ def test_cache_outputs_alias_their_inputs():
     attributes = trt.PluginFieldCollection([
         trt.PluginField("causal", np.array([0], np.int32), trt.PluginFieldType.INT32),
         trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32),
-        trt.PluginField("window", np.array([0], np.int32), trt.PluginFieldType.INT32)])
+        trt.PluginField("window", np.array([0], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("activation", np.array([0], np.int32), trt.PluginFieldType.INT32)])
     expected = {"BlockAttention": [-1, 3, 4], "CacheWrite": [0], "D2TGather": [-1, -1],
                 "GatedDeltaRule": [-1, 5], "MoeExperts": [-1], "MoeExpertsInt8": [-1], "MoeExpertsInt4": [-1]}
     for creator in register_plugins(trt):
@@ -168,7 +169,8 @@ def test_plugins_reserve_the_workspace_their_kernels_need():
     attributes = trt.PluginFieldCollection([
         trt.PluginField("causal", np.array([1], np.int32), trt.PluginFieldType.INT32),
         trt.PluginField("scale", np.array([0.25], np.float32), trt.PluginFieldType.FLOAT32),
-        trt.PluginField("window", np.array([0], np.int32), trt.PluginFieldType.INT32)])
+        trt.PluginField("window", np.array([0], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("activation", np.array([0], np.int32), trt.PluginFieldType.INT32)])
     shapes = [(4, 32, 2048, 128)]                                  # BlockAttention's q; others ignore it
     routing = [(72, 2048), (72, 8), (72, 8)]                       # 72 tokens of hidden 2048, top 8
     inputs = {"MoeExperts": routing + [(128, 1536, 2048), (128, 2048, 768)],
