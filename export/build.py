@@ -99,8 +99,6 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                              f"cannot keep ({', '.join(unsupported[:3])}{more}; it keeps "
                              f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
         target_config = load_target_config(target_dir)
-        if target_config.moe is not None:
-            _check_moe(target_config.architecture, weights)
         limits = _with_defaults(limits, target_config.max_position_embeddings)
         decoder = target_config.decoder
         draft_config = load_draft_config(draft_dir, decoder.num_layers, decoder.hidden_size)
@@ -126,7 +124,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 blocks_of = quantize.rtn_blocks(bits, weights_block)
             elif formats[name] == quantize.GGUF:   # every linear layer, from the file
                 phase(f"{name}: read GGUF blocks")
-                quantized[name] = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+                linears, stacks = quantize.quantizable(module)
+                quantized[name] = len(linears) + 2 * len(stacks)
                 gguf = GgufBlocks(target_dir)
                 blocks_of = gguf.lookup
             keep_float = quantize.float_weights(module)
@@ -157,8 +156,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
                 in_graph = qdq.quantize_graph(path, blocks_of, keep_float)
                 if in_graph < quantized[name] and formats[name] == quantize.GGUF:
                     raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
-                                     f"{quantized[name]} linear layers are not in it as "
-                                     f"{' / '.join(SUPPORTED)} tensors (its types: "
+                                     f"{quantized[name]} weight matrices (linear layers, experts) are not "
+                                     f"in it as {' / '.join(SUPPORTED)} tensors (its types: "
                                      f"{', '.join(gguf.types)}); use --weights int4 or int8")
                 if in_graph < quantized[name]:
                     raise VerificationError(f"{path.name}: {in_graph} linear layers quantized in the graph, "
@@ -306,13 +305,6 @@ def _with_defaults(limits: Limits, positions: int) -> Limits:
     if chunk > seq_len:
         raise ValueError(f"--max-prompt-chunk {chunk}: larger than --max-seq-len {seq_len}")
     return replace(limits, max_seq_len=seq_len, max_prompt_chunk=chunk)
-
-
-def _check_moe(architecture: str, weights: str | None) -> None:
-    """What a MoE target cannot be built with yet: a GGUF file's own expert blocks."""
-    if weights == quantize.GGUF:
-        raise ValueError(f"--weights gguf: a {architecture} target's experts cannot keep the file's "
-                         f"blocks yet; use --weights int4 or int8")
 
 
 def _source(given: str, directory: Path) -> dict:

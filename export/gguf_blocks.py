@@ -15,6 +15,12 @@ In blocks of 32 along the input axis, Q4_0 is ``d * (q - 8)`` and Q8_0 ``d * q``
 is ``d * (q - 8)`` plus a per-block offset ``m + 8 d``, so a layer's output gains the sums of its
 input over each block times the offsets (a matrix 32 times smaller than the weight) — the sum that
 llama.cpp's own Q4_1 dot product adds.
+
+A MoE target's experts are 3-D tensors in the file (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` /
+``ffn_down_exps``: each expert's matrix, one after another), whose rows are indexed as a 2-D
+tensor's are, so each expert's matrix is found the same way and kept as ``MoeExpertsInt4`` /
+``Int8``'s blocks (``qdq.py``). Those have no per-block offsets: Q4_1 experts are refused. The
+router (``ffn_gate_inp``) stays float, as llama.cpp keeps it.
 """
 from __future__ import annotations
 
@@ -27,25 +33,30 @@ from export.quantize import Blocks
 
 BLOCK = 32
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
+EXPERTS_SUPPORTED = ("Q4_0", "Q8_0")   # MoeExpertsInt{4,8}'s blocks have no offsets
+ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")   # kept float by the engine
 
 
 def unsupported_matrices(path: Path) -> list[str]:
     """The matrices of the GGUF file at ``path`` that ``--weights gguf`` cannot keep as they are,
     as ``"name (TYPE)"``, read from its header alone so that a build refuses them before loading
     and tracing a model for minutes (Q4_K_M files hold Q4_K and Q6_K, for one). A matrix is a 2-D
-    tensor; the token embeddings count only where they are also the output layer (no
-    ``output.weight``), since the engine's embedding lookup keeps floats."""
+    tensor, or a 3-D stack of experts; the token embeddings count only where they are also the
+    output layer (no ``output.weight``), since the engine's embedding lookup keeps floats, and a
+    MoE router not at all."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(path).tensors
     tied = "output.weight" not in {t.name for t in tensors}
-    return [f"{t.name} ({t.tensor_type.name})" for t in tensors
-            if len(t.shape) == 2 and t.tensor_type.name not in SUPPORTED
-            and (t.name != "token_embd.weight" or tied)]
+    kept = {2: SUPPORTED, 3: EXPERTS_SUPPORTED}
+    return [f"{t.name} ({t.tensor_type.name}{' experts' if len(t.shape) == 3 else ''})" for t in tensors
+            if len(t.shape) in kept and t.tensor_type.name not in kept[len(t.shape)]
+            and (t.name != "token_embd.weight" or tied) and not t.name.endswith(ROUTERS)]
 
 
 class GgufBlocks:
-    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, indexed by their rows' de-quantized values."""
+    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, indexed by their rows' de-quantized values
+    (an expert stack's rows expert after expert)."""
 
     def __init__(self, path: Path):
         from gguf import GGUFReader
@@ -58,8 +69,8 @@ class GgufBlocks:
         self.rows: dict[bytes, tuple[int, int]] = {}   # row digest -> (tensor, row)
         for index, tensor in enumerate(self.tensors):
             values = dequantize(tensor.data, tensor.tensor_type)
-            for row in range(values.shape[0]):
-                self.rows.setdefault(_digest(values[row]), (index, row))
+            for row, value in enumerate(values.reshape(-1, values.shape[-1])):
+                self.rows.setdefault(_digest(value), (index, row))
 
     def lookup(self, matrix: np.ndarray) -> Blocks | None:
         """The file's blocks of a float32 weight ``matrix [K, N]``, or None when some output row is
@@ -78,7 +89,8 @@ class GgufBlocks:
         offsets = np.empty_like(scales) if kind == "Q4_1" else None
         for index in np.unique(tensor):
             columns = np.flatnonzero(tensor == index)
-            q[columns], scales[columns], offset = _decode(kind, self.tensors[index].data[row[columns]])
+            raw = self.tensors[index].data
+            q[columns], scales[columns], offset = _decode(kind, raw.reshape(-1, raw.shape[-1])[row[columns]])
             if offsets is not None:
                 offsets[columns] = offset
         transposed = (None if part is None else np.ascontiguousarray(part.T) for part in (q, scales, offsets))

@@ -52,23 +52,30 @@ def float_weights(module: torch.nn.Module) -> set[str]:
             if isinstance(m, torch.nn.Linear) and id(m) in kept}
 
 
-def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
-    """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
-    its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
-    except ``float_weights``, and so each MoE layer's two expert matrices. Returns how many
-    matrices were replaced; none is refused, so no engine is labelled quantized that is not."""
+def quantizable(module: torch.nn.Module) -> tuple[list[torch.nn.Linear], list[torch.nn.Module]]:
+    """The linear layers quantization rounds (all but ``float_weights``'), and the MoE layers'
+    expert stacks (two matrices each)."""
     from modeling.moe import Experts
 
     kept = float_weights(module)
     linears = [m for name, m in module.named_modules()
                if isinstance(m, torch.nn.Linear) and f"{name}.weight" not in kept]
+    return linears, [m for m in module.modules() if isinstance(m, Experts)]
+
+
+def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
+    """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
+    its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
+    except ``float_weights``, and so each MoE layer's two expert matrices. Returns how many
+    matrices were replaced; none is refused, so no engine is labelled quantized that is not."""
+    linears, stacks = quantizable(module)
     replaced = 0
     for linear in linears:
         if linear.in_features % block:
             continue
         linear.weight = dequantized(linear.weight, bits, block)
         replaced += 1
-    for experts in (m for m in module.modules() if isinstance(m, Experts)):
+    for experts in stacks:
         if experts.gate_up_proj.shape[-1] % block or experts.down_proj.shape[-1] % block:
             continue
         experts.gate_up_proj = dequantized(experts.gate_up_proj, bits, block)

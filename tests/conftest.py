@@ -71,10 +71,14 @@ def engine_dir(tiny, tmp_path_factory):
 
 
 def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: int | None = 1):
-    """``transformers`` ``generate`` greedy continuations, one prompt at a time (no padding)."""
+    """``transformers`` ``generate`` greedy continuations, one prompt at a time (no padding), of a
+    checkpoint folder or a GGUF file."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    from modeling.checkpoint import hf_location
+
+    location, options = hf_location(Path(target_dir))   # a folder, or a .gguf file
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **options).eval()
     outputs = []
     for prompt in prompts:
         ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,

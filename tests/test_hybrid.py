@@ -79,31 +79,112 @@ def test_linear_head_counts_that_disagree_with_the_weights_are_named(tiny, tmp_p
         load_pair(target, draft_dir)
 
 
-def test_a_moe_gguf_target_keeping_its_blocks_is_refused(tiny, tmp_path):
-    """A Qwen3-MoE GGUF file's expert blocks cannot be kept yet: refused from its header."""
-    gguf = pytest.importorskip("gguf")
+def _qwen3_moe_gguf(path, vocab: int, experts_type) -> None:
+    """A Qwen3-MoE GGUF file as llama.cpp's converter writes one (``qwen3moe``): a tiny random
+    ``transformers`` model, its matrices and expert stacks (``blk.N.ffn_{gate,up,down}_exps``,
+    ``[E, N, K]``) as ``experts_type`` and Q8_0 blocks, the router and norms float32, and the tiny
+    pair's one-token-per-character vocabulary as a byte-level BPE. Expert width 768: the one
+    ``transformers`` reads from such a file (it ignores ``expert_feed_forward_length``)."""
+    import gguf
     import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from export.build import build
+    from modeling.fixtures.tiny import CHARACTERS, SPECIALS
 
-    path = tmp_path / "moe.gguf"
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                  moe_intermediate_size=768, initializer_range=0.25,
+                                  tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("mlp.gate.weight"):
+                parameter.normal_(1.0 if "norm" in name else 0.0, 0.5)
     writer = gguf.GGUFWriter(path, "qwen3moe")
-    for add, value in (("block_count", 2), ("context_length", 256), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2),
-                       ("key_length", 16), ("value_length", 16), ("rope_freq_base", 1e4),
-                       ("layer_norm_rms_eps", 1e-6), ("expert_count", 8), ("expert_used_count", 2)):
+    for add, value in (("block_count", 4), ("context_length", 256), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("expert_feed_forward_length", 768),
+                       ("head_count", 4), ("head_count_kv", 2), ("key_length", 16), ("value_length", 16),
+                       ("rope_freq_base", 1e4), ("layer_norm_rms_eps", 1e-6), ("expert_count", 8),
+                       ("expert_used_count", 2)):
         getattr(writer, f"add_{add}")(value)
-    writer.add_tensor("token_embd.weight", np.zeros((100, 64), np.float32))
+    characters = [c if 33 <= ord(c) <= 126 else chr(256 + ord(c)) for c in CHARACTERS]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(SPECIALS + characters)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * len(characters))
+    writer.add_token_scores([0.0] * (len(SPECIALS) + len(characters)))   # no merges: none to derive
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    names = {"embed_tokens": "token_embd", "lm_head": "output", "norm": "output_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
     q8 = gguf.GGMLQuantizationType.Q8_0
-    writer.add_tensor("output.weight", gguf.quants.quantize(np.ones((100, 64), np.float32), q8), raw_dtype=q8)
+
+    def add(name, array, kind=None):
+        if kind is None:
+            writer.add_tensor(name, array.astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
+
+    for name, tensor in model.state_dict().items():
+        array, name = tensor.numpy(), name.removeprefix("model.")
+        if not name.startswith("layers."):   # embed_tokens, lm_head, norm
+            module = name.rpartition(".")[0]
+            add(f"{names[module]}.weight", array, q8 if module == "lm_head" else None)
+            continue
+        _, layer, rest = name.split(".", 2)
+        module, _, suffix = rest.rpartition(".")
+        if module == "mlp.experts":   # gate_up_proj [E, 2I, H] or down_proj [E, H, I]
+            size = array.shape[1] // 2
+            stacks = ({"gate": array[:, :size], "up": array[:, size:]} if suffix == "gate_up_proj"
+                      else {"down": array})
+            for kind, stack in stacks.items():
+                add(f"blk.{layer}.ffn_{kind}_exps.weight", stack, experts_type)
+        else:
+            add(f"blk.{layer}.{names[module]}.{suffix}", array,
+                q8 if array.ndim == 2 and module != "mlp.gate" else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="--weights gguf: a Qwen3MoeForCausalLM target's experts cannot "
-                                         "keep the file's blocks yet"):
-        build(str(path), str(tiny(arch="qwen3_moe")[1]), tmp_path / "e", weights="gguf", progress=False,
-              limits=Limits(max_batch=1, max_seq_len=64, max_prompt_chunk=8))
+
+
+def test_a_moe_gguf_target_keeps_its_expert_blocks(tiny, tmp_path):
+    """A Qwen3-MoE GGUF file (Q8_0 matrices and experts; Q4_0 experts in a second one): its module
+    keeps the greedy invariant against ``transformers`` on the file; with ``--weights gguf`` each
+    sparse layer's experts are one ``MoeExpertsInt8`` / ``Int4`` node holding the file's own
+    blocks, the router float, and the engine's speculative output equals its target-only output.
+    Q4_1 experts, which those nodes cannot hold, are refused from the header."""
+    gguf = pytest.importorskip("gguf")
+    import onnx
+
+    from export.build import build
+
+    draft_dir = tiny(arch="qwen3_moe")[1]
+    vocab = json.loads((tiny(arch="qwen3_moe")[0] / "config.json").read_text())["vocab_size"]
+    limits = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
+    for kind, op in ((gguf.GGMLQuantizationType.Q8_0, "MoeExpertsInt8"),
+                     (gguf.GGMLQuantizationType.Q4_0, "MoeExpertsInt4")):
+        path, engine = tmp_path / f"{kind.name}.gguf", tmp_path / kind.name
+        _qwen3_moe_gguf(path, vocab, kind)
+        result = build(str(path), str(draft_dir), engine, weights="gguf", progress=False, limits=limits)
+        graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
+        ops = [n.op_type for n in graph.node]
+        assert ops.count(op) == 4 and "MoeExperts" not in ops
+        floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+        assert {f"layers.{i}.mlp.gate.weight" for i in range(4)} <= floats
+        assert result.quantized_layers["target"] == 4 * (4 + 2) + 1   # q, k, v, o and the experts; lm_head
+        if op == "MoeExpertsInt8":
+            check_torch_invariant(path, draft_dir)
+        check_speculative_equals_target_only(engine)
+    path = tmp_path / "q4_1.gguf"
+    _qwen3_moe_gguf(path, vocab, gguf.GGMLQuantizationType.Q4_1)
+    with pytest.raises(ValueError, match=r"--weights gguf: .* holds 12 matrices of types it cannot keep "
+                                         r"\(blk.0.ffn_gate_exps.weight \(Q4_1 experts\)"):
+        build(str(path), str(draft_dir), tmp_path / "e", weights="gguf", progress=False, limits=limits)
 
 
 def test_a_multimodal_checkpoint_without_text_weights_is_named(tiny, tmp_path):
@@ -265,11 +346,18 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
         from plugins.moe import ort_cpu
         model = ir.load(tmp_path / "target.onnx")
         assert len(ort_cpu.lower(model, "target.onnx.data")) == 6 * layers
-    backend = OrtBackend(tmp_path)
+    check_speculative_equals_target_only(tmp_path)
+
+
+def check_speculative_equals_target_only(engine) -> None:
+    """On a quantized engine, whose products round otherwise than ``transformers``' float ones:
+    speculative output with every acceptance count equals the engine's target-only output, batch
+    1 and 3."""
+    backend = OrtBackend(engine)
     for batch in (1, 3):
         prompts = PROMPTS[:batch]
         target_only = generate(backend, prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
-        oracle = OrtOracle(tmp_path, prompts, target_only)
+        oracle = OrtOracle(engine, prompts, target_only)
         result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
         assert result.token_ids == target_only
         if batch == 3:
