@@ -21,7 +21,7 @@ from modeling.gemma4 import Gemma4TargetStep
 from modeling.moe import fuse_experts
 from modeling.qwen3_5 import HybridTargetStep
 from modeling.registry import ARCHITECTURES
-from modeling.target_config import TargetConfig, load_target_config
+from modeling.target_config import TargetConfig, gguf_config, load_target_config
 
 # a multimodal checkpoint's towers and MTP layer, which the text model ignores
 IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -149,9 +149,11 @@ def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A GGUF target's weights, de-quantized to fp32 by ``transformers``."""
+    """A GGUF target's weights, de-quantized to fp32 by ``transformers``, in the model our reading
+    of its config describes (``target_config.gguf_config``)."""
     from transformers import AutoModelForCausalLM
 
     location, options = hf_location(path)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **options)
+    model = AutoModelForCausalLM.from_pretrained(location, config=gguf_config(path), dtype=torch.float32,
+                                                 **options)
     return {name.removeprefix("model."): tensor for name, tensor in model.state_dict().items()}

@@ -32,14 +32,27 @@ def _stamp(path: Path) -> tuple[int, int]:
     return stat.st_mtime_ns, stat.st_size
 
 
+def gguf_config(path: Path):
+    """A GGUF file's ``transformers`` config, as ``_read_gguf_config`` reads it; a copy."""
+    return copy.deepcopy(_read_gguf_config(path, _stamp(path)))
+
+
 @functools.lru_cache(maxsize=4)
-def _gguf_config(path: Path, stamp: tuple[int, int]):
+def _read_gguf_config(path: Path, stamp: tuple[int, int]):
     """A GGUF file's config as ``transformers`` reads it, once per process and version of the file
-    (it parses the file's metadata: seconds, and a build asks four times); each caller gets a copy."""
+    (it parses the file's metadata: seconds, and a build asks four times); each caller gets a copy.
+    ``transformers`` 5.x drops ``expert_feed_forward_length``, leaving a MoE file's expert width at
+    its config class's default (Qwen3-30B-A3B's 768): it is read here, as llama.cpp reads it."""
+    from gguf import GGUFReader
     from transformers import AutoConfig
 
     location, options = hf_location(path)
-    return AutoConfig.from_pretrained(location, **options)
+    config = AutoConfig.from_pretrained(location, **options)
+    fields = GGUFReader(path).fields
+    architecture = fields["general.architecture"].contents()
+    if (width := fields.get(f"{architecture}.expert_feed_forward_length")) is not None:
+        config.moe_intermediate_size = int(width.contents())
+    return config
 
 
 def load_target_config(directory: Path) -> TargetConfig:
@@ -56,8 +69,7 @@ def load_target_config(directory: Path) -> TargetConfig:
             architectures = [by_type.name] if by_type else []
         _check_raw(raw, _supported(architectures, path), path)
     try:
-        hf = (copy.deepcopy(_gguf_config(directory, _stamp(directory))) if gguf
-              else AutoConfig.from_pretrained(directory))
+        hf = gguf_config(directory) if gguf else AutoConfig.from_pretrained(directory)
     except ImportError as err:
         raise CheckpointError(f"{path}: reading a GGUF target needs the gguf extra "
                               f"(pip install -e '.[gguf]'): {err}") from None

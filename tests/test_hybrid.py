@@ -79,12 +79,13 @@ def test_linear_head_counts_that_disagree_with_the_weights_are_named(tiny, tmp_p
         load_pair(target, draft_dir)
 
 
-def _qwen3_moe_gguf(path, vocab: int, experts_type) -> None:
+def _qwen3_moe_gguf(path, experts_type, width: int = 768) -> None:
     """A Qwen3-MoE GGUF file as llama.cpp's converter writes one (``qwen3moe``): a tiny random
     ``transformers`` model, its matrices and expert stacks (``blk.N.ffn_{gate,up,down}_exps``,
     ``[E, N, K]``) as ``experts_type`` and Q8_0 blocks, the router and norms float32, and the tiny
-    pair's one-token-per-character vocabulary as a byte-level BPE. Expert width 768: the one
-    ``transformers`` reads from such a file (it ignores ``expert_feed_forward_length``)."""
+    pair's one-token-per-character vocabulary as a byte-level BPE. Experts ``width`` wide; 768 is
+    the one ``transformers`` itself reads from such a file (it ignores
+    ``expert_feed_forward_length``)."""
     import gguf
     import numpy as np
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,10 +93,11 @@ def _qwen3_moe_gguf(path, vocab: int, experts_type) -> None:
     from modeling.fixtures.tiny import CHARACTERS, SPECIALS
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+    tokens = SPECIALS + [c if 33 <= ord(c) <= 126 else chr(256 + ord(c)) for c in CHARACTERS]
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                                  moe_intermediate_size=768, initializer_range=0.25,
+                                  moe_intermediate_size=width, initializer_range=0.25,
                                   tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -104,16 +106,15 @@ def _qwen3_moe_gguf(path, vocab: int, experts_type) -> None:
                 parameter.normal_(1.0 if "norm" in name else 0.0, 0.5)
     writer = gguf.GGUFWriter(path, "qwen3moe")
     for add, value in (("block_count", 4), ("context_length", 256), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("expert_feed_forward_length", 768),
+                       ("feed_forward_length", 128), ("expert_feed_forward_length", width),
                        ("head_count", 4), ("head_count_kv", 2), ("key_length", 16), ("value_length", 16),
                        ("rope_freq_base", 1e4), ("layer_norm_rms_eps", 1e-6), ("expert_count", 8),
                        ("expert_used_count", 2)):
         getattr(writer, f"add_{add}")(value)
-    characters = [c if 33 <= ord(c) <= 126 else chr(256 + ord(c)) for c in CHARACTERS]
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(SPECIALS + characters)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * len(characters))
-    writer.add_token_scores([0.0] * (len(SPECIALS) + len(characters)))   # no merges: none to derive
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    writer.add_token_scores([0.0] * len(tokens))   # no merges: none to derive
     writer.add_eos_token_id(1)
     writer.add_pad_token_id(0)
     names = {"embed_tokens": "token_embd", "lm_head": "output", "norm": "output_norm",
@@ -164,12 +165,11 @@ def test_a_moe_gguf_target_keeps_its_expert_blocks(tiny, tmp_path):
     from export.build import build
 
     draft_dir = tiny(arch="qwen3_moe")[1]
-    vocab = json.loads((tiny(arch="qwen3_moe")[0] / "config.json").read_text())["vocab_size"]
     limits = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
     for kind, op in ((gguf.GGMLQuantizationType.Q8_0, "MoeExpertsInt8"),
                      (gguf.GGMLQuantizationType.Q4_0, "MoeExpertsInt4")):
         path, engine = tmp_path / f"{kind.name}.gguf", tmp_path / kind.name
-        _qwen3_moe_gguf(path, vocab, kind)
+        _qwen3_moe_gguf(path, kind)
         result = build(str(path), str(draft_dir), engine, weights="gguf", progress=False, limits=limits)
         graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
         ops = [n.op_type for n in graph.node]
@@ -181,10 +181,24 @@ def test_a_moe_gguf_target_keeps_its_expert_blocks(tiny, tmp_path):
             check_torch_invariant(path, draft_dir)
         check_speculative_equals_target_only(engine)
     path = tmp_path / "q4_1.gguf"
-    _qwen3_moe_gguf(path, vocab, gguf.GGMLQuantizationType.Q4_1)
+    _qwen3_moe_gguf(path, gguf.GGMLQuantizationType.Q4_1)
     with pytest.raises(ValueError, match=r"--weights gguf: .* holds 12 matrices of types it cannot keep "
                                          r"\(blk.0.ffn_gate_exps.weight \(Q4_1 experts\)"):
         build(str(path), str(draft_dir), tmp_path / "e", weights="gguf", progress=False, limits=limits)
+
+
+def test_a_moe_gguf_files_expert_width_is_its_own(tmp_path):
+    """``transformers`` 5.x ignores ``expert_feed_forward_length`` and would build 768-wide
+    experts for any Qwen3-MoE file (then fail on its weights): the width is the file's, as
+    llama.cpp reads it."""
+    gguf = pytest.importorskip("gguf")
+    from modeling.target import load_target
+
+    path = tmp_path / "narrow.gguf"
+    _qwen3_moe_gguf(path, gguf.GGMLQuantizationType.Q8_0, width=256)
+    target = load_target(path)
+    assert target.config.moe.expert_size == 256
+    assert target.layers[0].mlp.experts.down_proj.shape == (8, 64, 256)
 
 
 def test_a_multimodal_checkpoint_without_text_weights_is_named(tiny, tmp_path):
