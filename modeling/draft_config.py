@@ -137,7 +137,9 @@ def gemma4_native_config(target: dict, *, layers: int, block_size: int, taps, ma
     """What DeepSpec's ``build_draft_config`` writes for a Gemma 4 target whose text config.json
     is ``target``: a copy of it (in transformers 5.10's form, the full layers' head size and KV
     heads as ``global_head_dim`` / ``num_global_key_value_heads``) with ``layers`` full-attention
-    layers, no per-layer inputs, and the DSpark fields, a confidence head among them."""
+    layers and the DSpark fields, a confidence head among them; no per-layer inputs and no MoE
+    blocks, which DeepSpec's ``Gemma4DSparkDecoderLayer`` asserts off (it copies them from the
+    target, so a draft for a per-layer-input or MoE target has them set off by hand)."""
     config = {k: v for k, v in copy.deepcopy(target).items()
               if k not in NOT_INHERITED and k != "per_layer_config"}
     full = next((v for v in (target.get("per_layer_config") or {}).values()), {})

@@ -44,8 +44,8 @@ KERNELS = {
         "plugins.moe.triton_kernel", "_gate_up",
         {"x_ptr": "*bf16", "gate_up_ptr": "*i8", "gate_up_scales_ptr": "*bf16", "counts_ptr": "*i32",
          "lists_ptr": "*i32", "inter_ptr": "*fp32", "pairs": "i32", "hidden": "i32", "size": "i32"},
-        {"TOP_K": 8, "BITS": 4, "QBLOCK": 32, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64,
-         "BLOCK_K": 64}),
+        {"TOP_K": 8, "BITS": 4, "QBLOCK": 32, "PRECISION": "tf32", "ACTIVATION": 0, "BLOCK_M": 16,
+         "BLOCK_N": 64, "BLOCK_K": 64}),
     "moe._down": (
         "plugins.moe.triton_kernel", "_down",
         {"inter_ptr": "*fp32", "down_ptr": "*bf16", "down_scales_ptr": "*bf16", "weights_ptr": "*bf16",
