@@ -4,8 +4,8 @@ CPU by refusing every tensor made from Python data during a forward of each step
 import torch
 from torch.overrides import TorchFunctionMode
 
-from export.build import _example_inputs
 from export.onnx_export import Limits, draft_spec, target_spec
+from export.verify_inputs import example_inputs
 from modeling.pair import load_pair
 
 FROM_HOST = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy}
@@ -21,7 +21,7 @@ def test_neither_step_makes_tensors_from_host_data(tiny):
     target, draft = load_pair(*tiny())
     limits = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
     for module, spec in ((target, target_spec(target, limits)), (draft, draft_spec(draft, limits))):
-        _, inputs = _example_inputs(spec, limits, target.config.vocab_size, draft.config.block_size,
+        _, inputs = example_inputs(spec, limits, target.config.vocab_size, draft.config.block_size,
                                     torch.Generator().manual_seed(0))
         with torch.no_grad(), NoTensorsFromHost():
             module(*inputs.values())

@@ -131,9 +131,9 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
     zero caches at positions drawn anywhere in the capacity, every query attended to a long run
     of zero K/V rows and rounding dominated: the fp16 module alone was 10% off fp32 on the demo
     target, and every fp16 build of it failed."""
-    from export.build import _example_inputs, _with_context
     from export.onnx_check import TOLERANCE, _relative_difference
     from export.onnx_export import Limits, target_spec
+    from export.verify_inputs import example_inputs, with_context
 
     gguf, _, tokenizer, _, _ = smollm2
     limits = Limits(max_batch=4, max_seq_len=2048, max_prompt_chunk=512)
@@ -141,10 +141,10 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
     for dtype in (torch.float32, torch.float16):
         target = load_pair(gguf, demo_pair.draft(), dtype=dtype)[0]
         generator = torch.Generator().manual_seed(0)
-        _, verify = _example_inputs(target_spec(target, limits), limits, target.config.vocab_size,
+        _, verify = example_inputs(target_spec(target, limits), limits, target.config.vocab_size,
                                     demo_pair.K, generator)
         assert 0 < int(verify["start"].max()) < 2 * verify["input_ids"].shape[1]
-        verify = _with_context(target, verify, quality.held_out_texts(tokenizer, 256),
+        verify = with_context(target, verify, quality.held_out_texts(tokenizer, 256),
                                limits.max_prompt_chunk)
         with torch.no_grad():
             logits[dtype] = target(*verify.values())[0].float().numpy()
