@@ -1,7 +1,7 @@
 """What ``python -m export build`` checks before it loads anything: every flag, the paths, the
 output directory, and what the draft's ``config.json`` alone says about ``--k``.
 
-It imports no torch, transformers or onnx (``tests/test_build_cli.py`` holds it to that), so a
+It imports no torch, transformers or onnx (``tests/graphs/test_build_cli.py`` holds it to that), so a
 mistake is named in a fraction of a second; reading the demo target's GGUF config alone takes 6 s,
 its weights 10 s more. ``build()`` runs the same flag checks for callers of the Python API.
 """

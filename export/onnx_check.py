@@ -42,7 +42,7 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
     graph's products run there on the compiled kernel, as the runtime runs them (``HMatMul``, its
     weights in fp16). Quantized layers stay ONNX Runtime's: the compiled kernel quantizes
     activations to int8, as llama.cpp does, which is a cost in quality the manifest measures, not
-    a difference from the graph (``tests/test_cpu_kernels.py`` checks the kernel against what it
+    a difference from the graph (``tests/ops/test_cpu_kernels.py`` checks the kernel against what it
     defines).
 
     The session maps the weights from the file and keeps them as they are (basic graph

@@ -2,7 +2,7 @@
 standard ONNX: a blocked ``DequantizeLinear`` (int4 / int8 weight, one scale per block, no zero
 point) feeding a ``MatMul``, which ONNX Runtime fuses into ``MatMulNBits`` on the CPU and
 TensorRT-RTX builds as a weight-only quantized layer, its weights kept int4 / int8 in the engine
-(``tests/test_tensorrt_build.py``). The blocks come from ``quantize.rtn_blocks`` or a GGUF file
+(``tests/graphs/test_tensorrt_build.py``). The blocks come from ``quantize.rtn_blocks`` or a GGUF file
 (``gguf_blocks.py``).
 
 The rewrite is ours rather than ONNX Runtime's tool, whose QDQ path refuses 8 bits, skips ``Gemm``

@@ -4,7 +4,7 @@ measured in ``quality.py``.
 
 Symmetric, blockwise round-to-nearest along each weight's input axis. int4 is the rounding of ONNX
 Runtime's ``MatMulNBitsQuantizer`` (a block's scale is its largest-magnitude value over -8, so it
-takes that value's sign; the values are rounded and clipped to [-8, 7]; ``tests/test_quantize.py``
+takes that value's sign; the values are rounded and clipped to [-8, 7]; ``tests/graphs/test_quantize.py``
 holds the two equal). int8 takes a positive scale, the largest magnitude over 127, and [-127, 127]:
 TensorRT's ONNX parser refuses a negative int8 scale ("Scale coefficients must all be positive"; it
 lets int4's through), and ONNX Runtime fuses either. The router stays float (``keep_float``), as

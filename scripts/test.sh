@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Triton Inference Server for tests/test_triton.py (which skips without it)
+# Triton Inference Server for tests/serving/test_triton.py (which skips without it)
 bash scripts/setup_triton.sh
 # the slowest tests' times in the log: what to look at when the suite nears CI's time budget
 .venv/bin/python -m pytest -q --durations=25 "$@"

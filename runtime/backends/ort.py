@@ -24,7 +24,8 @@ call: its weight products on ``QMatMul`` / ``FMatMul`` (each weight block read o
 rows of the call, each output row computed in a fixed order of its own) and its attention on
 ``CausalAttention`` over a pool of cache slots (each sequence over its own visible rows only).
 A row's result is then the same alone, beside any rows, and in a one-row call, by construction,
-with no padding (``tests/test_quantize.py``, ``tests/test_gguf.py``, ``tests/test_cpu_kernels.py``).
+with no padding (``tests/graphs/test_quantize.py``, ``tests/graphs/test_gguf.py``,
+``tests/ops/test_cpu_kernels.py``).
 An fp32 draft runs its batch in one call the same way, its context write and block attention on
 ``DraftAttention``.
 

@@ -19,7 +19,7 @@ from export.trt_build import build_engines  # noqa: E402
 
 from conftest import ENGINE_CASES  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
 
 

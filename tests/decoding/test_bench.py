@@ -6,7 +6,7 @@ from pathlib import Path
 from export.onnx_export import Limits
 from runtime import bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_reports_and_plots(engine_dir, tmp_path):

@@ -21,7 +21,7 @@ from runtime import Generator
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.speculative import Decoding
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 TOO_LONG = "word " * 200          # more tokens than the engine's 128 KV-cache rows
 

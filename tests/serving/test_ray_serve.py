@@ -25,7 +25,7 @@ from conftest import free_port
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray extra)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz", "mn", "qrs tuv"]
 MAX_QUEUE = len(PROMPTS)   # the 8 requests a test sends at once never overflow the queue

@@ -19,7 +19,7 @@ from export.onnx_export import Limits
 
 from conftest import ENGINE_CASES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)  # test_onnx_export's: built once
 
 

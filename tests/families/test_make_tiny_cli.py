@@ -12,7 +12,7 @@ import export.__main__ as export_cli
 from modeling.fixtures.tiny import TinySpec, make_tiny
 from modeling.pair import load_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_make_tiny_writes_loadable_pair(tmp_path):

@@ -18,7 +18,7 @@ from plugins.d2t_gather import triton_kernel as d2t_kernel  # noqa: E402
 from plugins.d2t_gather.reference import d2t_gather as d2t_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_block_attention(batch, heads, kv_heads, head_dim, rows, capacity, start, causal, dtype,

@@ -1,10 +1,10 @@
 """The invariant: greedy speculative output == the target's own greedy output (``transformers``
 ``generate``), token for token, on every path: both architectures, both draft formats, reduced
 vocabulary, both layouts, fewer drafts than trained, batch 1 and ragged batch 3."""
-import random
 
 import pytest
 import torch
+from oracles import OracleDrafts
 
 from modeling.draft_config import BONUS_ANCHOR
 from modeling.pair import load_pair
@@ -73,27 +73,6 @@ def test_confidence_threshold_keeps_greedy_output(tiny, expected):
         assert result.token_ids == expected["qwen3"]
         proposed = {len(r["drafts"]) for r in result.trace if r["step"] > 0}
         assert proposed == counts if counts else len(proposed) > 2
-
-
-class OracleDrafts(TorchBackend):
-    """Runs the real draft (so its cache bookkeeping is exercised), then overwrites a random-length
-    prefix of its proposals with the target's true continuation, so that 0..k drafts are accepted
-    and every acceptance length, rollback and bonus path of the loop is taken."""
-
-    def __init__(self, target, draft, prompts, continuations, seed=0, capacity=96, **options):
-        super().__init__(target, draft, capacity=capacity, **options)
-        self.prompt_lengths = [len(p) for p in prompts]
-        self.continuations = continuations
-        self.rng = random.Random(seed)
-
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
-        anchor_pos = (ctx_start + ctx_count).tolist()
-        for b, pos in enumerate(anchor_pos):
-            truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]
-            right = min(self.rng.randint(0, self.limits.k), len(truth))
-            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
-        return tokens, q
 
 
 def test_every_acceptance_length_with_oracle_drafts(tiny):

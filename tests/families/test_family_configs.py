@@ -12,7 +12,7 @@ from common import manifest
 from modeling.registry import ARCHITECTURES
 from modeling.target_config import load_target_config
 
-OLD = Path(__file__).parent / "data" / "configs" / "transformers-5.10.2"
+OLD = Path(__file__).parents[1] / "data" / "configs" / "transformers-5.10.2"
 
 
 @pytest.fixture(scope="module")

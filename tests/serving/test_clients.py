@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-TASKS = Path(__file__).resolve().parent / "data" / "lm_eval"
+TASKS = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 
 
 def _tasks(folder: Path) -> Path:

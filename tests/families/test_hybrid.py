@@ -4,12 +4,11 @@ MoE, in both on-disk layouts, and Qwen3-MoE: greedy speculative == target-only =
 with oracle drafts so that every acceptance count 0..k restores the recurrent state from its slot;
 and their bad checkpoints."""
 import json
-import random
 import shutil
 
 import pytest
 import torch
-from test_greedy_invariant import OracleDrafts
+from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 from export.onnx_export import Limits
 from modeling.checkpoint import CheckpointError
@@ -19,32 +18,9 @@ from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.speculative import generate
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS
 
-MAX_NEW = 40
-CHUNK = 5   # shorter than two of the prompts: the state crosses prefill chunks
 ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
-
-
-def check_torch_invariant(target_dir, draft_dir) -> OracleDrafts:
-    """Greedy speculative == target-only == ``transformers`` ``generate`` in PyTorch, batch 1 and
-    3, over ``CHUNK``-row prefill chunks, with oracle drafts that take every acceptance count at
-    batch 3; returns that batch's backend."""
-    target, draft = load_pair(target_dir, draft_dir)
-    eos = target.config.eos_token_ids
-    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
-    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)   # the oracle's truth
-    for batch in (1, 3):
-        prompts = PROMPTS[:batch]
-        oracle = OracleDrafts(target, draft, prompts, continuations, max_prompt_chunk=CHUNK)
-        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos)
-        assert result.token_ids == expected[:batch]
-        if batch == 3:
-            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(draft.k + 1))
-        target_only = generate(TorchBackend(target, None, capacity=96, max_prompt_chunk=CHUNK), prompts,
-                               max_new_tokens=MAX_NEW, eos_token_ids=eos)
-        assert target_only.token_ids == expected[:batch]
-    return oracle
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -249,27 +225,6 @@ def test_the_vision_tower_and_mtp_layer_are_never_read(tiny, tmp_path, monkeypat
     assert read and not [n for n in read if n.startswith(("model.visual.", "mtp."))]
 
 
-class OrtOracle(OrtBackend):
-    """``OracleDrafts`` on the engine: the real draft graph runs, then a random-length prefix of its
-    proposals is overwritten with the target's true continuation."""
-
-    def __init__(self, engine, prompts, continuations, seed=0):
-        super().__init__(engine)
-        self.prompt_lengths, self.continuations = [len(p) for p in prompts], continuations
-        self.rng = random.Random(seed)
-
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
-                                       slots=slots)
-        tokens = tokens.clone()
-        sequences = range(len(anchor)) if slots is None else slots   # a batch's prompt i is in slot i
-        for b, (i, pos) in enumerate(zip(sequences, (ctx_start + ctx_count).tolist())):
-            truth = self.continuations[i][pos - self.prompt_lengths[i] + 1:]
-            right = min(self.rng.randint(0, self.limits.k), len(truth))
-            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
-        return tokens, q
-
-
 def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     """The exported graphs (the recurrence as its ONNX function, the selected experts on the compiled
     kernel where it is built, else their function; the banks bound in place, one sequence per
@@ -280,22 +235,6 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     arch = "qwen3_5_moe-multimodal"
     check_engine_invariant(engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch),
                            tiny(arch=arch)[0])
-
-
-def check_engine_invariant(engine, target_dir) -> None:
-    """``check_torch_invariant`` on an engine directory, through ONNX Runtime."""
-    expected = hf_greedy(target_dir, PROMPTS, MAX_NEW)
-    continuations = hf_greedy(target_dir, PROMPTS, MAX_NEW, eos=None)
-    for batch in (1, 3):
-        prompts = PROMPTS[:batch]
-        oracle = OrtOracle(engine, prompts, continuations)
-        result = generate(oracle, prompts, max_new_tokens=MAX_NEW, eos_token_ids=oracle.limits.eos_token_ids)
-        assert result.token_ids == expected[:batch]
-        if batch == 3:
-            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
-        target_only = generate(oracle, prompts, max_new_tokens=MAX_NEW, speculative=False,
-                               eos_token_ids=oracle.limits.eos_token_ids)
-        assert target_only.token_ids == expected[:batch]
 
 
 def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):

@@ -1,7 +1,7 @@
 """``build --weights gguf``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, found by a weight's values
 and written as ``DequantizeLinear -> MatMul`` (plus Q4_1's per-block offsets), which ONNX Runtime
 runs as ``MatMulNBits`` computing with exactly the file's weights; a row's result does not depend on
-how many rows share the call. The demo build with these weights: ``tests/test_gguf.py``."""
+how many rows share the call. The demo build with these weights: ``tests/graphs/test_gguf.py``."""
 import importlib.util
 
 import numpy as np

@@ -276,5 +276,5 @@ def test_help_loads_neither_torch_nor_onnx():
              "        pass\n"
              "print(sorted(m for m in ('torch', 'onnx', 'numpy', 'transformers') if m in sys.modules))\n")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     assert loaded.stdout.strip().splitlines()[-1] == "[]", loaded.stdout[-500:]

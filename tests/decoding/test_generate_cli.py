@@ -15,7 +15,7 @@ from runtime.backends.ort import OrtBackend
 
 from conftest import hf_greedy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 PROMPTS = ["the cat sat", "once upon a time, there was", "why?"]
 
@@ -147,7 +147,7 @@ def test_cli_bad_input(engine, args, message):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="refused only without a GPU")
 def test_torch_cuda_without_a_gpu_is_refused_before_loading(engine, monkeypatch):
-    """(The TensorRT backends' refusal: ``tests/test_tensorrt_build.py``.)"""
+    """(The TensorRT backends' refusal: ``tests/graphs/test_tensorrt_build.py``.)"""
     import runtime.backends.pytorch
 
     def never(*args, **kwargs):

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from test_hybrid import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
+from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 from export.onnx_export import Limits
 from modeling.checkpoint import CheckpointError
@@ -176,7 +176,7 @@ def test_a_target_config_the_engine_cannot_follow_is_named(tiny, tmp_path, field
                                               "expected 'full_attention' for each of the 1 draft layers"),
     (dict(model_type="qwen3"), "field 'model_type' = 'qwen3': expected 'gemma4_text' or"),
     (dict(num_global_key_value_heads=None), "field 'num_global_key_value_heads' = None: expected an integer"),
-    # what the config fuzz found (tests/test_config_fuzz.py covers the target's config)
+    # what the config fuzz found (tests/families/test_config_fuzz.py covers the target's config)
     (dict(num_hidden_layers=10 ** 12), "field 'num_hidden_layers' = 1000000000000: expected an integer"),
     (dict(rope_parameters={"full_attention": None}), "field 'rope_parameters.full_attention' = None"),
     (dict(rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
