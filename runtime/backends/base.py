@@ -29,16 +29,20 @@ class BackendLimits:
 
     @classmethod
     def from_manifest(cls, m: dict) -> "BackendLimits":
-        from common.manifest import confidence_threshold
+        from common.manifest import confidence_threshold, is_cache
 
         draft, limits = m["draft"], m["limits"]
+        # what the target graph takes says the rest, whatever its family: state caches with a slot
+        # axis (a hybrid's, k + 1 slots), K / V caches shorter than the capacity (rings)
+        inputs = m["graphs"]["target"]["inputs"]
+        slots = next((t["shape"][1] for t in inputs if t["name"].startswith("state_cache_")), 0)
+        rings = any(is_cache(t["name"]) and t["shape"][2] < limits["max_seq_len"] for t in inputs
+                    if not t["name"].startswith("state_cache_"))
         return cls(vocab_size=m["target"]["vocab_size"], k=draft["k"], block_size=draft["block_size"],
                    draft_vocab_size=draft["draft_vocab_size"], capacity=limits["max_seq_len"],
                    max_batch=limits["max_batch"], max_prompt_chunk=limits["max_prompt_chunk"],
                    eos_token_ids=tuple(m["target"]["eos_token_ids"]),
-                   confidence_threshold=confidence_threshold(m),
-                   state_slots=draft["k"] + 1 if m["target"].get("linear") else 0,
-                   rings=m["target"].get("gemma4") is not None)
+                   confidence_threshold=confidence_threshold(m), state_slots=slots, rings=rings)
 
     @classmethod
     def from_modules(cls, target, draft, capacity: int, max_batch: int = 1 << 16,
