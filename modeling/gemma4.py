@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modeling.checkpoint import CheckpointError
 from modeling.decoder import (
     CachedStep,
     CacheSpec,
@@ -469,3 +470,20 @@ def rope_frequencies(hf, kinds: set[str]) -> dict[str, tuple[tuple[float, ...], 
     rotary = Gemma4TextRotaryEmbedding(hf)
     return {kind: (tuple(getattr(rotary, f"{kind}_inv_freq").tolist()),
                    float(getattr(rotary, f"{kind}_attention_scaling"))) for kind in kinds}
+
+
+def check_unused(left: dict[str, torch.Tensor], config, directory) -> None:
+    """``Family.check_unused``: a Gemma 4 checkpoint's tensors that the module its config.json
+    describes does not hold, beyond the K / V projections and norms of KV-shared layers (which
+    ``transformers`` ignores too): the weights of a per-layer input, a V projection or a layer the
+    config turned off, which would otherwise be dropped without a word."""
+    layout = config.gemma4
+    ignored = tuple(f"layers.{i}.self_attn.{part}." for i in range(len(layout.layer_types))
+                    if layout.kv_source(i) != i for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    # a multimodal checkpoint's other parts keep their prefix: only the text model's are checked
+    unused = sorted(name for name in left if not name.startswith((*ignored, "model.")))
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
+        raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
+                              f"describes (a field such as hidden_size_per_layer_input, attention_k_eq_v "
+                              f"or num_kv_shared_layers disagrees with the weights)")

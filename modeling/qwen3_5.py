@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modeling.checkpoint import CheckpointError
 from modeling.decoder import MLP, CachedStep, CacheSpec, Rotary, apply_rotary, kv_cache_specs, logits_and_aux
 from modeling.moe import SparseMoe
 from plugins.block_attention import block_attention
@@ -233,3 +234,16 @@ class HybridTargetStep(CachedStep, nn.Module):
             else:
                 specs += kv_cache_specs(d, batch, capacity, dtype, layers=[layer])
         return specs
+
+
+def check_layer_types(tensors: dict[str, torch.Tensor], config, fields: str) -> None:
+    """``Family.check_weights``: each layer's weights are of the kind ``layer_types`` names (linear
+    or full attention); ``fields`` starts the message (the config file and where its fields sit)."""
+    where = f"{fields}layer_types'"
+    for index, kind in enumerate(config.linear.layer_types):
+        held = "linear_attn" if any(n.startswith(f"layers.{index}.linear_attn.") for n in tensors) \
+            else "self_attn" if any(n.startswith(f"layers.{index}.self_attn.") for n in tensors) else None
+        expected = "linear_attn" if kind == "linear_attention" else "self_attn"
+        if held != expected:
+            raise CheckpointError(f"{where}[{index}] = {kind!r}, but the weights hold "
+                                  f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")

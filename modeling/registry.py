@@ -15,11 +15,12 @@ from modeling.gemma4 import (
     SLIDING,
     Gemma4Layout,
     Gemma4TargetStep,
+    check_unused,
     layout_from_hf,
     moe_from_hf,
 )
 from modeling.moe import MOE_FIELDS, MoeConfig
-from modeling.qwen3_5 import FULL, LINEAR, HybridTargetStep, LinearAttentionConfig
+from modeling.qwen3_5 import FULL, LINEAR, HybridTargetStep, LinearAttentionConfig, check_layer_types
 
 # the hybrid's shape fields beyond the dense decoder's
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -43,6 +44,9 @@ class Family:
     step: type                               # the step module: ``step(target_config, taps)``
     layer_kinds: tuple[str, ...] = (FULL,)   # the layer_types its layers may have
     fields: tuple[str, ...] = ()             # shape fields beyond the dense decoder's (decoder.check_fields)
+    # (tensors, target config, "FILE: field '[text_config.]") -> None; CheckpointError names the field
+    check_weights: Callable | None = None    # the checkpoint's tensors, before the module takes them
+    check_unused: Callable | None = None     # the tensors the module did not take
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,17 @@ def _gemma4(hf) -> Parts:
 QWEN3 = Family("qwen3", _dense(qk_norm=True), TargetStep)
 LLAMA = Family("llama", _dense(qk_norm=False), TargetStep)
 QWEN3_MOE = Family("qwen3_moe", _qwen3_moe, TargetStep, fields=MOE_FIELDS)
-QWEN3_5 = Family("qwen3_5_text", _hybrid(moe=False), HybridTargetStep, (FULL, LINEAR), LINEAR_FIELDS)
+QWEN3_5 = Family("qwen3_5_text", _hybrid(moe=False), HybridTargetStep, (FULL, LINEAR), LINEAR_FIELDS,
+                 check_weights=check_layer_types)
 QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (FULL, LINEAR),
-                     LINEAR_FIELDS + MOE_FIELDS + ("shared_expert_intermediate_size",))
+                     LINEAR_FIELDS + MOE_FIELDS + ("shared_expert_intermediate_size",),
+                     check_weights=check_layer_types)
 # Gemma 4 (MoE blocks too: 26B-A4B), and its "unified" form (the 12B: the same text layers without
 # per-layer inputs)
-GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS)
-GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS)
+GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
+                check_unused=check_unused)
+GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
+                        check_unused=check_unused)
 
 def _multimodal(name: str, family: Family) -> Architecture:
     return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",

@@ -40,11 +40,12 @@ def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype =
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
     if config.moe is not None:
         fuse_experts(tensors, config.moe)
-    if config.linear is not None:
-        _check_layer_types(tensors, config, f"{fields}layer_types'")
-    target = build_module(lambda: arch.family.step(config, taps), tensors, directory, dtype)
-    if config.gemma4 is not None:   # build_module took what the module holds: the rest is unused
-        _check_unused(tensors, config.gemma4, directory)
+    family = arch.family
+    if family.check_weights is not None:
+        family.check_weights(tensors, config, fields)
+    target = build_module(lambda: family.step(config, taps), tensors, directory, dtype)
+    if family.check_unused is not None:   # build_module took what the module holds: the rest is unused
+        family.check_unused(tensors, config, directory)
     if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
         # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
@@ -88,33 +89,6 @@ def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None 
         tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
     return {k: v for k, v in tensors.items() if v is not None and not k.endswith("rotary_emb.inv_freq")
             and (only is None or k in only)}
-
-
-def _check_layer_types(tensors: dict[str, torch.Tensor], config: TargetConfig, where: str) -> None:
-    """Each layer's weights are of the kind ``layer_types`` names (linear or full attention)."""
-    for index, kind in enumerate(config.linear.layer_types):
-        held = "linear_attn" if any(n.startswith(f"layers.{index}.linear_attn.") for n in tensors) \
-            else "self_attn" if any(n.startswith(f"layers.{index}.self_attn.") for n in tensors) else None
-        expected = "linear_attn" if kind == "linear_attention" else "self_attn"
-        if held != expected:
-            raise CheckpointError(f"{where}[{index}] = {kind!r}, but the weights hold "
-                                  f"{f'layers.{index}.{held}.*' if held else 'no attention'} for that layer")
-
-
-def _check_unused(left: dict[str, torch.Tensor], layout, directory: Path) -> None:
-    """A Gemma 4 checkpoint's tensors that the module its config.json describes does not hold,
-    beyond the K / V projections and norms of KV-shared layers (which ``transformers`` ignores
-    too): the weights of a per-layer input, a V projection or a layer the config turned off, which
-    would otherwise be dropped without a word."""
-    ignored = tuple(f"layers.{i}.self_attn.{part}." for i in range(len(layout.layer_types))
-                    if layout.kv_source(i) != i for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
-    # a multimodal checkpoint's other parts keep their prefix: only the text model's are checked
-    unused = sorted(name for name in left if not name.startswith((*ignored, "model.")))
-    if unused:
-        shown = ", ".join(unused[:3]) + (f" (+{len(unused) - 3} more)" if len(unused) > 3 else "")
-        raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
-                              f"describes (a field such as hidden_size_per_layer_input, attention_k_eq_v "
-                              f"or num_kv_shared_layers disagrees with the weights)")
 
 
 def from_start(target: TargetStep, input_ids: torch.Tensor,
