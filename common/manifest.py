@@ -170,19 +170,23 @@ def _shape(tensor: dict) -> str:
     return ", ".join(str(s) for s in tensor["shape"])
 
 
+# transformers' layer types, as ``inspect`` names them
+LAYER_KINDS = {"linear_attention": "gated-DeltaNet", "sliding_attention": "sliding",
+               "full_attention": "full attention"}
+
+
 def _layer_kinds(target: dict) -> str:
-    """`` (3 gated-DeltaNet, 1 full attention)`` for a hybrid target, `` (5 sliding (window
-    1024), 1 full attention)`` for a Gemma 4 one, else nothing."""
-    if target.get("linear"):
-        types = target["linear"]["layer_types"]
-        linear, full = types.count("linear_attention"), types.count("full_attention")
-        return f" ({linear} gated-DeltaNet, {full} full attention)"
-    if target.get("gemma4"):
-        g = target["gemma4"]
-        shared = f", the last {g['kv_shared_layers']} reusing earlier K/V" if g["kv_shared_layers"] else ""
-        return (f" ({g['layer_types'].count('sliding_attention')} sliding (window {g['sliding_window']}), "
-                f"{g['layer_types'].count('full_attention')} full attention{shared})")
-    return ""
+    """The layer kinds of a target whose config part lists ``layer_types``: `` (3 gated-DeltaNet,
+    1 full attention)``, `` (5 sliding (window 1024), 1 full attention)``; else nothing."""
+    part = next((p for p in target.values() if isinstance(p, dict) and "layer_types" in p), None)
+    if part is None:
+        return ""
+    types = part["layer_types"]
+    window = f" (window {part['sliding_window']})" if "sliding_window" in part else ""
+    kinds = [f"{types.count(kind)} {name}{window if kind == 'sliding_attention' else ''}"
+             for kind, name in LAYER_KINDS.items() if kind in types]
+    shared = part.get("kv_shared_layers")
+    return f" ({', '.join(kinds)}{f', the last {shared} reusing earlier K/V' if shared else ''})"
 
 
 def describe(manifest: dict) -> str:

@@ -139,9 +139,11 @@ def rotary_tables(inv_freq, scaling: float, capacity: int) -> tuple[np.ndarray, 
 
 def target_rotary(target: dict, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The rotary tables a target's causal nodes take (``rotary_tables`` of the manifest's
-    ``target`` entry), or None where its layers rotate differently from one another (Gemma 4's
-    full and sliding layers): their nodes then keep their own rotations."""
-    if target.get("gemma4"):
+    ``target`` entry), or None where some of its layers rotate otherwise than the decoder says (a
+    config part with a ``*rope_inv_freq`` of its own, as Gemma 4's full layers have): their nodes
+    then keep their own rotations."""
+    if any(key.endswith("rope_inv_freq") for name, part in target.items()
+           if name != "decoder" and isinstance(part, dict) for key in part):
         return None
     decoder = target["decoder"]
     return rotary_tables(decoder["rope_inv_freq"], decoder["rope_attention_scaling"], capacity)
