@@ -14,6 +14,7 @@ import pytest
 import torch
 from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
+from common.manifest import describe
 from export.onnx_export import Limits
 from modeling.checkpoint import CheckpointError
 from modeling.pair import load_pair
@@ -75,6 +76,8 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir, arch):
     assert caches["k_cache_0"][2] == layout["sliding_window"] + max(CHUNK, k + 1) - 1
     full = ["batch", layout["full_kv_heads"], LIMITS.max_seq_len, layout["full_head_dim"]]
     assert caches["k_cache_1"] == full
+    kinds = "6 layers (3 sliding (window 4), 3 full attention, the last 2 reusing earlier K/V)"
+    assert kinds in describe(manifest)   # inspect
     if arch == "gemma4_moe":
         import onnx
 
