@@ -117,8 +117,11 @@ def test_four_concurrent_streams_get_their_single_request_output(triton, expecte
     assert ["".join(e["text_output"] for e in events) for events in streams] == expected
 
 
+# the client ends with os._exit: tritonclient's stream thread is not a daemon, so a process whose
+# stream is not stopped (an error, a missing response) would otherwise hang past the test's timeout
+# instead of saying what went wrong
 GRPC_CLIENT = """
-import json, queue, sys
+import json, os, queue, sys
 import numpy as np
 import tritonclient.grpc as grpc
 
@@ -134,17 +137,21 @@ for tensor, value in zip(inputs, values):
     tensor.set_data_from_numpy(value)
 client.async_stream_infer("tiny", inputs, enable_empty_final_response=True)
 pieces = []
-while True:
-    result, error = results.get(timeout=60)
-    if error is not None:
-        raise SystemExit(f"error: {error}")
-    response = result.get_response()
-    if response.outputs:
-        pieces.append([result.as_numpy(name)[0].decode() for name in ("text_output", "finish_reason")])
-    if response.parameters["triton_final_response"].bool_param:
-        break
-client.stop_stream()
-print(json.dumps(pieces))
+try:
+    while True:
+        result, error = results.get(timeout=60)
+        if error is not None:
+            raise RuntimeError(error)
+        response = result.get_response()
+        if response.outputs:
+            pieces.append([result.as_numpy(name)[0].decode() for name in ("text_output", "finish_reason")])
+        if response.parameters["triton_final_response"].bool_param:
+            break
+except Exception as err:
+    print(f"error after {len(pieces)} responses: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    os._exit(1)
+print(json.dumps(pieces), flush=True)
+os._exit(0)
 """
 
 
