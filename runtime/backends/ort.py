@@ -61,8 +61,6 @@ from runtime.backends.engine import EngineBackend, damaged
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-
-
 class OrtBackend(EngineBackend):
     # the loop's torch work between calls is small (argmax / sampling over a few rows); on more
     # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime

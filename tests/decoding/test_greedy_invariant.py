@@ -4,7 +4,6 @@ vocabulary, both layouts, fewer drafts than trained, batch 1 and ragged batch 3.
 
 import pytest
 import torch
-from oracles import OracleDrafts
 
 from modeling.draft_config import BONUS_ANCHOR
 from modeling.pair import load_pair
@@ -13,6 +12,7 @@ from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS, hf_greedy, median_confidence
+from oracles import OracleDrafts
 
 MAX_NEW = 40
 
@@ -89,7 +89,6 @@ def test_every_acceptance_length_with_oracle_drafts(tiny):
     for b in range(len(PROMPTS)):
         emitted = [t for r in result.trace if r["sequence"] == b for t in r["emitted"]]
         assert emitted == result.token_ids[b]
-
 
 
 class GreedyFirstSequence(OracleDrafts):

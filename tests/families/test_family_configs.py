@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from family_configs import configs, save_configs
 
 from common import manifest
 from modeling.registry import ARCHITECTURES
 from modeling.target_config import load_target_config
+
+from family_configs import configs, save_configs
 
 OLD = Path(__file__).parents[1] / "data" / "configs" / "transformers-5.10.2"
 

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 from common.manifest import describe
 from export.onnx_export import Limits
@@ -23,6 +22,7 @@ from runtime.backends.ort import OrtBackend
 from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
+from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 ARCH = "gemma4-multimodal"
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 from export.onnx_export import Limits
 from modeling.checkpoint import CheckpointError
@@ -19,6 +18,7 @@ from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
+from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
 ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
 

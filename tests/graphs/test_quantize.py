@@ -1,7 +1,6 @@
 """Weight-only int4 / int8 engines (``build --weights``): the graph form, what the build verifies
 and records, a row's logits independent of how many rows share the call, and the greedy invariant
 on quantized engines."""
-import random
 import shutil
 
 import numpy as np
@@ -22,6 +21,7 @@ from runtime.backends.ort import OrtBackend
 from runtime.decoding.speculative import generate
 
 from conftest import PROMPTS
+from oracles import OrtOracle
 
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
 # int4 quantizes the draft too; int8 leaves it as it is (the default)
@@ -274,27 +274,6 @@ def test_a_rows_logits_do_not_depend_on_its_call(engines, weights):
             assert torch.equal(batched, alone), (split, neighbours)
 
 
-class OracleDrafts(OrtBackend):
-    """The engine's own drafts with a random-length prefix replaced by the target-only output, so
-    that drafts are accepted (a random tiny draft's almost never are)."""
-
-    def __init__(self, engine, prompts, continuations):
-        super().__init__(engine)
-        self.prompt_lengths = [len(p) for p in prompts]
-        self.continuations = continuations
-        self.rng = random.Random(0)
-
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise,
-                                       slots=slots)
-        sequences = range(len(anchor)) if slots is None else slots   # a batch's prompt i is in slot i
-        for b, (i, position) in enumerate(zip(sequences, (ctx_start + ctx_count).tolist())):
-            truth = self.continuations[i][position - self.prompt_lengths[i] + 1:]
-            right = min(self.rng.randint(0, self.limits.k), len(truth))
-            tokens[b, :right] = torch.tensor(truth[:right], dtype=torch.long)
-        return tokens, q
-
-
 @pytest.mark.parametrize("weights", ["int4", "int8", "float"])
 def test_greedy_speculative_equals_target_only_at_every_batch_size(engines, weights):
     """On every weight format, at batch 1 .. max_batch with ragged prompts: speculative output
@@ -307,7 +286,7 @@ def test_greedy_speculative_equals_target_only_at_every_batch_size(engines, weig
         prompts = PROMPTS[-batch:]     # the longest prompt with the shorter ones
         expected = alone[-batch:]
         assert generate(OrtBackend(out), prompts, max_new_tokens=40, speculative=False).token_ids == expected
-        result = generate(OracleDrafts(out, prompts, expected), prompts, max_new_tokens=40)
+        result = generate(OrtOracle(out, prompts, expected), prompts, max_new_tokens=40)
         assert result.token_ids == expected, batch
         accepted = [r["accepted"] for r in result.trace if r["step"] > 0]
         assert max(accepted) == manifest.read(out)["draft"]["k"] and sum(accepted) > 10 * batch
