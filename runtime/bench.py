@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from runtime.backends import BACKENDS
-from runtime.generate import check_flags, read_prompts, stopping_on_ctrl_c
+from runtime.generate import add_draft_schedule, check_flags, read_prompts, stopping_on_ctrl_c
 
 
 def parser():
@@ -42,6 +42,7 @@ def parser():
     p.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="verify drafts only up to the first whose top draft probability is below P; "
                         "0 verifies all k [the engine's, from build]")
+    add_draft_schedule(p)
     p.add_argument("--backend", choices=BACKENDS, default="ort", help="[ort]")
     p.add_argument("--threads", type=int, help="ONNX Runtime / torch threads [all cores]")
     p.add_argument("--no-chat-template", action="store_true")
@@ -152,6 +153,9 @@ def run(args, prompts: list[str]) -> dict:
     generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
     target = None if args.no_transformers else _source_target(args.engine)
     chat = not args.no_chat_template
+    # the call costs the report's bound is computed with (adaptive verification plans with them)
+    costs = generator.verification().costs
+    schedule = generator.verification(args.draft_schedule)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                    chat_template=chat, confidence_threshold=args.confidence_threshold)
     modes = ("speculative", "target_only")
@@ -159,11 +163,14 @@ def run(args, prompts: list[str]) -> dict:
     for name in modes:
         generator.decodings(prompts, batch_size=1, speculative=name == "speculative", **options)
     generator.generate(prompts[0], **{**options, "max_new_tokens": 4})   # warm-up, untimed
+    options["draft_schedule"] = schedule
 
     report = {"engine": str(args.engine), "prompts_file": str(args.prompts_file), "skip": args.skip,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "backend": args.backend, "repeat": args.repeat,
-              "weights": manifest_weights(args.engine),
+              "weights": manifest_weights(args.engine), "draft_schedule": str(schedule),
+              "call_costs_ms": {"target_one_row": costs.target[0] * 1e3, "verify_row": costs.row[0] * 1e3,
+                                "draft": costs.draft[0] * 1e3},
               "confidence_threshold": (generator.backend.limits.confidence_threshold
                                        if args.confidence_threshold is None else args.confidence_threshold),
               "runs": {}}
@@ -194,6 +201,7 @@ def run(args, prompts: list[str]) -> dict:
                                     "tokens_per_second": tokens / seconds, "token_ids": outputs}
             passes.append(one)
     report["runs"] = _over_passes(passes)
+    report["bound"] = _bound(report["runs"], costs)
     if target:
         ids = [generator.encode(p, chat) for p in prompts]
         report["runs"]["transformers"] = _transformers_run(target, ids, args, lookup=0)
@@ -276,11 +284,33 @@ def _engine_run(runs) -> dict:
     stats = runs[0].stats
     for r in runs[1:]:
         stats.merge(r.stats)
+    # after the prefill's first token of each sequence, the decode steps'
+    decode_tokens = tokens - sum(1 for r in runs for ids in r.token_ids if ids)
+    decode_steps = stats.steps + stats.idle_steps
     return {"tokens": tokens, "seconds": seconds["total"],
             "tokens_per_second": tokens / seconds["total"], "tau": stats.tau,
             "acceptance_per_position": stats.acceptance_per_position,
+            "acceptance_rates": stats.acceptance_rates, "confidence_rates": stats.confidence_rates,
+            "verified_per_step": stats.verified_per_step,
+            "decode_steps": decode_steps, "step_ms": {name: 1e3 * seconds[name] / max(decode_steps, 1)
+                                                      for name in ("draft", "verify", "host")},
+            "decode_tokens_per_second": decode_tokens / max(seconds["total"] - seconds["prefill"], 1e-9),
             "phase_seconds": seconds, "host_fraction": seconds["host"] / seconds["total"],
             "token_ids": [ids for r in runs for ids in r.token_ids]}
+
+
+def _bound(runs: dict, costs) -> dict:
+    """The decode-phase speedup that the best fixed cap would give with the call costs measured
+    at start and the per-position acceptance measured in the speculative run
+    (``adaptive.speedup_bound``), against the speedup measured, with target-only steps as long
+    as the target-only run's (host work included)."""
+    from runtime.decoding.adaptive import speedup_bound
+
+    spec, plain = runs["speculative"], runs["target_only"]
+    target_step = 1 / plain["decode_tokens_per_second"]
+    bound, cap = speedup_bound(costs, spec["acceptance_rates"], spec["confidence_rates"], target_step)
+    measured = spec["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
+    return {"speedup": bound, "cap": cap, "measured": measured, "share": measured / bound}
 
 
 def _source_target(engine: str) -> str:
@@ -342,7 +372,18 @@ def summary(report: dict) -> str:
     spec = report["runs"]["speculative"]
     if spec["acceptance_per_position"]:
         lines.append("  acceptance per position: "
-                     + " ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]))
+                     + " ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+                     + "; where the cap reached it: "
+                     + " ".join(f"{a:.2f}" for a in spec["acceptance_rates"]))
+        plain = report["runs"]["target_only"]["step_ms"]
+        lines.append(f"  drafts verified per step ({report['draft_schedule']}): "
+                     f"{spec['verified_per_step']:.2f}; per step, ms (speculative / target-only): "
+                     + ", ".join(f"{name} {spec['step_ms'][name]:.2f} / {plain[name]:.2f}"
+                                 for name in ("verify", "draft", "host")))
+        bound = report["bound"]
+        lines.append(f"  decoding speedup {bound['measured']:.2f}x of a bound of {bound['speedup']:.2f}x "
+                     f"(the best fixed cap, {bound['cap']}, at the measured costs and acceptance): "
+                     f"{100 * bound['share']:.0f}%")
     for name, value in report["ratios"].items():
         low, high = report["ratio_spread"][name]
         lines.append(f"  {name}: {value:.2f}x [{low:.2f}, {high:.2f}]")

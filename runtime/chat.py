@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import sys
 
-from runtime.generate import check_flags, stopping_on_ctrl_c, system_messages
+from runtime.generate import (
+    add_draft_schedule,
+    check_flags,
+    stopping_on_ctrl_c,
+    system_messages,
+    verification,
+)
 
 
 def parser():
@@ -29,6 +35,7 @@ def parser():
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer at this text (repeatable)")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding")
+    add_draft_schedule(p)
     p.add_argument("--stats", action="store_true", help="tau and tokens/s after each answer")
     return p
 
@@ -43,11 +50,12 @@ def main(argv: list[str] | None = None) -> None:
             generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
             if not generator.tokenizer.chat_template:
                 raise ValueError(f"{args.engine}: its tokenizer has no chat template, which a chat needs")
+            draft_schedule = verification(args, generator)
         except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
             raise SystemExit(f"error: {err}") from None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   speculative=not args.no_spec, stop=args.stop)
+                   speculative=not args.no_spec, stop=args.stop, draft_schedule=draft_schedule)
     system = system_messages(args)
     messages, decoding = list(system), None
     interactive = sys.stdin.isatty()

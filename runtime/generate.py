@@ -71,6 +71,7 @@ def parser():
     p.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="verify drafts only up to the first whose top draft probability is below P; "
                         "0 verifies all k [the engine's, from build]")
+    add_draft_schedule(p)
     p.add_argument("--batch-size", type=int,
                    help="prompts per batch [1 on the ort backend, where batching is measured no "
                         "faster; the engine's --max-batch on the others]")
@@ -83,6 +84,19 @@ def parser():
     p.add_argument("--trace", type=Path,
                    help="write one JSON line per step and sequence (anchor, drafts, accepted, emitted)")
     return p
+
+
+def add_draft_schedule(p) -> None:
+    p.add_argument("--draft-schedule", default="adaptive", metavar="adaptive|N",
+                   help="drafts verified per step: adaptive (as many as this sequence's own "
+                        "acceptance and the call costs measured at start make pay, none where "
+                        "drafts are not being accepted), or at most N every step [adaptive]")
+
+
+def verification(args, generator):
+    """The ``draft_schedule`` option for --draft-schedule (None without speculation: nothing to
+    measure)."""
+    return None if args.no_spec else generator.verification(args.draft_schedule)
 
 
 def check_flags(args) -> None:
@@ -166,21 +180,29 @@ def prepare(args):
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
+        args.verification = None   # measured (on the backend) only once every prompt is checked
         if args.all_turns:   # each conversation's first turn is checked now, the later ones as they come
             for turns in prompts:
                 generator.conversation(system_messages(args) + [{"role": "user", "content": turns[0]}],
                                        **_options(args))
+            args.verification = verification(args, generator)
             return generator, prompts, None
-        decodings = generator.decodings(
-            prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
-            seed=args.seed, speculative=not args.no_spec,
-            confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
-            system=args.system, stop=args.stop,
-            batch_size=1 if args.stream else args.batch_size)
+        _decodings(generator, prompts, args)
+        args.verification = verification(args, generator)
+        decodings = _decodings(generator, prompts, args)
     except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
     return generator, prompts, decodings
+
+
+def _decodings(generator, prompts: list[str], args) -> list:
+    return generator.decodings(
+        prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, speculative=not args.no_spec,
+        confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
+        system=args.system, stop=args.stop, draft_schedule=args.verification,
+        batch_size=1 if args.stream else args.batch_size)
 
 
 def _options(args) -> dict:
@@ -188,7 +210,7 @@ def _options(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
                 speculative=not args.no_spec, confidence_threshold=args.confidence_threshold,
-                stop=args.stop)
+                stop=args.stop, draft_schedule=args.verification)
 
 
 def system_messages(args) -> list[dict]:
@@ -270,10 +292,14 @@ def _report(result, args) -> None:
         sys.stdout.flush()      # the texts first where stdout and stderr share a pipe (2>&1 | ...)
         s, t = result.stats, result.times
         lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s"]
-        if s.k:
+        if s.k and s.steps:
             per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
             lines += [f"verify steps {s.steps}, tau {s.tau:.3f} tokens per step",
-                      f"acceptance per position: {per_position}"]
+                      f"acceptance per position: {per_position}",
+                      f"drafts verified per step: {s.verified_per_step:.2f} "
+                      f"({s.idle_steps} steps verified none)"]
+        elif s.k:   # adaptive verification found no draft worth verifying
+            lines.append(f"decode steps {s.idle_steps}, none verified a draft (--draft-schedule)")
         else:   # target-only decoding: a token per step, nothing drafted
             lines.append(f"decode steps {s.steps} (target only, no drafts)")
         lines.append("time: " + ", ".join(

@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="the model name clients use [the engine directory's name]")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests Ray's proxy queues beyond the replicas' slots; more get 503 [64]")
-    p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
-                   help="drafts verified per step by busy slots, as runtime.serve's [measured when "
-                        "each replica starts]")
+    p.add_argument("--draft-schedule", metavar="adaptive|BUSY:DRAFTS,...",
+                   help="drafts verified per step, as runtime.serve's [adaptive, its call costs "
+                        "measured when each replica starts]")
     p.add_argument("--grace-period", type=float, default=10, metavar="SECONDS",
                    help="on SIGINT / SIGTERM, how long running requests may go on before they end "
                         "with 503 [10]")

@@ -31,10 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="the model name clients use [the engine directory's name]")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more get 429 [64]")
-    p.add_argument("--draft-schedule", metavar="BUSY:DRAFTS,...",
-                   help="drafts verified per step as requests fill the slots, e.g. 1:7,4:3,8:0 "
-                        "(from 1 busy slot 7, from 4 on 3, from 8 on none), or one number "
-                        "[measured at start on this machine]")
+    p.add_argument("--draft-schedule", metavar="adaptive|BUSY:DRAFTS,...",
+                   help="drafts verified per step: adaptive (by the requests' own acceptance and "
+                        "the call costs measured at start on this machine), or fixed as requests "
+                        "fill the slots, e.g. 1:7,4:3,8:0 (from 1 busy slot 7, from 4 on 3, from 8 "
+                        "on none), or one number [adaptive]")
     p.add_argument("--max-body", type=float, default=16, metavar="MB",
                    help="the largest request body accepted, in MB; larger ones get 413 [16]")
     p.add_argument("--grace-period", type=float, default=10, metavar="SECONDS",

@@ -6,6 +6,7 @@ so that no backend declares them by hand and no caller re-derives the KV capacit
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,3 +150,18 @@ class Backend(Protocol):
                    slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """New context rows and the anchors -> ``(drafts [B, k]`` (target ids), ``q [B, k, V_target]``
         the distributions they were drawn from); ``slots`` as for ``target_step``."""
+
+
+@contextmanager
+def torch_threads(count: int | None):
+    """Run the loop's own torch work on ``count`` threads (``None``: as configured), and restore
+    the setting whenever the loop hands control back to its consumer."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

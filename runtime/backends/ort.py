@@ -92,9 +92,9 @@ class OrtBackend(EngineBackend):
             self.lowered[name] = session is not None
             self.sessions[name] = session or self._load(name, lowered=False)
         # the graphs that run a whole batch in one call, on a pool of cache slots (plugins/cpu)
-        self.pooled = {name for name, session in self.sessions.items()
+        self.pool_graphs = {name for name, session in self.sessions.items()
                        if SLOTS in {value.name for value in session.get_inputs()}}
-        self.batched = "target" in self.pooled
+        self.batched = "target" in self.pool_graphs
         if self.batched:
             self.default_batch = None
 
@@ -136,7 +136,7 @@ class OrtBackend(EngineBackend):
         each slot's rows) and their binding."""
         self.limits.check_batch(batch)
         self.bindings = [self._fresh_bindings() for _ in range(batch)]
-        self.pools = {name: self._bound_caches(name, batch) for name in self.pooled}
+        self.pools = {name: self._bound_caches(name, batch) for name in self.pool_graphs}
         self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
 
@@ -150,7 +150,8 @@ class OrtBackend(EngineBackend):
 
     def _fresh_bindings(self) -> dict:
         """One slot's ``IOBinding`` per graph that runs a sequence per call."""
-        return {name: self._bound_caches(name, 1)[1] for name in self.sessions if name not in self.pooled}
+        return {name: self._bound_caches(name, 1)[1] for name in self.sessions
+                if name not in self.pool_graphs}
 
     def _bound_caches(self, graph: str, batch: int) -> tuple[list[np.ndarray], object]:
         """Zeroed caches of ``batch`` sequences for ``graph`` and an ``IOBinding`` holding each as
@@ -179,7 +180,7 @@ class OrtBackend(EngineBackend):
         if key not in self._buffers:
             self._buffers[key] = self._make_buffers(graph, feeds, outputs, sizes)
         inputs, results = self._buffers[key]
-        if graph in self.pooled:
+        if graph in self.pool_graphs:
             return self._run_batch(graph, inputs, outputs, results, key, slots, feeds)
         if self._bound.get(graph) != (key, slots):
             for row, slot in enumerate(slots):
@@ -219,7 +220,7 @@ class OrtBackend(EngineBackend):
             return np.empty([sizes.get(d, d) for d in specs[name]["shape"]], dtype=self._numpy(specs[name]))
 
         inputs = {name: buffer(name) for name in feeds}
-        if graph in self.pooled:
+        if graph in self.pool_graphs:
             inputs[SLOTS] = np.empty(sizes["batch"], np.int64)
         return inputs, [buffer(name) for name in outputs]
 

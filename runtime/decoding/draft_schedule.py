@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from math import comb
 from typing import Callable
 
 import torch
 
-from runtime.backends.base import Backend
+from runtime.backends.base import Backend, torch_threads
+from runtime.decoding.adaptive import AdaptiveVerification, StepCosts
+
+ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,14 @@ class DraftSchedule:
         return cls(((1, drafts),))
 
     @classmethod
-    def parse(cls, text: str, k: int, flag: str = "--draft-schedule") -> "DraftSchedule":
-        """``"1:4,3:2,6:0"`` (or one number: that cap at every load), refused in one line."""
-        expected = (f"expected BUSY:DRAFTS pairs with BUSY rising from 1 and DRAFTS 0 .. {k} "
-                    f"(the engine's k), e.g. 1:{k},4:{k // 2},8:0, or one number")
+    def parse(cls, text: str, k: int, flag: str = "--draft-schedule") -> "DraftSchedule | None":
+        """``"1:4,3:2,6:0"`` (or one number: that cap at every load), refused in one line;
+        ``"adaptive"`` is None: adaptive verification, measured where the engine runs
+        (``adaptive.py``)."""
+        if text == ADAPTIVE:
+            return None
+        expected = (f"expected {ADAPTIVE}, or BUSY:DRAFTS pairs with BUSY rising from 1 and DRAFTS "
+                    f"0 .. {k} (the engine's k), e.g. 1:{k},4:{k // 2},8:0, or one number")
         try:
             pairs = [(1, int(text))] if ":" not in text else [
                 tuple(int(n) for n in part.split(":")) for part in text.split(",")]
@@ -63,6 +70,17 @@ class DraftSchedule:
         """The cap while ``busy`` slots are occupied."""
         return next(d for b, d in reversed(self.steps) if b <= busy)
 
+    # the scheduler's verification policy (``adaptive.AdaptiveVerification`` is the other): a cap
+    # by load alone, whatever the drafts' acceptance
+    def estimate(self) -> None:
+        return None
+
+    def cap(self, drafters: list, others: int, batch: int, busy: int) -> int:
+        return self.drafts(busy)
+
+    def record(self, acceptance, cap: int, verified: int, accepted: int) -> None:
+        pass
+
     def __str__(self) -> str:
         return ",".join(f"{b}:{d}" for b, d in self.steps)
 
@@ -75,6 +93,7 @@ class Costs:
     back to back."""
     one: list[list[float]]
     full: list[list[float]]
+    draft: list[list[float]] = field(default_factory=list)   # a draft call right after the pair
 
     @property
     def target_one(self) -> list[float]:
@@ -85,6 +104,10 @@ class Costs:
     def target_full(self) -> list[float]:
         """The median ``k + 1``-row call at each batch size."""
         return [statistics.median(samples) for samples in self.full]
+
+    def step_costs(self, k: int) -> StepCosts:
+        """The medians, as adaptive verification plans with them."""
+        return StepCosts.from_samples(self.one, self.full, self.draft, k)
 
     def row_costs(self, batch: int, k: int) -> list[float]:
         """What a verify row adds to a step of ``batch`` sequences, relative to the step, from each
@@ -158,6 +181,11 @@ def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> DraftSchedul
 ROUNDS = 5
 
 
+def adaptive(backend: Backend, repeats: int = ROUNDS) -> AdaptiveVerification:
+    """Adaptive verification with this backend's call costs, measured now (``measure``)."""
+    return AdaptiveVerification(measure(backend, repeats)[1].step_costs(backend.limits.k), backend.limits.k)
+
+
 def _seconds(call: Callable[[], object]) -> float:
     begin = time.perf_counter()
     call()
@@ -186,9 +214,22 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[DraftSchedule, Cos
         state_slot = torch.zeros_like(start)
         return lambda: backend.target_step(ids, start, positions, state_slot, positions, **at)
 
+    def draft(batch: int, aux: torch.Tensor) -> Callable[[], object]:
+        """A draft call inserting two rows of context (a step that accepted one draft)."""
+        at = {} if backend.pooled else {"slots": list(range(batch))}
+        ctx = aux[:, :2].clone()
+        start = torch.full((batch,), position, device=device)
+        count = torch.full((batch,), 2, device=device)
+        noise = torch.zeros(batch, k, limits.draft_vocab_size, device=device)
+        return lambda: backend.draft_step(ctx, start, count, start * 0, torch.ones(batch, device=device),
+                                          noise, **at)
+
     one, full = {batch: [] for batch in sizes}, {batch: [] for batch in sizes}
-    with torch.inference_mode():
+    drafted = {batch: [] for batch in sizes}
+    # the loop's own torch threads (``Backend.host_threads``): more spin and slow the calls
+    with torch.inference_mode(), torch_threads(backend.host_threads):
         calls = {batch: (target(batch, 1), target(batch, k + 1)) for batch in sizes}
+        drafts = {batch: draft(batch, calls[batch][1]()[1]) for batch in sizes} if k else {}
         for call in calls[sizes[0]]:
             call()
         for round_ in range(repeats):
@@ -197,8 +238,11 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[DraftSchedule, Cos
                 pair = [(one[batch], calls[batch][0]), (full[batch], calls[batch][1])]
                 for samples, call in pair if forward else pair[::-1]:
                     samples.append(_seconds(call))
-    ones, fulls = [one[b] for b in sizes], [full[b] for b in sizes]
+                if k:   # after a target call, as when decoding (its weights no longer cached)
+                    drafted[batch].append(_seconds(drafts[batch]))
+    ones, fulls, draft_calls = [one[b] for b in sizes], [full[b] for b in sizes], [drafted[b] for b in sizes]
     if backend.pooled:
-        ones, fulls = ones * limits.max_batch, fulls * limits.max_batch
-    costs = Costs(ones, fulls)
+        ones, fulls, draft_calls = (ones * limits.max_batch, fulls * limits.max_batch,
+                                    draft_calls * limits.max_batch)
+    costs = Costs(ones, fulls, draft_calls)
     return choose(costs, k), costs

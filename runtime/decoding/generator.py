@@ -9,6 +9,7 @@ from typing import Iterator
 from common.prompts import encode_conversation, encode_prompt
 from runtime.backends import open_backend
 from runtime.backends.engine import damaged
+from runtime.decoding.draft_schedule import ADAPTIVE, DraftSchedule, adaptive
 from runtime.decoding.speculative import Decoding
 from runtime.decoding.stats import PhaseTimes, SpecStats
 from runtime.decoding.stop_strings import StopStrings
@@ -40,6 +41,20 @@ class Generator:
     def __init__(self, backend, tokenizer, sampling_defaults: dict | None = None):
         self.backend, self.tokenizer = backend, tokenizer
         self.sampling_defaults = sampling_defaults or {}
+        self._adaptive = None
+
+    def verification(self, schedule: str = ADAPTIVE, flag: str = "--draft-schedule"):
+        """The verification policy ``schedule`` names, for ``decodings``' ``draft_schedule``:
+        ``"adaptive"`` (this backend's call costs measured on first use, ~2 s on the demo engine,
+        and kept: every decoding of this generator plans with them and with the acceptance seen
+        so far), or a fixed ``DraftSchedule`` (``DraftSchedule.parse``, refused in one line
+        naming ``flag``)."""
+        fixed = DraftSchedule.parse(schedule, self.backend.limits.k, flag)
+        if fixed is not None:
+            return fixed
+        if self._adaptive is None:
+            self._adaptive = adaptive(self.backend)
+        return self._adaptive
 
     @classmethod
     def from_engine(cls, engine: str | Path, backend: str = "ort", threads: int | None = None):
@@ -66,7 +81,7 @@ class Generator:
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``speculative``,
-        ``confidence_threshold``;
+        ``confidence_threshold``, ``draft_schedule`` (``verification``);
         ``system`` is a system message before each prompt, and a sequence ends at the first of the
         ``stop`` strings, its text before it
         (``Decoding``'s)."""

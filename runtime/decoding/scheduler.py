@@ -15,7 +15,9 @@ goes to the free slot that holds the longest beginning of its prompt and prefill
 (``prefix_cache.py``), else to the free slot left longest ago, cleared. Each request has its own
 ``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its own
 ``torch.Generator``), stop strings, log-probabilities and speculation on or off. How many drafts a
-step verifies follows the number of busy slots (``draft_schedule.py``), below the confidence cut.
+step verifies is the verification policy's cap, below the confidence cut: a fixed one by the
+number of busy slots (``draft_schedule.py``), or the one that the requests' own acceptance and the
+measured call costs say pays best (``adaptive.py``).
 
 A backend either runs steps on any slots (ONNX Runtime: one sequence per call), and then requests
 with speculation verify their drafts in one call and those without decode in another; or it is
@@ -34,13 +36,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
-from runtime.backends.base import Backend, capacity_needed
+from runtime.backends.base import Backend, capacity_needed, torch_threads
+from runtime.decoding.acceptance import Acceptance
+from runtime.decoding.adaptive import AdaptiveVerification
 from runtime.decoding.draft_schedule import DraftSchedule
 from runtime.decoding.logprobs import TokenLogprob, token_logprobs
 from runtime.decoding.params import Params
@@ -64,7 +67,7 @@ class Request:
     params: Params
     token_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=lambda: SpecStats(k=0))
-    proposed: int = 0             # drafts it verified (after the confidence cut), summed over steps
+    acceptance: Acceptance | None = None    # what adaptive verification plans its steps with
     finish_reason: str | None = None
     trace: list[dict] = field(default_factory=list)
     slot: int | None = None
@@ -103,10 +106,11 @@ class Scheduler:
     engine's ``max_batch``); ``times`` sums the wall time of every step."""
 
     def __init__(self, backend: Backend, eos_token_ids=None, confidence_threshold: float | None = None,
-                 draft_schedule: DraftSchedule | None = None, pool: int | None = None):
+                 draft_schedule: DraftSchedule | AdaptiveVerification | None = None, pool: int | None = None):
         self.backend, self.limits = backend, backend.limits
         self.schedule = draft_schedule or DraftSchedule.constant(self.limits.k)
-        if any(d > self.limits.k for _, d in self.schedule.steps):
+        fixed = isinstance(self.schedule, DraftSchedule)
+        if fixed and any(d > self.limits.k for _, d in self.schedule.steps):
             raise ValueError(f"draft schedule {self.schedule}: the engine proposes {self.limits.k} "
                              f"drafts per step (k)")
         self.eos = set(self.limits.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -137,6 +141,7 @@ class Scheduler:
         check_capacity(self.backend, [prompt], params.max_new_tokens, speculative or self.pooled, [name])
         request = Request(next(self.ids), list(prompt), replace(params, speculative=speculative),
                           stats=SpecStats(k=self.limits.k if speculative else 0),
+                          acceptance=self.schedule.estimate() if speculative else None,
                           generator=torch.Generator(self.device).manual_seed(params.seed))
         if params.penalized:
             request.penalty = Penalties(params.repetition_penalty, params.presence_penalty,
@@ -300,7 +305,8 @@ class Scheduler:
         batch, running = len(rows), [r is not None and r.prefill is None for r in rows]
         live = [b for b in range(batch) if running[b]]
         drafters = [b for b in live if rows[b].params.speculative]
-        cap = self.schedule.drafts(busy) if drafters else 0
+        cap = self.schedule.cap([rows[b].acceptance for b in drafters], len(live) - len(drafters),
+                                batch, busy) if drafters else 0
         drafting = bool(drafters) and (cap > 0 or any(rows[b].ctx[2] >= self.limits.call_rows
                                                       for b in drafters))
         at = self._at([r.slot for r in rows]) if not self.pooled else {}
@@ -329,9 +335,12 @@ class Scheduler:
         for b in live:
             request, (a, n, *rest) = rows[b], packed[b]
             speculative = request.params.speculative
-            if not speculative or (drafting and cap > 0):
-                request.proposed += n
-                request.stats.record(a)
+            verifying = drafting and cap > 0
+            if not speculative or verifying:
+                request.stats.record(a, n, cap)
+            if speculative:
+                request.stats.idle_steps += not verifying
+                self.schedule.record(request.acceptance, cap if verifying else 0, n, a)
             if drafting and speculative:
                 request.ctx = (aux[b, :a + 1].clone(), request.anchor_pos, a + 1)
             elif speculative:   # the draft has not read the rows before: they go in with this one
@@ -472,21 +481,6 @@ def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:
     never the token drawn from them, so sampling stays exact, and greedy output is the target's
     whatever is cut."""
     return (q.amax(-1) >= threshold).cumprod(dim=1).sum(dim=1)
-
-
-@contextmanager
-def torch_threads(count: int | None):
-    """Run the loop's own torch work on ``count`` threads (``None``: as configured), and restore
-    the setting whenever the loop hands control back to its consumer."""
-    if count is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,

@@ -40,7 +40,9 @@ class Decoding:
     seeded ``seed + i``.
     ``confidence_threshold`` (default: the backend's, which an engine records at build; 0 verifies
     all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
-    the target spends no verify rows on drafts that are unlikely to be accepted. ``names`` label the
+    the target spends no verify rows on drafts that are unlikely to be accepted. ``draft_schedule``
+    caps the drafts a step verifies (default: the engine's ``k`` at every step; a
+    ``DraftSchedule``, or ``AdaptiveVerification``: ``Generator.verification``). ``names`` label the
     prompts in errors (``prompt 1``, ... by default); every prompt is checked before any runs.
     ``after``: a finished ``Decoding`` whose scheduler (its caches and options) this one goes on
     with, so that a prompt beginning with a sequence it left prefills only the rest (a chat's next
@@ -51,14 +53,16 @@ class Decoding:
                  eos_token_ids=(),
                  speculative: bool = True, confidence_threshold: float | None = None,
                  names: list[str] | None = None, stop: StopStrings | None = None,
-                 repetition_penalty: float = 1.0, after: "Decoding | None" = None):
+                 repetition_penalty: float = 1.0, after: "Decoding | None" = None,
+                 draft_schedule=None):
         if not prompts:
             raise ValueError("no prompts: expected at least one")
         self.prompts, self.stop = prompts, stop
         if after is not None and len(prompts) <= len(after.scheduler.slots) and not after.scheduler.busy:
             self.scheduler = after.scheduler
         else:
-            self.scheduler = Scheduler(backend, eos_token_ids, confidence_threshold, pool=len(prompts))
+            self.scheduler = Scheduler(backend, eos_token_ids, confidence_threshold, draft_schedule,
+                                       pool=len(prompts))
         self.times = self.scheduler.times = PhaseTimes()     # this batch's steps only
         names = names or [f"prompt {i + 1}" for i in range(len(prompts))]
         self.requests = [self.scheduler.submit(prompt, Params(max_new_tokens, temperature, top_p, top_k,

@@ -62,7 +62,7 @@ class Metrics:
         stats = request.stats
         if stats.k:
             self.drafts.inc(stats.steps)
-            self.draft_tokens.inc(request.proposed)
+            self.draft_tokens.inc(stats.verified)
             self.accepted.inc(stats.accepted_tokens)
             for position, count in enumerate(stats.accepted_at):
                 self.accepted_per_pos.labels(str(position)).inc(count)

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runtime.decoding.draft_schedule import DraftSchedule, measure
+from runtime.decoding.adaptive import AdaptiveVerification
+from runtime.decoding.draft_schedule import DraftSchedule, adaptive
 from runtime.decoding.params import Params
 from runtime.decoding.scheduler import Request, Scheduler
 from runtime.serving.metrics import Metrics
@@ -39,16 +40,16 @@ SHUTTING_DOWN = RequestError(503, "the server is shutting down", kind="unavailab
 
 class RequestLoop:
     """The scheduler thread: ``submit`` a job, ``cancel`` it; it steps while there is work, until
-    ``stop``. Without a ``draft_schedule`` it measures one on this machine first
-    (``draft_schedule.measure``) and says which on stderr."""
+    ``stop``. Without a ``draft_schedule`` it verifies adaptively, with the call costs measured on
+    this machine first (``draft_schedule.adaptive``), and says so on stderr."""
 
-    def __init__(self, backend, max_queue: int, draft_schedule: DraftSchedule | None = None):
+    def __init__(self, backend, max_queue: int,
+                 draft_schedule: DraftSchedule | AdaptiveVerification | None = None):
         if draft_schedule is None and backend.limits.k:
             begin = time.perf_counter()
-            draft_schedule = measure(backend)[0]
-            print(f"draft schedule {draft_schedule} (busy slots:drafts, measured in "
-                  f"{time.perf_counter() - begin:.1f} s; --draft-schedule sets it)", file=sys.stderr,
-                  flush=True)
+            draft_schedule = adaptive(backend)
+            print(f"adaptive verification (call costs measured in {time.perf_counter() - begin:.1f} s; "
+                  f"--draft-schedule N fixes the drafts per step)", file=sys.stderr, flush=True)
         self.scheduler = Scheduler(backend, draft_schedule=draft_schedule)
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue

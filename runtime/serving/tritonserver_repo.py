@@ -65,7 +65,7 @@ def write_model(engine: Path, out: Path, name: str | None = None, backend: str =
     parameters = {"engine": str(engine), "backend": backend, "max_queue": str(max_queue)}
     if threads is not None:
         parameters["threads"] = str(threads)
-    if draft_schedule is not None:
+    if draft_schedule is not None and DraftSchedule.parse(draft_schedule, k) is not None:
         parameters["draft_schedule"] = str(DraftSchedule.parse(draft_schedule, k))
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"OUT {out}: is a file; expected a model repository directory")

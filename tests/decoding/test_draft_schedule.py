@@ -28,7 +28,7 @@ def test_the_flag_reads_busy_drafts_pairs_or_one_number():
 
 @pytest.mark.parametrize("text", ["", "x", "2:4", "1:4,1:2", "1:4,3:2,2:0", "1:5", "1:-1", "1:4:2", "1:4,"])
 def test_a_bad_schedule_is_refused_in_one_line(text):
-    with pytest.raises(ValueError, match=r"--draft-schedule .*expected BUSY:DRAFTS pairs .* 0 \.\. 4"):
+    with pytest.raises(ValueError, match=r"--draft-schedule .*expected adaptive, or BUSY:DRAFTS .* 0 \.\. 4"):
         DraftSchedule.parse(text, K)
 
 

@@ -65,7 +65,8 @@ def test_chat_template_is_on_by_default(generator):
 def test_cli_prints_text_stats_and_a_consistent_trace(engine, generator, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)   # a terminal is told what loads
     trace = tmp_path / "trace.jsonl"
-    cli.main(_run(engine, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--stats", "--trace", str(trace)))
+    cli.main(_run(engine, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--stats", "--trace", str(trace),
+                  "--draft-schedule", "4"))   # the library's default: every draft verified
     out, err = capsys.readouterr()
     expected = generator.generate(PROMPTS[:2], max_new_tokens=24)
     for prompt, text in zip(PROMPTS, expected.texts):
@@ -125,7 +126,7 @@ def test_ctrl_c_prints_what_was_generated(engine, capsys, monkeypatch):
 
     monkeypatch.setattr(OrtBackend, "target_step", interrupted)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(_run(engine, "--prompt", "the cat sat", "--stats"))
+        cli.main(_run(engine, "--prompt", "the cat sat", "--stats", "--draft-schedule", "4"))
     assert exit_info.value.code == 130
     out, err = capsys.readouterr()
     assert "### the cat sat\n" in out and len(out.split("\n")[1]) >= 4   # prefill + 4 steps

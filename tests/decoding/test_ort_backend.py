@@ -81,7 +81,7 @@ def test_a_draft_step_of_several_sequences_gives_each_what_it_gives_alone(case):
     from plugins.cpu.build import library
 
     backend, _ = case
-    assert ("draft" in backend.pooled) == (library() is not None)
+    assert ("draft" in backend.pool_graphs) == (library() is not None)
     draft = backend.manifest["draft"]
     g = torch.Generator().manual_seed(3)
     width = backend.manifest["graphs"]["draft"]["inputs"][0]["shape"][-1]

@@ -277,7 +277,8 @@ def test_a_damaged_engine_directory_is_named_with_what_to_do(engine, tmp_path, c
 def test_stream_prints_stats_and_writes_the_trace(engine, generator, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     generate.main(["--engine", str(engine), "--prompt", "the cat sat", "--prompt", "why?",
-                   "--max-new-tokens", "16", "--stream", "--stats", "--trace", str(trace)])
+                   "--max-new-tokens", "16", "--stream", "--stats", "--trace", str(trace),
+                   "--draft-schedule", "4"])   # the library's default: every draft verified
     out, err = capsys.readouterr()
     expected = generator.generate(["the cat sat", "why?"], max_new_tokens=16)
     assert f"### the cat sat\n{expected.texts[0]}" in out and f"### why?\n{expected.texts[1]}" in out

@@ -117,7 +117,7 @@ def test_the_draft_schedule_turns_drafts_off_while_slots_are_full(pair_dirs, eng
     for request in (alone, *joined):
         i = REQUESTS.index(request.prompt)
         assert request.token_ids == truth["continuation"][i][:request.params.max_new_tokens]
-    assert all(r.stats.steps == r.proposed == 0 for r in joined)
+    assert all(r.stats.steps == r.stats.verified == 0 for r in joined)
     stats = alone.stats
     assert stats.accepted_tokens > stats.steps > 0
     undrafted = MAX_NEW - 1 - stats.steps - stats.accepted_tokens

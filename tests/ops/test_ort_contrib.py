@@ -78,7 +78,7 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
     the compiled kernels' batched form) and portable: the same proposals and probabilities, and
     the same context rows in the caches."""
     lowered, portable = OrtBackend(engine, kernel=kernel), OrtBackend(engine, lower=False)
-    assert ("draft" in lowered.pooled) == (kernel and build.library() is not None)
+    assert ("draft" in lowered.pool_graphs) == (kernel and build.library() is not None)
     draft = lowered.manifest["draft"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (1, 30), generator=generator)
@@ -94,7 +94,8 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
             steps.append(backend.draft_step(*context, ids[:, seen + rows], torch.ones(1), noise[index]))
             seen += rows
         # the caches are bound first
-        binding = backend.pools["draft"][1] if "draft" in backend.pooled else backend.bindings[0]["draft"]
+        pooled = "draft" in backend.pool_graphs
+        binding = backend.pools["draft"][1] if pooled else backend.bindings[0]["draft"]
         bound = binding.get_outputs()[:2 * draft["decoder"]["num_layers"]]
         caches = [v.numpy()[:, :, :seen].copy() for v in bound]
         results.append((steps, caches))

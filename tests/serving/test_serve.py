@@ -401,8 +401,8 @@ def test_a_bad_draft_schedule_is_one_line_before_loading(engine_dir):
     assert done.returncode == 1
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith(f"error: --draft-schedule '1:3,1:0': expected BUSY:DRAFTS pairs with BUSY "
-                           f"rising from 1 and DRAFTS 0 .. {k} (the engine's k)"), line
+    assert line.startswith(f"error: --draft-schedule '1:3,1:0': expected adaptive, or BUSY:DRAFTS pairs "
+                           f"with BUSY rising from 1 and DRAFTS 0 .. {k} (the engine's k)"), line
 
 
 def test_a_huge_body_is_refused_at_once_and_a_big_one_stalls_no_one(server):
