@@ -48,7 +48,8 @@ class Generator:
         ``"adaptive"`` (this backend's call costs measured on first use, ~2 s on the demo engine,
         and kept: every decoding of this generator plans with them and with the acceptance seen
         so far), or a fixed ``DraftSchedule`` (``DraftSchedule.parse``, refused in one line
-        naming ``flag``)."""
+        naming ``flag``). The measurement overwrites the backend's caches: ask for it before a
+        decoding whose caches a later one goes on with (``conversation``'s ``after``)."""
         fixed = DraftSchedule.parse(schedule, self.backend.limits.k, flag)
         if fixed is not None:
             return fixed

@@ -1,6 +1,7 @@
 """Turning target logits into a distribution, drawing from it, and the draft's Gumbel noise."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -43,11 +44,20 @@ def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return ids.reshape(probs.shape[:-1])
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equal ones, as ``torch.argmax``). On a
+    CPU, numpy's: torch's CPU ``argmax`` over a 49k vocabulary takes ~10x as long (210 us for a
+    5-row verify block on a 2-core EPYC, 19 us), most of a speculative step's extra host work."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float16):
+        return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
                generator: torch.Generator, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
     """Greedy (``temperature == 0``) or sampled next token of each row of ``logits [..., V]``."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     return draw(probabilities(logits, temperature, top_p, top_k, min_p), generator)
 
 

@@ -344,8 +344,8 @@ class Scheduler:
             if drafting and speculative:
                 request.ctx = (aux[b, :a + 1].clone(), request.anchor_pos, a + 1)
             elif speculative:   # the draft has not read the rows before: they go in with this one
-                before, start, count = request.ctx
-                request.ctx = (torch.cat([before, aux[b, :1]]), start, count + 1)
+                rows, start, count = request.ctx
+                request.ctx = (appended(rows, aux[b, 0]), start, count + 1)
             request.anchor_pos += a + 1
             request.state_slot = a
             self._emit(request, rest[:a + 1], logits[b], anchor=request.anchor, drafts=rest[width + 1:][:n],
@@ -473,6 +473,22 @@ def extend(out: list[int], tokens: list[int], max_new_tokens: int, eos: set[int]
         if token in eos or (stop is not None and stop.reached(out)):
             return "stop"
     return "length" if len(out) >= max_new_tokens else None
+
+
+def appended(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``rows [n, D]`` and ``row [D]`` after them, in the storage of ``rows`` where it has room past
+    them (twice the rows where not): a request taking target-only steps adds a context row a step
+    without copying those before (``torch.cat`` copied up to a call's rows, each step)."""
+    count = rows.shape[0]
+    storage = rows.untyped_storage()
+    room = storage.nbytes() // (rows.element_size() * rows.shape[1])
+    if rows.storage_offset() or not rows.is_contiguous() or room <= count:
+        grown = rows.new_empty(max(2 * count, 16), rows.shape[1])
+        grown[:count] = rows
+        rows = grown[:count]
+    whole = rows.as_strided((count + 1, rows.shape[1]), rows.stride())
+    whole[count] = row
+    return whole
 
 
 def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:

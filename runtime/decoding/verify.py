@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.decoding.sampling import pick
+from runtime.decoding.sampling import argmax, pick
 
 
 def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor, limit: torch.Tensor | None = None):
     """Accept the longest prefix of drafts equal to the target's argmax (of at most ``limit [B]``
     drafts: those after it count as never proposed)."""
-    target = logits.argmax(-1)                                             # [B, k+1]
+    target = argmax(logits)                                                # [B, k+1]
     matches = (drafts == target[:, :-1]).long()
     accepted = matches.cumprod(dim=1).sum(dim=1)
     return (accepted if limit is None else torch.minimum(accepted, limit)), target

@@ -97,13 +97,16 @@ def test_cli_prompts_file_and_stdin(engine, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [p, "second turn"]}) + "\n" for p in PROMPTS))
     command = [sys.executable, "-m", "runtime.generate", *_run(engine)]
-    from_file = subprocess.run([*command, "--prompts-file", str(prompts), "--limit", "2"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout
-    from_stdin = subprocess.run(command, input="\n".join(PROMPTS[:2]) + "\n", cwd=ROOT,
-                                capture_output=True, text=True, check=True).stdout
+
+    def out(*args, stdin=None):
+        done = subprocess.run([*command, *args], input=stdin, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    from_file = out("--prompts-file", str(prompts), "--limit", "2")
+    from_stdin = out(stdin="\n".join(PROMPTS[:2]) + "\n")
     assert from_file == from_stdin and from_file.count("### ") == 2
-    skipped = subprocess.run([*command, "--prompts-file", str(prompts), "--skip", "1", "--limit", "1"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    skipped = out("--prompts-file", str(prompts), "--skip", "1", "--limit", "1")
     assert skipped.count("### ") == 1 and skipped.split("### ")[1] == from_file.split("### ")[2]
 
 

@@ -9,6 +9,7 @@ from modeling.pair import load_pair
 from modeling.target import from_start
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.adaptive import AdaptiveVerification, StepCosts
 from runtime.decoding.sampling import draw, pick, probabilities
 from runtime.decoding.scheduler import Params, Scheduler
 from runtime.decoding.speculative import generate
@@ -186,13 +187,21 @@ def test_a_wrong_rule_at_the_confidence_limit_is_detected(pair, monkeypatch):
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6
 
 
-def test_sampling_through_the_scheduler_matches_target_distribution(pair):
+# costs at which this draft's acceptance is near break-even, so that adaptive caps vary step by step
+NEAR_BREAK_EVEN = StepCosts(target=(1.0,) * 16, row=(0.1,) * 16, draft=(0.4,) * 16)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_sampling_through_the_scheduler_matches_target_distribution(pair, adaptive):
     """Continuous batching: half the samples, as requests of their own seeds through 16 slots,
     each slot refilled as soon as its request ends (which, with acceptance, varies), so requests
     join and leave mid-run beside others at every stage. (Each prompt is prefilled alone, which
-    is what makes this test slower than the batch's.)"""
+    is what makes this test slower than the batch's.) Adaptive: each step's cap from the
+    requests' acceptance so far, from none to all k, and the output still the target's
+    distribution."""
     backend = TorchBackend(*pair, capacity=16, max_batch=16, max_prompt_chunk=8)
-    scheduler = Scheduler(backend, eos_token_ids=())
+    policy = AdaptiveVerification(NEAR_BREAK_EVEN, pair[1].k) if adaptive else None
+    scheduler = Scheduler(backend, eos_token_ids=(), draft_schedule=policy)
     requests = [scheduler.submit(PROMPT, Params(max_new_tokens=3, temperature=1.0, seed=i))
                 for i in range(SAMPLES // 2)]
     scheduler.run()
@@ -202,5 +211,7 @@ def test_sampling_through_the_scheduler_matches_target_distribution(pair):
         stats.merge(r.stats)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert 0.1 < stats.acceptance_per_position[0] < 0.9
+    if adaptive:   # steps that verified none and steps that verified several
+        assert stats.idle_steps > 100 and stats.verified > 2 * stats.steps
     assert _chi_square_p(tokens[:, 1], p2) > 1e-3
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
