@@ -344,8 +344,8 @@ class Scheduler:
             if drafting and speculative:
                 request.ctx = (aux[b, :a + 1].clone(), request.anchor_pos, a + 1)
             elif speculative:   # the draft has not read the rows before: they go in with this one
-                rows, start, count = request.ctx
-                request.ctx = (appended(rows, aux[b, 0]), start, count + 1)
+                pending, start, count = request.ctx
+                request.ctx = (appended(pending, aux[b, 0]), start, count + 1)
             request.anchor_pos += a + 1
             request.state_slot = a
             self._emit(request, rest[:a + 1], logits[b], anchor=request.anchor, drafts=rest[width + 1:][:n],
