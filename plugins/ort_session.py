@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .block_attention import ort_contrib, ort_cpu
+from .d2t_gather import ort_cpu as markov
 from .moe import ort_cpu as moe
 from .qmatmul import ort_lowering as qmatmul
 
@@ -45,7 +46,9 @@ def lowered_session(path: Path, options, rotary: tuple[np.ndarray, np.ndarray] |
 
     model = ir.load(path)
     folder, anchor = _weights_folder(model, path)
-    packed = qmatmul.lower(model, anchor) | moe.lower(model, anchor) if kernel is not None else {}
+    # the sampler first: its float product by markov_w2 is its own, not an FMatMul
+    packed = markov.lower(model, anchor) | qmatmul.lower(model, anchor) | moe.lower(model, anchor) \
+        if kernel is not None else {}
     tables = _fp16_tables(model)
     # a batch in one call only where every product is the kernel's (ONNX Runtime's float MatMul
     # gives a row other bits beside other rows)

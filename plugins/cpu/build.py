@@ -1,4 +1,5 @@
-"""Compile the CPU kernels (``plugins/qmatmul``, ``plugins/block_attention/cpu_kernel.cpp``) and
+"""Compile the CPU kernels (``plugins/qmatmul``, ``plugins/block_attention/cpu_kernel.cpp``,
+``plugins/d2t_gather/cpu_kernel.cpp``) and
 their ONNX Runtime ops (``ort_ops.cpp``) into one library for the machine it runs on:
 ``python -m plugins.cpu.build`` (what ``scripts/setup.sh`` runs), or on first use.
 
@@ -21,9 +22,9 @@ from pathlib import Path
 
 PLUGINS = Path(__file__).resolve().parents[1]
 SOURCES = (PLUGINS / "qmatmul" / "kernel.cpp", PLUGINS / "block_attention" / "cpu_kernel.cpp",
-           PLUGINS / "cpu" / "ort_ops.cpp")
+           PLUGINS / "d2t_gather" / "cpu_kernel.cpp", PLUGINS / "cpu" / "ort_ops.cpp")
 HEADERS = (PLUGINS / "qmatmul" / "kernel.h", PLUGINS / "block_attention" / "cpu_kernel.h",
-           PLUGINS / "cpu" / "ort_api.h")
+           PLUGINS / "d2t_gather" / "cpu_kernel.h", PLUGINS / "cpu" / "vec.h", PLUGINS / "cpu" / "ort_api.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 
 

@@ -1,7 +1,8 @@
 // The CPU kernels as ONNX Runtime custom ops of the domain `dspark.cpu`
 // (SessionOptions.register_custom_ops_library): `QMatMul`, `FMatMul` and `HMatMul` (plugins/qmatmul),
-// `QMoeExperts`, `FMoeExperts` and `HMoeExperts` (plugins/moe/ort_cpu.py), and `CausalAttention` and
-// `DraftAttention` (plugins/block_attention/cpu_kernel.cpp). The C API they call is declared in ort_api.h.
+// `QMoeExperts`, `FMoeExperts` and `HMoeExperts` (plugins/moe/ort_cpu.py), `CausalAttention` and
+// `DraftAttention` (plugins/block_attention/cpu_kernel.cpp), and `MarkovSampler`
+// (plugins/d2t_gather/cpu_kernel.cpp). The C API they call is declared in ort_api.h.
 //
 // The work is spread over ONNX Runtime's own intra-op threads (KernelContext_ParallelFor).
 #include <cstddef>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "../block_attention/cpu_kernel.h"
+#include "../d2t_gather/cpu_kernel.h"
 #include "../qmatmul/kernel.h"
 #include "ort_api.h"
 
@@ -328,6 +330,53 @@ OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelIn
                    kernel);
 }
 
+// ---- MarkovSampler: base [B, R, Vd], anchor [B] int64, temperature [B], noise [B, k, Vd], d2t [Vd]
+// int64, markov_w1 [V, r], markov_w2 transposed [r, Vd]. Attribute `first`: the block row of the
+// first draft. Outputs: tokens [B, k] int64 and q [B, k, V] (plugins/d2t_gather/ort_cpu.py).
+
+struct Sampler {
+    int64_t first;
+};
+
+OrtStatus* markov_sampler(void* state, OrtKernelContext* context) {
+    const Tensor base = input(context, 0), anchor = input(context, 1), temperature = input(context, 2),
+                 noise = input(context, 3), d2t = input(context, 4), w1 = input(context, 5), w2t = input(context, 6);
+    if (base.dims.size() != 3 || noise.dims.size() != 3 || w1.dims.size() != 2 || w2t.dims.size() != 2
+            || noise.dims[0] != base.dims[0] || noise.dims[2] != base.dims[2] || anchor.size() != base.dims[0]
+            || temperature.size() != base.dims[0] || d2t.size() != base.dims[2] || w2t.dims[1] != base.dims[2]
+            || w2t.dims[0] != w1.dims[1])
+        return error("MarkovSampler", "expected base [B, R, Vd], anchor and temperature [B], noise [B, k, Vd], "
+                     "d2t [Vd], markov_w1 [V, r] and markov_w2 transposed [r, Vd]");
+    const int64_t B = base.dims[0], k = noise.dims[1], V = w1.dims[0];
+    struct Call {
+        DsparkMarkov m;
+        float* scratch;
+        int64_t stride;
+    } call;
+    call.m = {B, k, base.dims[1], static_cast<Sampler*>(state)->first, base.dims[2], V, w1.dims[1],
+              static_cast<const float*>(base.data), static_cast<const int64_t*>(anchor.data),
+              static_cast<const float*>(temperature.data), static_cast<const float*>(noise.data),
+              static_cast<const int64_t*>(d2t.data), static_cast<const float*>(w1.data),
+              static_cast<const float*>(w2t.data), static_cast<int64_t*>(output(context, 0, {B, k})),
+              static_cast<float*>(output(context, 1, {B, k, V}))};
+    if (const char* wrong = dspark_markov_check(&call.m)) return error("MarkovSampler", wrong);
+    call.stride = dspark_markov_scratch(&call.m) / int64_t(sizeof(float));
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < size_t(B * call.stride)) scratch.resize(size_t(B * call.stride));
+    call.scratch = scratch.data();
+    auto sequence = [](void* data, size_t b) {
+        auto* c = static_cast<Call*>(data);
+        dspark_markov_row(&c->m, int64_t(b), c->scratch + int64_t(b) * c->stride);
+    };
+    return parallel_for(context, sequence, size_t(B), &call);
+}
+
+OrtStatus* create_sampler(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new Sampler{0};
+    return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "first", &state->first),
+                   kernel);
+}
+
 // ---- registration
 
 const OrtCustomOp g_ops[] = {
@@ -367,6 +416,11 @@ const OrtCustomOp g_ops[] = {
         [](const OrtCustomOp*) { return "DraftAttention"; }, [](const OrtCustomOp*) -> size_t { return 10; },
         [](const OrtCustomOp*, size_t i) { return i < 5 || i == 7 || i == 8 ? FLOAT : INT64; },
         [](const OrtCustomOp*) -> size_t { return 3; }, create_attention, pool_attention<true>),
+    make_op<Sampler>(
+        [](const OrtCustomOp*) { return "MarkovSampler"; }, [](const OrtCustomOp*) -> size_t { return 7; },
+        [](const OrtCustomOp*, size_t i) { return i == 1 || i == 4 ? INT64 : FLOAT; },
+        [](const OrtCustomOp*) -> size_t { return 2; }, create_sampler, markov_sampler,
+        [](const OrtCustomOp*, size_t i) { return i == 0 ? INT64 : FLOAT; }),
 };
 
 }  // namespace

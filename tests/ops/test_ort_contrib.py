@@ -1,7 +1,7 @@
 """The attention lowered to ONNX Runtime's own kernels when the ORT backend loads a graph at
 batch 1 (the target's causal attention to GroupQueryAttention, the draft's block to an Attention
-over the rows it sees): every layer lowered, the same results as the portable graph step after
-step, and the build verifying that form."""
+over the rows it sees), and the draft's Markov sampler to one compiled op: every layer lowered,
+the same results as the portable graph step after step, and the build verifying that form."""
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -11,6 +11,7 @@ from common.manifest import is_cache
 from export.onnx_export import Limits
 from plugins.block_attention import ort_contrib
 from plugins.cpu import build
+from plugins.d2t_gather import ort_cpu as markov
 from runtime.backends.ort import OrtBackend
 
 from conftest import ENGINE_CASES
@@ -43,6 +44,22 @@ def test_each_layer_of_both_graphs_is_lowered_the_targets_with_its_rotations(eng
     assert {value.producer().op_type for value in draft.graph.outputs if is_cache(value.name)} \
         == {"CacheWrite"}
     assert backend.lowered == {"target": True, "draft": True}
+
+
+def test_the_drafts_markov_sampler_is_one_node(engine):
+    """Its ~60 nodes (a softmax, scatter and D2TGather per draft) become one ``MarkovSampler``
+    writing the graph's ``tokens`` and ``q``; the proposals are compared with the portable
+    graph's below (``compiled-kernels``)."""
+    draft = ir.load(engine / OrtBackend(engine).manifest["graphs"]["draft"]["file"])
+    k = OrtBackend(engine).limits.k
+    assert [node.op_type for node in draft.graph].count("D2TGather") == k
+    (name, transposed), = markov.lower(draft, "weights").items()
+    ops = [node.op_type for node in draft.graph]
+    assert ops.count(markov.OP) == 1 and not {"D2TGather", "Softmax", "ScatterElements"} & set(ops)
+    sampler = next(node for node in draft.graph if node.op_type == markov.OP)
+    assert [value.name for value in sampler.outputs] == ["tokens", "q"]
+    assert sampler.inputs[6].name == name and transposed.shape[1] == OrtBackend(engine).manifest["draft"][
+        "draft_vocab_size"]
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["onnx-runtime-kernels", "compiled-kernels"])
