@@ -30,6 +30,16 @@ namespace {
 constexpr int BLOCK = 32;
 constexpr int TILE = 16;       // columns per interleaved tile
 constexpr int ROW_GROUP = 4;   // rows sharing one unpacked tile block in registers
+// Blocks ahead whose weights are asked for while a block is computed (the next tile's once past
+// this one's: tiles lie one after the other), so that memory streams them in while the rows are
+// computed rather than after: a call's extra rows then cost their compute alone, not compute plus
+// the wait (docs/measurements.md, "Verify rows").
+constexpr int AHEAD = 16;
+
+
+inline void prefetch(const void* p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+}
 
 void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum, float* sum) {
     for (int b = 0; b < K / BLOCK; ++b) {
@@ -226,6 +236,9 @@ void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int
     Floats acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = zero_floats();
     for (int64_t b = 0; b < blocks; ++b) {
+        prefetch(wq + (b + AHEAD) * block_bytes, block_bytes);
+        prefetch(ws + (b + AHEAD) * TILE, TILE * sizeof(float));
+        if (OFFSETS) prefetch(wo + (b + AHEAD) * TILE, TILE * sizeof(float));
         const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
         const Floats dw = load_floats(ws + b * TILE);
         for (int r = 0; r < ROWS; ++r) {

@@ -380,11 +380,11 @@ class Scheduler:
             drafts, q = self.backend.draft_step(ctx_aux, torch.tensor(ctx_start, device=self.device),
                                                 torch.tensor(ctx_count, device=self.device), anchor,
                                                 temperatures, noise, **at)
-        limit = torch.zeros(batch, dtype=torch.long, device=self.device)
-        limit[drafters] = limits.k
-        if self.threshold > 0:
-            limit = torch.minimum(limit, confident_drafts(q, self.threshold))
-        return drafts, q, limit.clamp(max=cap)
+        proposing = set(drafters)
+        limit = torch.tensor([cap if b in proposing else 0 for b in range(batch)], device=self.device)
+        if self.threshold > 0 and cap > 0:   # the cut past the cap changes nothing: not read
+            limit = torch.minimum(limit, confident_drafts(q[:, :cap], self.threshold))
+        return drafts, q, limit
 
     def _verify(self, rows: list[Request | None], live: list[int], drafts: torch.Tensor,
                 q: torch.Tensor | None, limit: torch.Tensor, logits: torch.Tensor):
