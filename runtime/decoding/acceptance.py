@@ -61,13 +61,14 @@ class Chain:
             self.trials[i] += 1
             self.hits[i] += i < passed
 
-    def expected(self, cap: int) -> float:
-        """How many of the first ``cap`` positions the event is expected to reach."""
-        total, reach = 0.0, 1.0
-        for rate in self.rates[:cap]:
+    def expected(self) -> list[float]:
+        """``[c]``: how many of the first ``c`` positions the event is expected to reach, for every
+        ``c`` from 0 to the chain's length (one pass: a step plans with all of them)."""
+        totals, reach = [0.0], 1.0
+        for rate in self.rates:
             reach *= rate
-            total += reach
-        return total
+            totals.append(totals[-1] + reach)
+        return totals
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Acceptance:
     accepted: Chain
     confident: Chain
     idle: int = 0                 # steps since the last that verified a draft
+    failed_probes: int = 0        # verify steps after idle ones that accepted nothing, in a row
 
     @classmethod
     def unknown(cls, k: int, window: int = TRAFFIC_WINDOW) -> "Acceptance":
@@ -89,15 +91,17 @@ class Acceptance:
     def record(self, cap: int, verified: int, accepted: int) -> None:
         """A step that verified ``verified`` drafts of at most ``cap`` (0: none was meant to be)
         and accepted ``accepted`` of them."""
+        if cap and (accepted or self.idle):   # a probe (a verify step after idle ones) or an accepted draft
+            self.failed_probes = 0 if accepted else self.failed_probes + 1
         self.idle = 0 if cap else self.idle + 1
         self.accepted.observe(cap, accepted)
         self.confident.observe(cap, verified)
 
-    def expected_tokens(self, cap: int) -> float:
-        """Tokens a step capped at ``cap`` drafts is expected to emit: the accepted drafts and the
-        correction or bonus token after them."""
-        return 1.0 + self.accepted.expected(cap)
+    def expected_tokens(self) -> list[float]:
+        """``[cap]``: tokens a step capped at ``cap`` drafts is expected to emit, the accepted
+        drafts and the correction or bonus token after them, for every cap from 0 to k."""
+        return [1.0 + drafts for drafts in self.accepted.expected()]
 
-    def expected_rows(self, cap: int) -> float:
-        """Drafts a step capped at ``cap`` is expected to verify, below the confidence cut."""
-        return self.confident.expected(cap)
+    def expected_rows(self) -> list[float]:
+        """``[cap]``: drafts a step capped at ``cap`` is expected to verify, below the confidence cut."""
+        return self.confident.expected()

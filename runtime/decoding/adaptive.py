@@ -9,7 +9,9 @@ each measured at start (``draft_schedule.measure``, interleaved rounds, medians)
 the ``w`` with the most tokens per second, ``w = 0`` included: a request whose drafts stop being
 accepted stops paying for the draft call and the verify rows, and takes target-only steps. A
 request that has verified nothing for ``PROBE_EVERY`` steps makes the next step verify one draft,
-so that drafts that come back get verified again. The confidence cut still applies below the cap.
+so that drafts that come back get verified again; each probe that fails doubles the wait before
+the next (``probe_after``), as a client backs off a service that keeps failing. The confidence
+cut still applies below the cap.
 
 This is SGLang's and vLLM's adaptive speculation (a draft length per step from acceptance
 observed online) with the cost model measured rather than assumed. Planning on the past keeps
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from runtime.decoding.acceptance import Acceptance, Chain
 
 PROBE_EVERY = 16   # idle steps before a request probes its drafts again (one draft: ~1/4 of a step)
+BACKOFF = 3        # each probe that fails doubles the wait, up to 2^3 times (128 steps)
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,11 @@ class AdaptiveVerification:
         """The cap for a call of ``batch`` sequences: ``drafters`` the estimates of those with
         speculation, ``others`` how many more emit a token each (``busy`` is not read: the
         costs are the call's)."""
-        def rate(cap: int) -> float:
-            tokens = others + sum(a.expected_tokens(cap) for a in drafters)
-            rows = max(a.expected_rows(cap) for a in drafters)
-            return tokens / self.costs.step(batch, rows, cap > 0)
-
-        best = max(range(self.k + 1), key=lambda cap: (rate(cap), -cap))
-        if best == 0 and any(a.idle >= PROBE_EVERY for a in drafters):
+        tokens = [others + sum(by_request) for by_request in zip(*(a.expected_tokens() for a in drafters))]
+        rows = [max(by_request) for by_request in zip(*(a.expected_rows() for a in drafters))]
+        best = max(range(self.k + 1),
+                   key=lambda cap: (tokens[cap] / self.costs.step(batch, rows[cap], cap > 0), -cap))
+        if best == 0 and any(a.idle >= probe_after(a) for a in drafters):
             return 1
         return best
 
@@ -85,6 +86,13 @@ class AdaptiveVerification:
             self.traffic.record(cap, verified, accepted)
 
 
+def probe_after(acceptance: Acceptance) -> int:
+    """Idle steps before the request's next probe: ``PROBE_EVERY``, doubled by each probe in a row
+    that found its draft rejected (at most ``BACKOFF`` times), so that a request whose drafts stay
+    wrong pays for a probe every 128 steps rather than every 16; an accepted draft starts over."""
+    return PROBE_EVERY << min(acceptance.failed_probes, BACKOFF)
+
+
 def speedup_bound(costs: StepCosts, accepted: list[float], confident: list[float],
                   target_step: float) -> tuple[float, int]:
     """The speedup over target-only decoding that the best fixed cap gives one sequence whose
@@ -93,7 +101,8 @@ def speedup_bound(costs: StepCosts, accepted: list[float], confident: list[float
     target-only steps of ``target_step`` seconds (host work included), and that cap."""
     estimate = Acceptance(Chain(list(accepted), 1), Chain(list(confident), 1))
     caps = range(len(accepted) + 1)
-    extra = [costs.step(1, estimate.expected_rows(cap), cap > 0) - costs.step(1, 0, False) for cap in caps]
-    speedups = [estimate.expected_tokens(cap) * target_step / (target_step + extra[cap]) for cap in caps]
+    rows, tokens = estimate.expected_rows(), estimate.expected_tokens()
+    extra = [costs.step(1, rows[cap], cap > 0) - costs.step(1, 0, False) for cap in caps]
+    speedups = [tokens[cap] * target_step / (target_step + extra[cap]) for cap in caps]
     best = max(range(len(speedups)), key=speedups.__getitem__)
     return speedups[best], best

@@ -7,8 +7,9 @@ import torch
 
 from export.onnx_export import Limits
 from runtime.backends.ort import OrtBackend
+from runtime.decoding import adaptive
 from runtime.decoding.acceptance import Acceptance, Chain
-from runtime.decoding.adaptive import PROBE_EVERY, AdaptiveVerification, StepCosts, speedup_bound
+from runtime.decoding.adaptive import BACKOFF, PROBE_EVERY, AdaptiveVerification, StepCosts, speedup_bound
 from runtime.decoding.scheduler import Params, Scheduler
 
 from conftest import hf_greedy
@@ -31,7 +32,7 @@ def test_a_step_observes_the_positions_its_cap_reached():
     accepted, confident = estimate.accepted.rates, estimate.confident.rates
     assert accepted == pytest.approx([(1 + 1) / 3, (0 + 1) / 3, 0.5, 0.5])   # prior 0.5, worth 2
     assert confident == pytest.approx([1.0, 1.0, (0 + 2) / 3, 1.0])          # prior 1.0
-    assert estimate.expected_tokens(2) == pytest.approx(1 + 2 / 3 + 2 / 9)
+    assert estimate.expected_tokens()[2] == pytest.approx(1 + 2 / 3 + 2 / 9)
     estimate.record(cap=0, verified=0, accepted=0)
     assert estimate.idle == 1 and estimate.accepted.rates[0] < 2 / 3         # forgetting: towards 0.5
 
@@ -44,16 +45,28 @@ def test_the_cap_is_the_one_with_the_most_tokens_per_second():
 
     for rates in ([0.9] * 4, [0.5, 0.5, 0.2, 0.1], [0.2, 0.9, 0.9, 0.9], [0.05] * 4, [0.6, 0.0, 0.0, 0.0]):
         drafters = [estimate(rates)]
-        speed = [drafters[0].expected_tokens(c) / COSTS.step(1, c, c > 0) for c in range(K + 1)]
+        speed = [drafters[0].expected_tokens()[c] / COSTS.step(1, c, c > 0) for c in range(K + 1)]
         assert policy.cap(drafters, 0, 1, 1) == max(range(K + 1), key=speed.__getitem__), rates
     assert policy.cap([estimate([0.05] * 4)], 0, 1, 1) == 0
     assert policy.cap([estimate([0.9] * 4)], 0, 1, 1) == K
     idle = estimate([0.05] * 4)
     idle.idle = PROBE_EVERY
     assert policy.cap([idle], 0, 1, 1) == 1, "a request idle for long probes its first draft"
+    # each probe that fails doubles the wait before the next, up to BACKOFF times; an accepted one
+    # starts over
+    for failed in range(1, BACKOFF + 3):
+        idle.record(cap=1, verified=1, accepted=0)
+        assert idle.failed_probes == failed
+        wait = PROBE_EVERY << min(failed, BACKOFF)
+        idle.idle = wait - 1
+        assert policy.cap([idle], 0, 1, 1) == 0
+        idle.idle = wait
+        assert policy.cap([idle], 0, 1, 1) == 1
+    idle.record(cap=1, verified=1, accepted=1)
+    assert idle.failed_probes == 0
     # the bound's best cap at the same rates is the policy's
     bound, cap = speedup_bound(COSTS, [0.9] * 4, [1.0] * 4, target_step=1.0)
-    speedup = estimate([0.9] * 4).expected_tokens(K) / COSTS.step(1, K, True)
+    speedup = estimate([0.9] * 4).expected_tokens()[K] / COSTS.step(1, K, True)
     assert cap == K and bound == pytest.approx(speedup)
 
 
@@ -71,11 +84,14 @@ class Switching(OrtBackend):
         return tokens, q
 
 
-def test_drafts_that_stop_and_come_back(tiny, engine_dir):
+def test_drafts_that_stop_and_come_back(tiny, engine_dir, monkeypatch):
     """Right drafts: every step verifies all k. Wrong ones: once the request's estimate has
     forgotten its good steps (window 8: a dozen steps from all accepted to unprofitable), it takes
-    target-only steps, verifying one draft every ``PROBE_EVERY`` steps. Right again: a probe finds
-    it and verification comes back. The output is the target's greedy output throughout."""
+    target-only steps, verifying one draft after ``PROBE_EVERY`` of them (8 here) and, that probe
+    failing, the next after twice as many. Right again: a probe finds it and verification comes
+    back. The output is the target's greedy output throughout."""
+    probe = 8
+    monkeypatch.setattr(adaptive, "PROBE_EVERY", probe)
     backend = Switching(engine_dir(LIMITS, arch="qwen3"))
     backend.truth = hf_greedy(tiny(arch="qwen3")[0], [PROMPT], MAX_NEW, eos=None)[0]
     scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
@@ -90,9 +106,10 @@ def test_drafts_that_stop_and_come_back(tiny, engine_dir):
         generated += len(record["emitted"])
     before = [n for at, n in drafts.items() if at < WRONG.start]
     during = [n for at, n in drafts.items() if WRONG.start + 16 <= at < WRONG.stop]
-    after = [n for at, n in drafts.items() if at >= WRONG.stop + PROBE_EVERY + 2]
+    after = [n for at, n in drafts.items() if at >= WRONG.stop + 2 * probe + 2]
     # from the traffic's unknown rates up to every draft, as the right ones are accepted
     assert before == sorted(before) and before[-2:] == [K, K], drafts
-    assert len(during) >= PROBE_EVERY and set(during) <= {0, 1} and during.count(1) <= 2, drafts
-    assert after and set(after) == {K}
-    assert request.stats.idle_steps >= PROBE_EVERY - 2
+    # idle, one probe that fails, then twice the wait: no second probe while the drafts are wrong
+    assert len(during) >= 2 * probe and set(during) <= {0, 1} and during.count(1) == 1, drafts
+    assert after and set(after) == {K}, drafts
+    assert request.stats.idle_steps >= 2 * probe
