@@ -20,7 +20,9 @@ find drafts that came back).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 REQUEST_WINDOW = 8
 TRAFFIC_WINDOW = 64
@@ -61,14 +63,14 @@ class Chain:
             self.trials[i] += 1
             self.hits[i] += i < passed
 
+    def reach(self) -> list[float]:
+        """``[i]``: the chance that the event happens at every position ``1 .. i + 1``."""
+        return list(accumulate(self.rates, operator.mul))
+
     def expected(self) -> list[float]:
         """``[c]``: how many of the first ``c`` positions the event is expected to reach, for every
         ``c`` from 0 to the chain's length (one pass: a step plans with all of them)."""
-        totals, reach = [0.0], 1.0
-        for rate in self.rates:
-            reach *= rate
-            totals.append(totals[-1] + reach)
-        return totals
+        return list(accumulate(self.reach(), initial=0.0))
 
 
 @dataclass

@@ -2,8 +2,9 @@
 running requests' own acceptance (``acceptance.py``) and by what the calls cost on this machine.
 
 A step of ``B`` sequences capped at ``w`` drafts each costs ``StepCosts.step(B, rows, w > 0)``:
-the target call on one row per sequence, ``rows`` more rows per sequence (the most that a request
-is expected to verify below the confidence cut at that cap), and the draft call when ``w > 0``,
+the target call on one row per sequence, ``rows`` more rows per sequence (the call's width: the
+expected most drafts that one of its requests verifies below the confidence cut at that cap,
+``widest_rows``), and the draft call when ``w > 0``,
 each measured at start (``draft_schedule.measure``, interleaved rounds, medians). It emits
 ``sum_b E_b(w)`` tokens, ``E_b`` request ``b``'s expected tokens at cap ``w``. The step takes
 the ``w`` with the most tokens per second, ``w = 0`` included: a request whose drafts stop being
@@ -19,8 +20,10 @@ sampling exact: a step's cap depends only on earlier steps, never on the drafts 
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
+from itertools import accumulate
 
 from runtime.decoding.acceptance import Acceptance, Chain
 
@@ -72,7 +75,7 @@ class AdaptiveVerification:
         speculation, ``others`` how many more emit a token each (``busy`` is not read: the
         costs are the call's)."""
         tokens = [others + sum(by_request) for by_request in zip(*(a.expected_tokens() for a in drafters))]
-        rows = [max(by_request) for by_request in zip(*(a.expected_rows() for a in drafters))]
+        rows = widest_rows([a.confident.reach() for a in drafters])
         best = max(range(self.k + 1),
                    key=lambda cap: (tokens[cap] / self.costs.step(batch, rows[cap], cap > 0), -cap))
         if best == 0 and any(a.idle >= probe_after(a) for a in drafters):
@@ -84,6 +87,16 @@ class AdaptiveVerification:
         acceptance.record(cap, verified, accepted)
         if cap:
             self.traffic.record(cap, verified, accepted)
+
+
+def widest_rows(reach: list[list[float]]) -> list[float]:
+    """``[cap]``: the verify rows a call is expected to compute at each cap, its sequences' ``reach``
+    the chances that the confidence cut lets each of their drafts through. Every sequence of a call
+    computes the rows of its widest one, so this is the expected maximum, not the largest
+    expectation: ``P(widest >= j) = 1 - prod_b (1 - reach_b[j])`` (four sequences that each pass
+    a draft one time in two make calls one row wide 15 times in 16)."""
+    at_least = [1 - math.prod(1 - r[j] for r in reach) for j in range(len(reach[0]))]
+    return list(accumulate(at_least, initial=0.0))
 
 
 def probe_after(acceptance: Acceptance) -> int:

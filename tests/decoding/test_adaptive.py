@@ -2,6 +2,8 @@
 the one that pays best for the requests' own acceptance at the call costs; a request whose drafts
 stop being accepted takes target-only steps, and gets its drafts back when they come back; the
 output stays the target's greedy output."""
+import math
+
 import pytest
 import torch
 
@@ -68,6 +70,38 @@ def test_the_cap_is_the_one_with_the_most_tokens_per_second():
     bound, cap = speedup_bound(COSTS, [0.9] * 4, [1.0] * 4, target_step=1.0)
     speedup = estimate([0.9] * 4).expected_tokens()[K] / COSTS.step(1, K, True)
     assert cap == K and bound == pytest.approx(speedup)
+
+
+def test_a_call_of_several_requests_pays_for_its_widest_one():
+    """Every sequence of a call computes the rows of the one that verifies the most drafts, so a
+    call of 4 costs the expected maximum of their verified drafts: the cap equals the best one by
+    brute force over every combination of the 4 requests' draft counts. A request that alone
+    would verify all 4 drafts may, with 3 more like it, verify none."""
+    import itertools
+
+    policy = AdaptiveVerification(COSTS, K)
+
+    def best_by_enumeration(drafters):
+        speeds = []
+        for cap in range(K + 1):
+            counts = []   # each request's P(it verifies j drafts), j = 0 .. cap
+            for estimate in drafters:
+                reach = [1.0, *estimate.confident.reach()]
+                exactly = [reach[j] - (reach[j + 1] if j < K else 0.0) for j in range(K + 1)]
+                counts.append([*exactly[:cap], sum(exactly[cap:])])
+            width = sum(math.prod(c[j] for c, j in zip(counts, combo)) * max(combo)
+                        for combo in itertools.product(range(cap + 1), repeat=len(drafters)))
+            tokens = sum(estimate.expected_tokens()[cap] for estimate in drafters)
+            speeds.append(tokens / COSTS.step(len(drafters), width, cap > 0))
+        return max(range(K + 1), key=lambda cap: (speeds[cap], -cap))
+
+    for accepted, confident in (([0.4, 0.3, 0.3, 0.3], [0.5] * 4), ([0.5, 0.4, 0.3, 0.3], [0.6] * 4),
+                                ([0.6, 0.5, 0.4, 0.3], [0.5] * 4), ([0.7, 0.6, 0.5, 0.5], [0.3] * 4)):
+        drafters = [Acceptance(Chain(accepted, 8), Chain(confident, 8)) for _ in range(4)]
+        assert policy.cap(drafters, 0, 4, 4) == best_by_enumeration(drafters), (accepted, confident)
+        assert policy.cap(drafters[:1], 0, 1, 1) >= policy.cap(drafters, 0, 4, 4)
+    alike = [Acceptance(Chain([0.4, 0.3, 0.3, 0.3], 8), Chain([0.5] * 4, 8))] * 4
+    assert policy.cap(alike[:1], 0, 1, 1) == K and policy.cap(alike, 0, 4, 4) == 0
 
 
 class Switching(OrtBackend):
