@@ -1,6 +1,6 @@
 """Speculative tokens/s at several confidence thresholds and target-only tokens/s, on one engine,
 interleaved prompt by prompt in one process (so that a slow spell of a shared machine falls on all
-of them alike); greedy, batch 1.
+of them alike); greedy, batch 1, drafts verified as ``--draft-schedule`` says (adaptive by default).
 
     python scripts/threshold_sweep.py --engine engines/demo --thresholds 0.3 0.45 0.6 0.75 0
 """
@@ -25,11 +25,15 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft-schedule", default="adaptive", metavar="adaptive|N",
+                   help="drafts verified per step, as runtime.bench takes it [adaptive]")
     args = p.parse_args()
     prompts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:args.skip + args.limit]
     generator = Generator.from_engine(args.engine, threads=args.threads)
     generator.generate(prompts[0], max_new_tokens=4)   # warm-up, untimed
-    modes = {f"speculative, threshold {t:g}": {"confidence_threshold": t} for t in args.thresholds}
+    schedule = generator.verification(args.draft_schedule)
+    modes = {f"speculative, threshold {t:g}": {"confidence_threshold": t, "draft_schedule": schedule}
+             for t in args.thresholds}
     modes["target-only"] = {"speculative": False}
     tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
     for prompt in prompts:
