@@ -77,20 +77,7 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
         store(scores + full, sums16(partial) * scale);
     }
     for (int64_t j = count; j < padded; ++j) scores[j] = -INFINITY;
-    Vec highest = splat(-INFINITY);   // the maximum: exact in any order
-    for (int64_t j = 0; j < padded; j += LANES) {
-        const Vec s = load(scores + j);
-        highest = s > highest ? s : highest;
-    }
-    float top = -INFINITY;
-    for (int i = 0; i < LANES; ++i) top = highest[i] > top ? highest[i] : top;
-    Vec total{};
-    for (int64_t j = 0; j < padded; j += LANES) {
-        const Vec e = exp_nonpositive(load(scores + j) - top);
-        store(scores + j, e);
-        total += e;
-    }
-    const float inverse = 1.f / hsum(total);
+    const float inverse = exponentials(scores, padded);
     for (int64_t d = 0; d < D; d += 4 * LANES) {
         switch ((D - d) / LANES < 4 ? (D - d) / LANES : 4) {
             case 4: weighted_values<4>(scores, values + d, count, D, inverse, out + d); break;

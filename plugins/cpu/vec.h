@@ -2,6 +2,7 @@
 // the exponential the CPU kernels share: the attention's softmax (block_attention/cpu_kernel.cpp)
 // and the draft's Markov sampler (d2t_gather/cpu_kernel.cpp).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -49,6 +50,31 @@ inline Vec exp_nonpositive(Vec x) {
     std::memcpy(&scale, &bits, sizeof(Vec));
     const Vec result = p * scale;
     return x < lowest ? splat(0.f) : result;
+}
+
+// The maximum of x[0, n), n a multiple of 16 (exact in any order).
+inline float highest(const float* x, int64_t n) {
+    Vec top = splat(-INFINITY);
+    for (int64_t j = 0; j < n; j += LANES) {
+        const Vec v = load(x + j);
+        top = v > top ? v : top;
+    }
+    float best = -INFINITY;
+    for (int l = 0; l < LANES; ++l) best = top[l] > best ? top[l] : best;
+    return best;
+}
+
+// A softmax's numerators in place, x[j] = exp(x[j] - max x) for j < n (n a multiple of 16, any
+// padding -inf), summed by lanes and then by hsum's tree; returns 1 / their sum.
+inline float exponentials(float* x, int64_t n) {
+    const float top = highest(x, n);
+    Vec total{};
+    for (int64_t j = 0; j < n; j += LANES) {
+        const Vec e = exp_nonpositive(load(x + j) - top);
+        store(x + j, e);
+        total += e;
+    }
+    return 1.f / hsum(total);
 }
 
 }  // namespace dspark_vec

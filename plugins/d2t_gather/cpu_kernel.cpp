@@ -50,17 +50,6 @@ void logits(const DsparkMarkov* m, const float* base, const float* noise, const 
     for (int64_t j = Vd; j < padded(Vd); ++j) z[j] = scores[j] = -INFINITY;
 }
 
-inline float highest(const float* x, int64_t n) {   // n a multiple of 16
-    Vec top = splat(-INFINITY);
-    for (int64_t j = 0; j < n; j += LANES) {
-        const Vec v = load(x + j);
-        top = v > top ? v : top;
-    }
-    float best = -INFINITY;
-    for (int l = 0; l < LANES; ++l) best = top[l] > best ? top[l] : best;
-    return best;
-}
-
 }  // namespace
 
 int64_t dspark_markov_scratch(const DsparkMarkov* m) { return 2 * padded(m->Vd) * int64_t(sizeof(float)); }
@@ -73,16 +62,10 @@ void dspark_markov_row(const DsparkMarkov* m, int64_t b, float* scratch) {
     for (int64_t i = 0; i < m->k; ++i) {
         logits(m, m->base + (b * m->R + m->first + i) * Vd, m->noise + (b * m->k + i) * Vd, row,
                m->temperature[b], z, scores);
-        const float best = highest(scores, width), top = highest(z, width);
+        const float best = highest(scores, width);
         int64_t choice = 0;
         while (choice < Vd - 1 && !(scores[choice] == best)) ++choice;   // the first maximum
-        Vec total{};
-        for (int64_t j = 0; j < width; j += LANES) {
-            const Vec e = exp_nonpositive(load(z + j) - top);
-            store(z + j, e);
-            total += e;
-        }
-        const float share = 1.f / hsum(total);
+        const float share = exponentials(z, width);
         float* q = m->q + (b * m->k + i) * m->V;
         std::memset(q, 0, size_t(m->V) * sizeof(float));
         for (int64_t j = 0; j < Vd; ++j) q[j + m->d2t[j]] = z[j] * share;
