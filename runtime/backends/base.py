@@ -131,7 +131,8 @@ class Backend(Protocol):
         """Empty caches for a pool of ``batch`` slots, one sequence each."""
 
     def clear(self, slot: int) -> None:
-        """Empty caches for ``slot`` alone: a new sequence starts there, the others go on."""
+        """A new sequence starts in ``slot``, the others go on: none of what the slot held may
+        reach it (empty caches, or rows its steps never read)."""
 
     def target_step(self, input_ids: torch.Tensor, start: torch.Tensor, logit_rows: torch.Tensor,
                     state_slot: torch.Tensor | None = None,

@@ -1,5 +1,6 @@
 """The ONNX Runtime backend over engine directories: the greedy invariant, parity with the
 PyTorch backend, chunked prefill, caches bound in place, and engine limits."""
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,30 @@ def test_caches_are_bound_in_place(case):
     assert abs(k0[:, 4:7]).sum() > 0 and abs(k0[:, :4]).sum() == 0  # sequence 1 wrote at its start
     if backend.batched:
         assert before[0][0] == backend.pools["target"][0][0].ctypes.data
+
+
+def test_a_new_sequence_reads_nothing_its_slot_held(case, monkeypatch):
+    """A pooled graph's K/V rows are not zeroed for a slot's next sequence: its attention reads only
+    the rows the sequence wrote. With every pooled cache filled with NaN when the pool starts, a
+    batch decodes the same tokens, drafts and acceptances as on zeroed caches (a stale row read
+    by the target or by the draft would change one of them)."""
+    backend, (target_dir, _) = case
+    if not backend.pool_graphs:
+        pytest.skip("no compiled kernels here: every sequence gets caches of its own")
+    options = dict(max_new_tokens=30, eos_token_ids=backend.limits.eos_token_ids)
+    zeroed = generate(backend, PROMPTS[:3], **options)
+    start = backend.start
+
+    def poisoned(batch):
+        start(batch)
+        for caches, _ in backend.pools.values():
+            for cache in caches:
+                cache.fill(np.nan)
+
+    monkeypatch.setattr(backend, "start", poisoned)
+    stale = generate(backend, PROMPTS[:3], **options)
+    assert stale.token_ids == zeroed.token_ids == hf_greedy(target_dir, PROMPTS[:3], 30)
+    assert stale.trace == zeroed.trace and any(record["accepted"] for record in zeroed.trace)
 
 
 def test_a_draft_step_of_several_sequences_gives_each_what_it_gives_alone(case):
