@@ -288,6 +288,7 @@ void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t
 // their own size in memory; the output Y (float32, or fp16 rounded to nearest even) is written
 // once per row.
 constexpr int FLOAT_TILE = 2 * TILE;
+constexpr int FLOAT_AHEAD = 16;   // k steps whose weights are asked for ahead, as AHEAD's blocks
 // rows per pass over a tile: a tile's weights (K x 32 values) come from L2 once per pass, so as
 // many rows as the registers hold (two accumulators a row)
 #if defined(__AVX512F__)
@@ -310,6 +311,7 @@ void float_rows(const W* w, int64_t K, int64_t N, const float* x, int64_t m0, Y*
     for (int r = 0; r < ROWS; ++r) left[r] = right[r] = zero_floats();
     for (int64_t k = 0; k < K; ++k) {
         const W* column = w + (t * K + k) * FLOAT_TILE;
+        prefetch(column + FLOAT_AHEAD * FLOAT_TILE, FLOAT_TILE * sizeof(W));
         const Floats a = load_floats(column), b = load_floats(column + TILE);
         for (int r = 0; r < ROWS; ++r) {
             const Floats value = broadcast(x[(m0 + r) * K + k]);
