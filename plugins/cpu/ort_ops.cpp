@@ -261,6 +261,26 @@ OrtStatus* create_experts(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
     return created(state, status, kernel);
 }
 
+// Tasks 0 .. tasks - 1 over ONNX Runtime's threads: RUN(kernel, t, task t's own `bytes` of scratch)
+// (the attention's heads, the sampler's sequences). The scratch is kept between calls: it only
+// grows, never cleared.
+template <typename Kernel, void (*RUN)(const Kernel*, int64_t, float*)>
+OrtStatus* tasks_with_scratch(OrtKernelContext* context, const Kernel& kernel, int64_t tasks, int64_t bytes) {
+    struct Call {
+        const Kernel* kernel;
+        float* scratch;
+        int64_t stride;   // floats per task
+    } call{&kernel, nullptr, bytes / int64_t(sizeof(float))};
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < size_t(tasks * call.stride)) scratch.resize(size_t(tasks * call.stride));
+    call.scratch = scratch.data();
+    auto task = [](void* data, size_t t) {
+        auto* c = static_cast<Call*>(data);
+        RUN(c->kernel, int64_t(t), c->scratch + int64_t(t) * c->stride);
+    };
+    return parallel_for(context, task, size_t(tasks), &call);
+}
+
 // ---- CausalAttention: q [B, H, R, D], k_new / v_new [B, Hkv, R, D], k_cache / v_cache
 // [P, Hkv, C, D] (a pool of slots), start [B], slots [B] int64. Attribute `scale`. Outputs: out
 // [B, H, R, D] and the two caches, which the runtime binds to the input caches' buffers (written
@@ -287,23 +307,19 @@ OrtStatus* pool_attention(void* state, OrtKernelContext* context) {
     auto* v_out = static_cast<float*>(output(context, 2, v_cache.dims));
     if (k_out != k_cache.data) std::memcpy(k_out, k_cache.data, k_cache.size() * sizeof(float));
     if (v_out != v_cache.data) std::memcpy(v_out, v_cache.data, v_cache.size() * sizeof(float));
-    struct Call {
-        DsparkAttention a;
-        float* scratch;   // per task
-        int64_t stride;
-    } call;
-    call.a = {q.dims[0], q.dims[2], q.dims[1], k_new.dims[1], q.dims[3], k_cache.dims[0], k_cache.dims[2],
-              static_cast<Attention*>(state)->scale, static_cast<const float*>(q.data),
-              static_cast<const float*>(k_new.data), static_cast<const float*>(v_new.data), k_out, v_out,
-              static_cast<const int64_t*>(start.data), static_cast<const int64_t*>(slots.data),
-              static_cast<float*>(output(context, 0, q.dims)), DRAFT ? 0 : 1};
-    if (const char* wrong = dspark_attention_check(&call.a)) return error(op, wrong);
+    const DsparkAttention a{q.dims[0], q.dims[2], q.dims[1], k_new.dims[1], q.dims[3], k_cache.dims[0],
+                            k_cache.dims[2], static_cast<Attention*>(state)->scale,
+                            static_cast<const float*>(q.data), static_cast<const float*>(k_new.data),
+                            static_cast<const float*>(v_new.data), k_out, v_out,
+                            static_cast<const int64_t*>(start.data), static_cast<const int64_t*>(slots.data),
+                            static_cast<float*>(output(context, 0, q.dims)), DRAFT ? 0 : 1};
+    if (const char* wrong = dspark_attention_check(&a)) return error(op, wrong);
     if constexpr (DRAFT) {   // the context rows: a write of their own, before the block's
         const Tensor ctx_k = input(context, 7), ctx_v = input(context, 8), ctx_start = input(context, 9);
         if (ctx_k.dims.size() != 4 || ctx_k.dims != ctx_v.dims || ctx_k.dims[0] != q.dims[0]
                 || ctx_k.dims[1] != k_new.dims[1] || ctx_k.dims[3] != q.dims[3] || ctx_start.size() != q.dims[0])
             return error(op, "expected ctx_k / ctx_v [B, Hkv, Rc, D] and ctx_start [B]");
-        DsparkAttention rows = call.a;
+        DsparkAttention rows = a;
         rows.R = ctx_k.dims[2];
         rows.k_new = static_cast<const float*>(ctx_k.data);
         rows.v_new = static_cast<const float*>(ctx_v.data);
@@ -311,17 +327,9 @@ OrtStatus* pool_attention(void* state, OrtKernelContext* context) {
         if (const char* wrong = dspark_attention_check(&rows)) return error(op, wrong);
         dspark_attention_write(&rows);
     }
-    dspark_attention_write(&call.a);
-    const int64_t tasks = call.a.B * call.a.heads;
-    call.stride = dspark_attention_scratch(&call.a) / int64_t(sizeof(float));
-    thread_local std::vector<float> scratch;   // kept between calls: only grows, never cleared
-    if (scratch.size() < size_t(tasks * call.stride)) scratch.resize(size_t(tasks * call.stride));
-    call.scratch = scratch.data();
-    auto head = [](void* data, size_t task) {
-        auto* c = static_cast<Call*>(data);
-        dspark_attention_head(&c->a, int64_t(task), c->scratch + int64_t(task) * c->stride);
-    };
-    return parallel_for(context, head, size_t(tasks), &call);
+    dspark_attention_write(&a);
+    return tasks_with_scratch<DsparkAttention, dspark_attention_head>(context, a, a.B * a.heads,
+                                                                      dspark_attention_scratch(&a));
 }
 
 OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
@@ -348,27 +356,14 @@ OrtStatus* markov_sampler(void* state, OrtKernelContext* context) {
         return error("MarkovSampler", "expected base [B, R, Vd], anchor and temperature [B], noise [B, k, Vd], "
                      "d2t [Vd], markov_w1 [V, r] and markov_w2 transposed [r, Vd]");
     const int64_t B = base.dims[0], k = noise.dims[1], V = w1.dims[0];
-    struct Call {
-        DsparkMarkov m;
-        float* scratch;
-        int64_t stride;
-    } call;
-    call.m = {B, k, base.dims[1], static_cast<Sampler*>(state)->first, base.dims[2], V, w1.dims[1],
-              static_cast<const float*>(base.data), static_cast<const int64_t*>(anchor.data),
-              static_cast<const float*>(temperature.data), static_cast<const float*>(noise.data),
-              static_cast<const int64_t*>(d2t.data), static_cast<const float*>(w1.data),
-              static_cast<const float*>(w2t.data), static_cast<int64_t*>(output(context, 0, {B, k})),
-              static_cast<float*>(output(context, 1, {B, k, V}))};
-    if (const char* wrong = dspark_markov_check(&call.m)) return error("MarkovSampler", wrong);
-    call.stride = dspark_markov_scratch(&call.m) / int64_t(sizeof(float));
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < size_t(B * call.stride)) scratch.resize(size_t(B * call.stride));
-    call.scratch = scratch.data();
-    auto sequence = [](void* data, size_t b) {
-        auto* c = static_cast<Call*>(data);
-        dspark_markov_row(&c->m, int64_t(b), c->scratch + int64_t(b) * c->stride);
-    };
-    return parallel_for(context, sequence, size_t(B), &call);
+    const DsparkMarkov m{B, k, base.dims[1], static_cast<Sampler*>(state)->first, base.dims[2], V, w1.dims[1],
+                         static_cast<const float*>(base.data), static_cast<const int64_t*>(anchor.data),
+                         static_cast<const float*>(temperature.data), static_cast<const float*>(noise.data),
+                         static_cast<const int64_t*>(d2t.data), static_cast<const float*>(w1.data),
+                         static_cast<const float*>(w2t.data), static_cast<int64_t*>(output(context, 0, {B, k})),
+                         static_cast<float*>(output(context, 1, {B, k, V}))};
+    if (const char* wrong = dspark_markov_check(&m)) return error("MarkovSampler", wrong);
+    return tasks_with_scratch<DsparkMarkov, dspark_markov_row>(context, m, B, dspark_markov_scratch(&m));
 }
 
 OrtStatus* create_sampler(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
