@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from runtime.decoding.request import DraftContext
 
 
 @dataclass
 class Held:
     """A slot's caches: ``tokens`` whose target rows are valid (rows ``0 .. len - 1``), the first
     ``draft_rows`` of them in the draft's context too, and the draft context rows not yet inserted
-    (``pending``: ``(aux, start, count)``, from ``draft_rows`` on); a hybrid target's state after
+    (``pending``, from ``draft_rows`` on); a hybrid target's state after
     the last of ``tokens`` in state slot ``state_slot``. ``since`` orders slots by when their
     request left (an unused slot is the oldest)."""
     tokens: list[int] = field(default_factory=list)
     draft_rows: int = 0
-    pending: tuple[torch.Tensor, int, int] | None = None
+    pending: DraftContext | None = None
     state_slot: int = 0
     since: int = 0
 
@@ -37,5 +37,5 @@ class Held:
                 break
             common += 1
         if speculative:
-            common = min(common, self.draft_rows + (self.pending[2] if self.pending else 0))
+            common = min(common, self.draft_rows + (self.pending.count if self.pending else 0))
         return 0 if exact and common < len(self.tokens) else common

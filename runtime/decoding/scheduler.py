@@ -1,11 +1,5 @@
-"""The propose / verify loop, as continuous batching over the backend's cache slots
-(``docs/dspark.md#the-propose-verify-loop``).
-
-Per step and request: the draft proposes ``k`` tokens after the anchor; the target runs
-``[anchor, d_1 .. d_k]`` at positions ``p_anchor ..``; the verifier accepts ``a`` drafts and emits
-a correction / bonus token, which is the next anchor at ``p_anchor + a + 1``. Only the verified
-rows (old anchor + accepted drafts) become draft context, and both caches' valid lengths move to
-``p_anchor + a + 1``: rejected rows stay in the caches as scratch that the next step overwrites.
+"""Continuous batching over the backend's cache slots: which requests share each speculative step
+(``step.py``), on which slots, at what cap (``docs/dspark.md#the-propose-verify-loop``).
 
 The backend's caches are a pool of slots, one request each. A submitted request waits for a free
 slot and is prefilled there one prompt chunk per step (so a long prompt never stalls the running
@@ -36,67 +30,25 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Iterator
+from dataclasses import replace
+from functools import partial
 
 import torch
 
 from runtime.backends.base import Backend, capacity_needed, torch_threads
-from runtime.decoding.acceptance import Acceptance
 from runtime.decoding.adaptive import AdaptiveVerification
 from runtime.decoding.draft_schedule import DraftSchedule
-from runtime.decoding.logprobs import TokenLogprob, token_logprobs
+from runtime.decoding.logprobs import token_logprobs
 from runtime.decoding.params import Params
 from runtime.decoding.penalties import Penalties
 from runtime.decoding.prefill import insert_context, prefill_chunks
 from runtime.decoding.prefix_cache import Held
-from runtime.decoding.sampling import gumbel_noise, next_token, probabilities
+from runtime.decoding.request import DraftContext, Prefill, Request, extend
+from runtime.decoding.sampling import next_token
 from runtime.decoding.stats import PhaseTimes, SpecStats
-from runtime.decoding.stop_strings import StopStrings
-from runtime.decoding.verify import greedy_verify, rejection_verify
+from runtime.decoding.step import Call, Verdict, speculative_step
 
-
-@dataclass(eq=False)
-class Request:
-    """One prompt's generation. ``token_ids`` grows as steps emit; ``finish_reason`` is set when
-    it ends: ``"stop"`` (EOS or a stop string), ``"length"`` (``max_new_tokens``) or
-    ``"cancelled"``. ``trace`` has a record per step: its anchor, the drafts it verified, how many
-    were accepted and the tokens it emitted."""
-    id: int
-    prompt: list[int]
-    params: Params
-    token_ids: list[int] = field(default_factory=list)
-    stats: SpecStats = field(default_factory=lambda: SpecStats(k=0))
-    acceptance: Acceptance | None = None    # what adaptive verification plans its steps with
-    finish_reason: str | None = None
-    trace: list[dict] = field(default_factory=list)
-    slot: int | None = None
-    reused: int = 0               # prompt tokens its slot's caches held already (not prefilled)
-    # between steps, on the backend's device: the draft context (its ``count`` rows, verified, from
-    # position ``start``), the anchor and its position (= the target caches' valid length, also
-    # while the prompt is prefilled)
-    ctx: tuple[torch.Tensor, int, int] | None = None
-    anchor: int = 0
-    anchor_pos: int = 0
-    state_slot: int = 0           # a hybrid target's state slot holding the state after the anchor
-    generator: torch.Generator | None = None
-    penalty: Penalties | None = None
-    prefill: "Prefill | None" = None
-    # with ``params.logprobs`` / ``prompt_logprobs``: one per generated token / prompt token after the first
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(eq=False)
-class Prefill:
-    """Requests admitted together, prefilled together one chunk per step (``prefill_chunks``)."""
-    requests: list[Request]
-    chunks: Iterator
-    done: int = 0                 # prompt rows prefilled so far
+__all__ = ["Params", "Request", "Scheduler", "check_capacity"]
 
 
 class Scheduler:
@@ -239,11 +191,10 @@ class Scheduler:
             return slot
         request.state_slot = held.state_slot
         if speculative and held.draft_rows < request.reused:
-            aux, start, _ = held.pending
-            count = request.reused - start
-            insert_context(self.backend, aux[None, :count], torch.tensor([start], device=self.device),
-                           torch.tensor([count], device=self.device),
-                           torch.tensor([request.prompt[request.reused]], device=self.device), [slot])
+            pending, on_device = held.pending, partial(torch.tensor, device=self.device)
+            count = request.reused - pending.start
+            insert_context(self.backend, pending.rows[None, :count], on_device([pending.start]),
+                           on_device([count]), on_device([request.prompt[request.reused]]), [slot])
         return slot
 
     @staticmethod
@@ -288,133 +239,69 @@ class Scheduler:
                 continue
             # a copy: an engine backend's output buffers are reused by the next call of the same shape
             if request.params.speculative:
-                request.ctx = (aux[b, :counts[b]].clone(), starts[b], counts[b])
+                request.context = DraftContext(aux[b, :counts[b]].clone(), starts[b])
             request.anchor_pos = len(request.prompt)
             self._emit(request, [tokens[b]], last_logits[b, None], anchor=None, drafts=[], accepted=0)
             changed.append(request)
         return changed
 
     def _decode(self, rows: list[Request | None], busy: int) -> list[Request]:
-        """One propose / verify call, batch row ``b`` for ``rows[b]``: the running requests of one
-        kind (with speculation or without) on their slots, or on a pooled backend every slot in
-        order, where an empty or prefilling one is a frozen row. A call with speculation verifies
-        at most the schedule's cap for ``busy`` occupied slots (a prefilling request's takes the
-        machine's time too, and a request that ends and one that joins leave the cap as it was);
-        at a cap of 0 it skips the draft and keeps the verified rows for the draft's next call,
-        which comes when the rows fill one call (``limits.call_rows``) if not sooner."""
-        batch, running = len(rows), [r is not None and r.prefill is None for r in rows]
-        live = [b for b in range(batch) if running[b]]
-        drafters = [b for b in live if rows[b].params.speculative]
-        cap = self.schedule.cap([rows[b].acceptance for b in drafters], len(live) - len(drafters),
-                                batch, busy) if drafters else 0
-        drafting = bool(drafters) and (cap > 0 or any(rows[b].ctx[2] >= self.limits.call_rows
-                                                      for b in drafters))
-        at = self._at([r.slot for r in rows]) if not self.pooled else {}
-        anchor = torch.tensor([r.anchor if on else 0 for r, on in zip(rows, running)], device=self.device)
-        # a frozen row writes scratch from the slot's valid length (an empty one's: what it holds)
-        anchor_pos = torch.tensor([len(self.held[b].tokens) if r is None else r.anchor_pos
-                                   for b, r in enumerate(rows)], device=self.device)
-        if drafting:
-            drafts, q, limit = self._propose(rows, drafters, anchor, cap, at)
-        else:
-            drafts, q = torch.zeros(batch, self.limits.k, dtype=torch.long, device=self.device), None
-            limit = torch.zeros(batch, dtype=torch.long, device=self.device)
-        width = int(limit.max())
-        block = torch.cat([anchor[:, None], drafts[:, :width]], 1)
-        positions = torch.arange(width + 1, device=self.device).expand(block.shape)
-        # a frozen row keeps its recurrent state where it is (state row -1: before the call)
-        state_rows = torch.where(torch.tensor(running, device=self.device)[:, None], positions, -1)
-        state_slot = torch.tensor([r.state_slot if on else self.held[b].state_slot if r is None else 0
-                                   for b, (r, on) in enumerate(zip(rows, running))], device=self.device)
-        with self.times.measure("verify"):
-            logits, aux = self.backend.target_step(block, anchor_pos, positions, state_slot, state_rows, **at)
-        accepted, emitted = self._verify(rows, live, drafts, q, limit, logits)
-        # the step's one device -> host copy
-        packed = torch.cat([accepted[:, None], limit[:, None], emitted, drafts[:, :width]], 1).tolist()
-        changed = []
+        """One speculative step (``step.py``) of ``rows``: the running requests of one kind (with
+        speculation or without) on their slots, or on a pooled backend every slot in order, where an
+        empty or prefilling one is a frozen row; then each running request advances."""
+        call = self._call(rows, busy)
+        step = speculative_step(self.backend, call, self.threshold, self.times)
+        live = call.live
         for b in live:
-            request, (a, n, *rest) = rows[b], packed[b]
-            speculative = request.params.speculative
-            verifying = drafting and cap > 0
-            if not speculative or verifying:
-                request.stats.record(a, n, cap)
-            if speculative:
-                request.stats.idle_steps += not verifying
-                self.schedule.record(request.acceptance, cap if verifying else 0, n, a)
-            if drafting and speculative:
-                request.ctx = (aux[b, :a + 1].clone(), request.anchor_pos, a + 1)
-            elif speculative:   # the draft has not read the rows before: they go in with this one
-                pending, start, count = request.ctx
-                request.ctx = (appended(pending, aux[b, 0]), start, count + 1)
-            request.anchor_pos += a + 1
-            request.state_slot = a
-            self._emit(request, rest[:a + 1], logits[b], anchor=request.anchor, drafts=rest[width + 1:][:n],
-                       accepted=a)
-            changed.append(request)
-        return changed
+            self._advance(call.requests[b], step.verdicts[b], step.taps[b], step.logits[b], call)
+        return [call.requests[b] for b in live]
 
-    def _propose(self, rows: list[Request | None], drafters: list[int], anchor: torch.Tensor, cap: int,
-                 at: dict):
-        """The drafters' ``k`` drafts (their own noise: none when greedy, or when no draft is
-        verified), their distributions ``q`` and ``limit [B]``, how many each verifies: at most
-        ``cap``, none from the first below the confidence threshold on, and none for another
-        row (which inserts no context: ``ctx_count`` 0 at its valid length)."""
-        limits, batch = self.limits, len(rows)
-        first = rows[drafters[0]].ctx[0]
-        width = max(rows[b].ctx[0].shape[0] for b in drafters)
-        ctx_aux = first.new_zeros(batch, width, first.shape[-1])
-        ctx_start = [self.held[b].draft_rows if r is None else r.anchor_pos for b, r in enumerate(rows)]
-        ctx_count = [0] * batch
-        shape = (limits.k, limits.draft_vocab_size)
-        noise = torch.zeros(batch, *shape, device=self.device)
-        temperatures = torch.ones(batch, device=self.device)
-        for b in drafters:
-            request = rows[b]
-            rows_aux, ctx_start[b], ctx_count[b] = request.ctx
-            ctx_aux[b, :rows_aux.shape[0]] = rows_aux
-            if request.params.temperature > 0:
-                temperatures[b] = request.params.temperature
-                if cap > 0:
-                    noise[b] = gumbel_noise(shape, request.generator)
-        with self.times.measure("draft"):
-            drafts, q = self.backend.draft_step(ctx_aux, torch.tensor(ctx_start, device=self.device),
-                                                torch.tensor(ctx_count, device=self.device), anchor,
-                                                temperatures, noise, **at)
-        proposing = set(drafters)
-        limit = torch.tensor([cap if b in proposing else 0 for b in range(batch)], device=self.device)
-        if self.threshold > 0 and cap > 0:   # the cut past the cap changes nothing: not read
-            limit = torch.minimum(limit, confident_drafts(q[:, :cap], self.threshold))
-        return drafts, q, limit
+    def _call(self, rows: list[Request | None], busy: int) -> Call:
+        """The call of ``rows``. It verifies at most the schedule's cap for ``busy`` occupied slots (a
+        prefilling request's takes the machine's time too, and a request that ends and one that joins
+        leave the cap as it was); at a cap of 0 it skips the draft and keeps the verified rows for
+        the draft's next call, which comes when the rows fill one call (``limits.call_rows``) if not
+        sooner. A frozen row writes scratch from its slot's valid length, and keeps its state."""
+        running = [r if r is not None and r.prefill is None else None for r in rows]
+        live = [r for r in running if r is not None]
+        drafters = [r for r in live if r.params.speculative]
+        cap = self.schedule.cap([r.acceptance for r in drafters], len(live) - len(drafters),
+                                len(rows), busy) if drafters else 0
+        drafting = bool(drafters) and (cap > 0 or any(r.context.count >= self.limits.call_rows
+                                                      for r in drafters))
+        anchor, anchor_pos, state_slot, context_start = [], [], [], []
+        for b, (row, request) in enumerate(zip(rows, running)):
+            if request is not None:
+                values = request.anchor, request.anchor_pos, request.state_slot, request.anchor_pos
+            elif row is not None:     # prefilling: at its prompt's rows so far, state in slot 0
+                values = 0, row.anchor_pos, 0, row.anchor_pos
+            else:                     # the pool's empty slot b: at what its caches hold
+                values = 0, len(self.held[b].tokens), self.held[b].state_slot, self.held[b].draft_rows
+            for column, value in zip((anchor, anchor_pos, state_slot, context_start), values):
+                column.append(value)
+        on_device = partial(torch.tensor, device=self.device)
+        return Call(running, on_device(anchor), on_device(anchor_pos), on_device(state_slot), context_start,
+                    cap, drafting, {} if self.pooled else self._at([r.slot for r in rows]))
 
-    def _verify(self, rows: list[Request | None], live: list[int], drafts: torch.Tensor,
-                q: torch.Tensor | None, limit: torch.Tensor, logits: torch.Tensor):
-        """``accepted [B]`` and ``emitted [B, width + 1]``: the greedy rows by the target's argmax,
-        the sampled ones by rejection sampling (one token from ``p`` where a row verifies no
-        draft), each with ``k + 1`` numbers from its own generator whatever the call's width."""
-        width = logits.shape[1] - 1
-        penalized = [b for b in live if rows[b].penalty is not None]
-        if penalized:
-            logits = logits.clone()
-            for b in penalized:
-                logits[b] = rows[b].penalty(logits[b], drafts[b])
-        accepted, emitted = greedy_verify(drafts[:, :width], logits, limit)
-        sampled = [b for b in live if rows[b].params.temperature > 0]
-        if not sampled:
-            return accepted, emitted
-        index = torch.tensor(sampled, device=self.device)
-        uniform = torch.stack([torch.rand(self.limits.k + 1, generator=rows[b].generator, device=self.device)
-                               for b in sampled])
-        by_options: dict[tuple, list[int]] = {}
-        for i, b in enumerate(sampled):
-            p = rows[b].params
-            by_options.setdefault((p.temperature, p.top_p, p.top_k, p.min_p), []).append(i)
-        probs = torch.empty(len(sampled), width + 1, logits.shape[-1], device=self.device)
-        for options, members in by_options.items():
-            probs[members] = probabilities(logits[index[members]], *options)
-        q_rows = q[index, :width] if q is not None else probs[:, :0]
-        accepted[index], emitted[index] = rejection_verify(drafts[index, :width], q_rows, probs, uniform,
-                                                           limit[index])
-        return accepted, emitted
+    def _advance(self, request: Request, verdict: Verdict, taps: torch.Tensor, logits: torch.Tensor,
+                 call: Call) -> None:
+        """What ``request`` keeps of its step: its statistics and acceptance, its verified rows as
+        the draft's context (after the rows pending, when the draft did not run), its anchor's
+        position and state slot, and the tokens it emitted."""
+        accepted, verifying = verdict.accepted, call.cap > 0
+        if not request.params.speculative or verifying:
+            request.stats.record(accepted, verdict.verified, call.cap)
+        if request.params.speculative:
+            request.stats.idle_steps += not verifying
+            self.schedule.record(request.acceptance, call.cap, verdict.verified, accepted)
+            if call.drafting:
+                request.context = DraftContext(taps[:accepted + 1].clone(), request.anchor_pos)
+            else:     # the draft has not read the rows before: they go in with this one
+                request.context = request.context.then(taps[0])
+        request.anchor_pos += accepted + 1
+        request.state_slot = accepted
+        self._emit(request, verdict.emitted, logits, anchor=request.anchor, drafts=verdict.drafts,
+                   accepted=accepted)
 
     def _emit(self, request: Request, tokens: list[int], logits: torch.Tensor, **record) -> None:
         """Append ``tokens`` up to the first EOS, stop string or the budget, their log-probabilities
@@ -456,47 +343,11 @@ class Scheduler:
         if self.exact and valid < request.anchor_pos:
             return Held(since=next(self.releases))
         before = self.held[request.slot]
-        if request.ctx is not None:
-            pending, draft_rows = request.ctx, request.ctx[1]
+        if request.context is not None:
+            pending, draft_rows = request.context, request.context.start
         else:   # without drafts: what its slot's draft context held, as far as it reused it
             pending, draft_rows = None, min(before.draft_rows, request.reused)
         return Held(sequence[:valid], draft_rows, pending, request.state_slot, next(self.releases))
-
-
-def extend(out: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],
-           stop: StopStrings | None) -> str | None:
-    """Append ``tokens`` to ``out`` up to the first EOS (kept), the token that completes a stop
-    string, or ``max_new_tokens`` in all; the reason the sequence ended there (``"stop"`` or
-    ``"length"``), or None while it goes on."""
-    for token in tokens[: max_new_tokens - len(out)]:
-        out.append(token)
-        if token in eos or (stop is not None and stop.reached(out)):
-            return "stop"
-    return "length" if len(out) >= max_new_tokens else None
-
-
-def appended(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """``rows [n, D]`` and ``row [D]`` after them, in the storage of ``rows`` where it has room past
-    them (twice the rows where not): a request taking target-only steps adds a context row a step
-    without copying those before (``torch.cat`` copied up to a call's rows, each step)."""
-    count = rows.shape[0]
-    storage = rows.untyped_storage()
-    room = storage.nbytes() // (rows.element_size() * rows.shape[1])
-    if rows.storage_offset() or not rows.is_contiguous() or room <= count:
-        grown = rows.new_empty(max(2 * count, 16), rows.shape[1])
-        grown[:count] = rows
-        rows = grown[:count]
-    whole = rows.as_strided((count + 1, rows.shape[1]), rows.stride())
-    whole[count] = row
-    return whole
-
-
-def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:
-    """``[B]``: how many of each sequence's drafts come before the first whose distribution's top
-    probability (``q [B, k, V]``) is below ``threshold``. The rule reads the draft's distributions,
-    never the token drawn from them, so sampling stays exact, and greedy output is the target's
-    whatever is cut."""
-    return (q.amax(-1) >= threshold).cumprod(dim=1).sum(dim=1)
 
 
 def check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,

@@ -16,7 +16,8 @@ from typing import Callable
 from runtime.decoding.adaptive import AdaptiveVerification
 from runtime.decoding.draft_schedule import DraftSchedule, adaptive
 from runtime.decoding.params import Params
-from runtime.decoding.scheduler import Request, Scheduler
+from runtime.decoding.request import Request
+from runtime.decoding.scheduler import Scheduler
 from runtime.serving.metrics import Metrics
 from runtime.serving.request_error import RequestError
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from runtime.decoding.generator import Generator
 from runtime.decoding.params import Params
-from runtime.decoding.scheduler import Request
+from runtime.decoding.request import Request
 from runtime.decoding.text_stream import TextStream
 from runtime.serving.openai_request import Prompt, request_params
 from runtime.serving.request_error import RequestError

@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import runtime.decoding.scheduler
+import runtime.decoding.step
 from export.onnx_export import Limits
 from modeling.pair import load_pair
 from modeling.target import from_start
@@ -125,7 +125,7 @@ def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
 
 
 def test_a_wrong_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(runtime.decoding.scheduler, "rejection_verify", _wrong_rule_resample_from_p)
+    monkeypatch.setattr(runtime.decoding.step, "rejection_verify", _wrong_rule_resample_from_p)
     tokens, _ = _sample(pair, 1.0)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6
@@ -181,7 +181,7 @@ def _wrong_rule_residual_at_the_limit(drafts, q, p, uniform, limit=None):
 
 def test_a_wrong_rule_at_the_confidence_limit_is_detected(pair, monkeypatch):
     threshold = median_confidence(pair, [PROMPT] * 64, 3, 1.0)
-    monkeypatch.setattr(runtime.decoding.scheduler, "rejection_verify", _wrong_rule_residual_at_the_limit)
+    monkeypatch.setattr(runtime.decoding.step, "rejection_verify", _wrong_rule_residual_at_the_limit)
     tokens, _, _ = _sample_with_threshold(pair, threshold)
     p2, p3 = _exact_marginals(pair[0], 1.0)
     assert min(_chi_square_p(tokens[:, 1], p2), _chi_square_p(tokens[:, 2], p3)) < 1e-6

@@ -1,0 +1,169 @@
+"""One speculative step (``docs/dspark.md#the-propose-verify-loop``): propose, verify, accept.
+
+Per row: the draft proposes ``k`` tokens after the anchor, reading first the context rows it has
+not seen (``DraftContext``); the target runs ``[anchor, d_1 .. d_w]`` at positions
+``anchor_pos ..``; the verifier accepts ``a`` drafts and emits a correction / bonus token, which
+is the next anchor at ``anchor_pos + a + 1``. A row verifies at most the call's cap and none from
+the first draft below the confidence cut on. Rejected rows stay in the caches as scratch that the
+next step overwrites. Which requests share a call, their slots and their cap are the scheduler's
+(``scheduler.py``); what a request keeps of the step is its ``advance``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.backends.base import Backend
+from runtime.decoding.request import Request
+from runtime.decoding.sampling import gumbel_noise, probabilities
+from runtime.decoding.stats import PhaseTimes
+from runtime.decoding.verify import greedy_verify, rejection_verify
+
+
+@dataclass
+class Call:
+    """A decode call as the scheduler feeds it. Row ``b`` runs ``requests[b]``, or is a frozen row
+    (``None``: a pooled slot without a decoding request, which writes only scratch past its valid
+    rows and keeps its recurrent state)."""
+    requests: list[Request | None]
+    anchor: torch.Tensor          # [B] the token each row runs from
+    anchor_pos: torch.Tensor      # [B] its position: the target caches' valid length
+    state_slot: torch.Tensor      # [B] a hybrid target's state slot holding the state before it
+    context_start: list[int]      # [B] where a row without a draft context has its draft's go on
+    cap: int                      # the most drafts a row verifies; 0: a target-only step
+    drafting: bool                # the draft runs: cap > 0, or a row's context rows fill a call
+    slots: dict                   # the backend calls' ``slots`` argument
+
+    @property
+    def live(self) -> list[int]:
+        return [b for b, r in enumerate(self.requests) if r is not None]
+
+    @property
+    def drafters(self) -> list[int]:
+        return [b for b, r in enumerate(self.requests) if r is not None and r.params.speculative]
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor          # [B, k]
+    q: torch.Tensor | None        # [B, k, V] the distributions they were drawn from
+    limit: torch.Tensor           # [B] how many of them each row verifies
+
+
+@dataclass
+class Verdict:
+    """What one row's step verified, on the host."""
+    accepted: int                 # drafts accepted
+    verified: int                 # drafts verified (below the cap and the confidence cut)
+    emitted: list[int]            # the accepted drafts and the correction / bonus token after them
+    drafts: list[int]             # the drafts verified
+
+
+@dataclass
+class Step:
+    verdicts: list[Verdict]       # [B]
+    logits: torch.Tensor          # [B, w + 1, V] the target's rows: row j predicts the token after d_j
+    taps: torch.Tensor            # [B, w + 1, D] the target's taps of those rows: the draft's context
+
+
+def speculative_step(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -> Step:
+    """Propose, verify and accept on every row of ``call``."""
+    device, k = backend.device, backend.limits.k
+    batch = len(call.requests)
+    if call.drafting:
+        proposal = propose(backend, call, threshold, times)
+    else:
+        proposal = Proposal(torch.zeros(batch, k, dtype=torch.long, device=device), None,
+                            torch.zeros(batch, dtype=torch.long, device=device))
+    width = int(proposal.limit.max())
+    block = torch.cat([call.anchor[:, None], proposal.drafts[:, :width]], 1)
+    positions = torch.arange(width + 1, device=device).expand(block.shape)
+    # a frozen row keeps its recurrent state where it is (state row -1: before the call)
+    running = torch.tensor([r is not None for r in call.requests], device=device)
+    state_rows = torch.where(running[:, None], positions, -1)
+    with times.measure("verify"):
+        logits, taps = backend.target_step(block, call.anchor_pos, positions, call.state_slot, state_rows,
+                                           **call.slots)
+    accepted, emitted = verify(call, proposal, logits, k)
+    # the step's one device -> host copy
+    verdicts = [Verdict(a, n, emitted_row[:a + 1], drafts_row[:n]) for (a,), (n,), emitted_row, drafts_row
+                in to_host(accepted[:, None], proposal.limit[:, None], emitted, proposal.drafts[:, :width])]
+    return Step(verdicts, logits, taps)
+
+
+def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -> Proposal:
+    """The drafters' ``k`` drafts (their own noise: none when greedy, or when no draft is
+    verified) and how many each verifies: at most the cap, none from the first below the
+    confidence ``threshold`` on, and none for another row (which inserts no context: a count of 0
+    at its ``context_start``)."""
+    device, limits, batch = backend.device, backend.limits, len(call.requests)
+    drafters = call.drafters
+    contexts = {b: call.requests[b].context for b in drafters}
+    first = contexts[drafters[0]].rows
+    aux = first.new_zeros(batch, max(c.count for c in contexts.values()), first.shape[-1])
+    start, count = list(call.context_start), [0] * batch
+    shape = (limits.k, limits.draft_vocab_size)
+    noise = torch.zeros(batch, *shape, device=device)
+    temperatures = torch.ones(batch, device=device)
+    for b, context in contexts.items():
+        request = call.requests[b]
+        aux[b, :context.count], start[b], count[b] = context.rows, context.start, context.count
+        if request.params.temperature > 0:
+            temperatures[b] = request.params.temperature
+            if call.cap > 0:
+                noise[b] = gumbel_noise(shape, request.generator)
+    with times.measure("draft"):
+        drafts, q = backend.draft_step(aux, torch.tensor(start, device=device),
+                                       torch.tensor(count, device=device), call.anchor, temperatures, noise,
+                                       **call.slots)
+    limit = torch.tensor([call.cap if b in contexts else 0 for b in range(batch)], device=device)
+    if threshold > 0 and call.cap > 0:   # the cut past the cap changes nothing: not read
+        limit = torch.minimum(limit, confident_drafts(q[:, :call.cap], threshold))
+    return Proposal(drafts, q, limit)
+
+
+def verify(call: Call, proposal: Proposal, logits: torch.Tensor, k: int):
+    """``accepted [B]`` and ``emitted [B, w + 1]``: the greedy rows by the target's argmax, the
+    sampled ones by rejection sampling (one token from ``p`` where a row verifies no draft), each
+    with ``k + 1`` numbers from its own generator whatever the call's width."""
+    width, drafts, requests = logits.shape[1] - 1, proposal.drafts, call.requests
+    penalized = [b for b in call.live if requests[b].penalty is not None]
+    if penalized:
+        logits = logits.clone()
+        for b in penalized:
+            logits[b] = requests[b].penalty(logits[b], drafts[b])
+    accepted, emitted = greedy_verify(drafts[:, :width], logits, proposal.limit)
+    sampled = [b for b in call.live if requests[b].params.temperature > 0]
+    if not sampled:
+        return accepted, emitted
+    index = torch.tensor(sampled, device=logits.device)
+    uniform = torch.stack([torch.rand(k + 1, generator=requests[b].generator, device=logits.device)
+                           for b in sampled])
+    by_options: dict[tuple, list[int]] = {}
+    for i, b in enumerate(sampled):
+        p = requests[b].params
+        by_options.setdefault((p.temperature, p.top_p, p.top_k, p.min_p), []).append(i)
+    probs = torch.empty(len(sampled), width + 1, logits.shape[-1], device=logits.device)
+    for options, members in by_options.items():
+        probs[members] = probabilities(logits[index[members]], *options)
+    q_rows = proposal.q[index, :width] if proposal.q is not None else probs[:, :0]
+    accepted[index], emitted[index] = rejection_verify(drafts[index, :width], q_rows, probs, uniform,
+                                                       proposal.limit[index])
+    return accepted, emitted
+
+
+def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[B]``: how many of each sequence's drafts come before the first whose distribution's top
+    probability (``q [B, k, V]``) is below ``threshold``. The rule reads the draft's distributions,
+    never the token drawn from them, so sampling stays exact, and greedy output is the target's
+    whatever is cut."""
+    return (q.amax(-1) >= threshold).cumprod(dim=1).sum(dim=1)
+
+
+def to_host(*columns: torch.Tensor) -> list[list[list[int]]]:
+    """``columns [B, n_i]`` as ``[B][i]`` lists of ints, in one device -> host copy."""
+    widths = [c.shape[1] for c in columns]
+    rows = torch.cat(columns, 1).tolist()
+    bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    return [[row[begin:end] for begin, end in zip(bounds, bounds[1:])] for row in rows]
