@@ -15,7 +15,7 @@ from common.prompts import encode_prompt
 from modeling.dense import TargetStep
 from runtime.backends.base import capacity_needed
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from . import engine as engine_target
 from . import synthetic

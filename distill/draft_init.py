@@ -12,7 +12,7 @@ from modeling.checkpoint import hf_location, read_config
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep
 from modeling.draft_config import load_draft_config, native_config
-from modeling.target_config import load_target_config
+from modeling.target_config_reader import load_target_config
 
 from .options import DistillSpec
 

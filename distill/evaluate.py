@@ -11,7 +11,7 @@ from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
 from runtime.backends.base import capacity_needed
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from .loss import teacher_forced_logits
 

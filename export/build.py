@@ -44,7 +44,7 @@ from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
 from modeling.draft_config import load_draft_config
 from modeling.target import load_target
-from modeling.target_config import load_target_config
+from modeling.target_config_reader import load_target_config
 from plugins.block_attention.ort_contrib import target_rotary
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -66,7 +66,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
           weights_block: int = 32, quantize_draft: bool = False, progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
     ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
-    ``confidence_threshold`` is recorded as the runtime's default (``runtime.decoding.speculative``).
+    ``confidence_threshold`` is recorded as the runtime's default (``runtime.decoding.batch``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
     ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
     own blocks (and ``quantize_draft`` rounds the draft to int4). A ``None`` in ``limits`` is the

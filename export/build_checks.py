@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from modeling.layouts import check_k, trained_block
+from plugins.tensorrt_module import MODULES as TENSORRT_MODULES
 
 BITS = {"int4": 4, "int8": 8}
 FLOAT = "float"   # the weight format of an unquantized graph, as the manifest records it
@@ -20,7 +21,6 @@ GGUF = "gguf"     # the target GGUF file's own blocks (export/gguf_blocks.py)
 # the file's Q4 blocks (its cost in acceptance and time: docs/measurements.md)
 GGUF_DRAFT = "int4"
 BACKENDS = ("onnx", "trt", "trt-rtx")
-TENSORRT_MODULES = {"trt": "tensorrt", "trt-rtx": "tensorrt_rtx"}
 DTYPES = ("fp32", "fp16", "bf16")
 GPUS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")   # what TensorRT-RTX builds ahead of time for
 DEFAULT_GPU = "sm89"

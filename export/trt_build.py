@@ -10,50 +10,17 @@ full TensorRT builds for the GPU it runs on and keeps a timing cache.
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import onnx
 
 from common.errors import EngineBuildError
-from export.build_checks import TENSORRT_MODULES as MODULES
 from export.build_checks import check_gpus
 from plugins.onnx_domain import DOMAIN
+from plugins.tensorrt_module import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 
 PROFILES = ("prefill", "decode")
-
-
-def import_tensorrt(backend: str):
-    """``tensorrt`` or ``tensorrt_rtx``, with a clear message when it is not installed."""
-    if backend not in MODULES:
-        raise ValueError(f"--backend {backend}: expected one of {', '.join(MODULES)}")
-    try:
-        trt = importlib.import_module(MODULES[backend])
-    except ImportError:
-        extra = "trt-rtx" if backend == "trt-rtx" else "trt"
-        raise EngineBuildError(f"--backend {backend} needs the {MODULES[backend]} package: "
-                               f"pip install -e '.[{extra}]'") from None
-    if backend == "trt-rtx":
-        ensure_rtx_library_link()
-    return trt
-
-
-def ensure_rtx_library_link() -> None:
-    """The TensorRT-RTX wheel ships ``libtensorrt_rtx.so.1`` but not the ``libtensorrt_rtx.so``
-    name that plugin parsing loads; create the link next to it, or explain how."""
-    spec = importlib.util.find_spec("tensorrt_rtx_libs")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    link, target = folder / "libtensorrt_rtx.so", folder / "libtensorrt_rtx.so.1"
-    if link.exists() or not target.exists():
-        return
-    try:
-        link.symlink_to(target.name)
-    except OSError as err:
-        raise EngineBuildError(f"{link} is missing and could not be created ({err}); TensorRT-RTX "
-                               f"plugin parsing needs it: ln -s {target.name} {link}") from None
 
 
 def build_engines(directory: Path, manifest: dict, backend: str, gpus: list[str]) -> dict:

@@ -17,7 +17,8 @@ from modeling.dense import TargetStep
 from modeling.draft_config import DraftConfig, load_draft_config, resolve_k
 from modeling.gemma4 import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
 from modeling.target import load_embeddings
-from modeling.target_config import TargetConfig, load_target_config
+from modeling.target_config import TargetConfig
+from modeling.target_config_reader import load_target_config
 from plugins.cache_write import cache_write
 from plugins.d2t_gather import d2t_gather
 

@@ -11,7 +11,7 @@ from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
 from modeling.draft_config import load_draft_config
 from modeling.target import load_target
-from modeling.target_config import load_target_config
+from modeling.target_config_reader import load_target_config
 
 
 def load_pair(target: str | Path, draft: str | Path | None = None, k: int | None = None,

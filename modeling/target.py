@@ -21,7 +21,8 @@ from modeling.gemma4 import Gemma4TargetStep
 from modeling.moe import fuse_experts
 from modeling.qwen3_5 import HybridTargetStep
 from modeling.registry import ARCHITECTURES
-from modeling.target_config import TargetConfig, gguf_config, load_target_config
+from modeling.target_config import TargetConfig
+from modeling.target_config_reader import gguf_config, load_target_config
 
 # a multimodal checkpoint's towers and MTP layer, which the text model ignores
 IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -124,7 +125,7 @@ def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
 
 def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A GGUF target's weights, de-quantized to fp32 by ``transformers``, in the model our reading
-    of its config describes (``target_config.gguf_config``)."""
+    of its config describes (``target_config_reader.gguf_config``)."""
     from transformers import AutoModelForCausalLM
 
     location, options = hf_location(path)

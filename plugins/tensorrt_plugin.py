@@ -2,7 +2,8 @@
 creator), written once for both ``tensorrt`` and ``tensorrt_rtx``: the module is passed in, since
 the plugin base classes come from it.
 
-Each operator describes itself with a ``PluginSpec`` in its own folder (``trt_plugin.py``): its
+Each operator describes itself with a ``PluginSpec`` (``trt_plugin_spec.py``) in its own folder
+(``trt_plugin.py``): its
 attributes, output types and shapes, accepted formats, and ``enqueue``, which launches the Triton
 kernel on the stream TensorRT gives. Creators must match the ONNX node exactly (op type,
 ``plugin_version``, ``plugin_namespace``), or the parser silently inlines the function body
@@ -15,25 +16,10 @@ unless ``PreviewFeature.ALIASED_PLUGIN_IO_10_03`` is enabled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from .onnx_domain import PLUGIN_NAMESPACE, PLUGIN_VERSION
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    name: str
-    num_outputs: int
-    fields: dict[str, str]                 # attribute -> "int" | "float" (what TensorRT passes on)
-    output_types: Callable                 # (trt, input_types) -> output types
-    output_shapes: Callable                # (trt, input DimsExprs, expr builder) -> output DimsExprs
-    supports: Callable                     # (trt, pos, in_out descs, num_inputs) -> bool
-    enqueue: Callable    # (trt, attrs, input_descs, output_descs, inputs, outputs, workspace, stream)
-    aliases: dict[int, int] = field(default_factory=dict)   # output index -> the input it updates
-    workspace: Callable | None = None      # (input DynamicPluginTensorDescs) -> scratch bytes enqueue needs
+from .trt_plugin_spec import PluginSpec
 
 
 def specs() -> list[PluginSpec]:
@@ -148,38 +134,3 @@ def _plugin_class(trt):
                 for n, t in self.spec.fields.items()])
 
     return Plugin
-
-
-def device_tensors(trt, pointers, descs) -> list:
-    """Torch CUDA tensors over TensorRT's buffers (no copy), for launching Triton kernels."""
-    import torch
-
-    # bf16 has no CUDA-array-interface type string: wrap as int16 and reinterpret
-    kinds = {trt.DataType.FLOAT: ("<f4", None), trt.DataType.HALF: ("<f2", None),
-             trt.DataType.BF16: ("<i2", torch.bfloat16), trt.DataType.INT64: ("<i8", None),
-             trt.DataType.INT32: ("<i4", None), trt.DataType.INT8: ("|i1", None),
-             trt.DataType.UINT8: ("|u1", None)}
-    tensors = []
-    for pointer, desc in zip(pointers, descs):
-        typestr, view = kinds[desc.type]
-        buffer = type("Buffer", (), {"__cuda_array_interface__": {
-            "shape": tuple(desc.dims), "typestr": typestr, "data": (pointer, False), "version": 3}})
-        tensor = torch.as_tensor(buffer(), device="cuda")
-        tensors.append(tensor.view(view) if view is not None else tensor)
-    return tensors
-
-
-def workspace_floats(pointer: int, nbytes: int):
-    """A flat fp32 torch CUDA tensor over TensorRT's workspace for this enqueue (no copy)."""
-    import torch
-
-    buffer = type("Buffer", (), {"__cuda_array_interface__": {
-        "shape": (nbytes // 4,), "typestr": "<f4", "data": (pointer, False), "version": 3}})
-    return torch.as_tensor(buffer(), device="cuda")
-
-
-def on_stream(stream: int):
-    """Context manager: make TensorRT's stream torch's current one, so Triton launches on it."""
-    import torch
-
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream))

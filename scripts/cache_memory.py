@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.manifest import call_rows  # noqa: E402
 from modeling import gemma4  # noqa: E402
 from modeling.fixtures.presets import PRESETS, gemma4_layer_types  # noqa: E402
-from modeling.target_config import load_target_config  # noqa: E402
+from modeling.target_config_reader import load_target_config  # noqa: E402
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

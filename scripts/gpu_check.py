@@ -196,7 +196,7 @@ def engine_gpus(backend: str, capability: tuple[int, int]) -> tuple[str, ...]:
     """What ``build --gpu`` gets for ``backend`` on a GPU of ``capability``, or ``Skipped`` where
     the backend is not installed or does not build for it."""
     from export.build_checks import GPUS
-    from export.build_checks import TENSORRT_MODULES as MODULES
+    from plugins.tensorrt_module import MODULES
 
     if importlib.util.find_spec(MODULES[backend]) is None:
         raise Skipped(f"{MODULES[backend]} is not importable")
@@ -222,7 +222,7 @@ def check_torch_backend(tmp: Path) -> str:
     from export.build import build
     from runtime.backends.ort import OrtBackend
     from runtime.backends.pytorch import TorchBackend
-    from runtime.decoding.speculative import generate
+    from runtime.decoding.batch import generate
 
     engine = tmp / "fp32"
     build(*map(str, tiny_pair(tmp)), engine, limits=limits(), progress=False)
@@ -238,7 +238,7 @@ def check_engines(backend: str, tmp: Path) -> str:
     from export.build import build
     from runtime.backends.ort import OrtBackend
     from runtime.backends.trt import TrtBackend
-    from runtime.decoding.speculative import generate
+    from runtime.decoding.batch import generate
 
     gpus = engine_gpus(backend, torch.cuda.get_device_capability())
     out = tmp / backend

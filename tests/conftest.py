@@ -138,7 +138,7 @@ def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, tempe
     """The median top probability of the draft's distributions over a generation: as a
     ``confidence_threshold`` it cuts about half the drafts, so sequences propose different counts."""
     from runtime.backends.pytorch import TorchBackend
-    from runtime.decoding.speculative import generate
+    from runtime.decoding.batch import generate
 
     confidences = []
 

@@ -9,7 +9,7 @@ import torch
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS, hf_greedy
 

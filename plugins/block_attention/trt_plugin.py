@@ -4,7 +4,7 @@ input, so the write is in place; were the buffers distinct all the same, the cac
 first."""
 from __future__ import annotations
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream, workspace_floats
+from ..trt_plugin_spec import PluginSpec, device_tensors, on_stream, workspace_floats
 
 
 def _output_types(trt, input_types):

@@ -3,7 +3,7 @@ declared an alias of ``cache``, so the rows are written in place; were the buffe
 same, the cache would be copied first."""
 from __future__ import annotations
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
+from ..trt_plugin_spec import PluginSpec, device_tensors, on_stream
 
 
 def _output_types(trt, input_types):

@@ -2,7 +2,7 @@
 [V, r]``; outputs ``target_ids [B]`` (int64) and ``markov_rows [B, r]``."""
 from __future__ import annotations
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
+from ..trt_plugin_spec import PluginSpec, device_tensors, on_stream
 
 
 def _output_types(trt, input_types):

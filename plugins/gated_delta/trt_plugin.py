@@ -3,7 +3,7 @@ state_rows``; outputs ``out, state_out``, the state declared an alias of its inp
 are written in place; were the buffers distinct all the same, the state would be copied first."""
 from __future__ import annotations
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream
+from ..trt_plugin_spec import PluginSpec, device_tensors, on_stream
 
 
 def _output_types(trt, input_types):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..tensorrt_plugin import PluginSpec, device_tensors, on_stream, workspace_floats
+from ..trt_plugin_spec import PluginSpec, device_tensors, on_stream, workspace_floats
 
 
 def _output_types(trt, input_types):

@@ -16,7 +16,7 @@ import torch
 
 from common import manifest as manifest_file
 from common.manifest import cache_output, is_cache
-from export.trt_build import import_tensorrt
+from plugins.tensorrt_module import import_tensorrt
 from plugins.tensorrt_plugin import register_plugins
 from runtime.backends.base import slot_block
 from runtime.backends.cuda_graphs import Caches, GraphCache, Sizes

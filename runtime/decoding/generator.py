@@ -9,8 +9,8 @@ from typing import Iterator
 from common.prompts import encode_conversation, encode_prompt
 from runtime.backends import open_backend
 from runtime.backends.engine import damaged
+from runtime.decoding.batch import Decoding
 from runtime.decoding.draft_schedule import ADAPTIVE, DraftSchedule, adaptive
-from runtime.decoding.speculative import Decoding
 from runtime.decoding.stats import PhaseTimes, SpecStats
 from runtime.decoding.stop_strings import StopStrings
 from runtime.decoding.text_stream import TextStream

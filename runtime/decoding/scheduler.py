@@ -19,7 +19,7 @@ with speculation verify their drafts in one call and those without decode in ano
 steps): every decode step then runs every slot in order, one call for all, and a
 slot without a decoding request is a frozen row that writes only scratch past its valid rows;
 requests admitted together are prefilled together, on a block of consecutive slots.
-``speculative.Decoding`` (a batch of prompts started together) is this loop with a pool of the
+``batch.Decoding`` (a batch of prompts started together) is this loop with a pool of the
 batch's size.
 
 Greedy output is the target's own greedy output whatever else runs. A seeded request draws the

@@ -9,7 +9,7 @@ import torch
 from modeling.pair import load_pair
 from runtime.backends.cuda_graphs import Caches, GraphCache, capture_key
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS
 
@@ -177,7 +177,8 @@ def test_full_tensorrt_contexts_use_our_memory_and_a_refused_profile_is_an_error
 
 def test_tensorrt_rtx_engines_are_built_for_stream_capture():
     pytest.importorskip("tensorrt_rtx")
-    from export.trt_build import _config, import_tensorrt
+    from export.trt_build import _config
+    from plugins.tensorrt_module import import_tensorrt
 
     trt = import_tensorrt("trt-rtx")
     builder = trt.Builder(trt.Logger())

@@ -6,8 +6,8 @@ import torch
 from export.onnx_export import Limits
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.batch import generate
 from runtime.decoding.scheduler import Params, Scheduler
-from runtime.decoding.speculative import generate
 
 from conftest import ENGINE_CASES, PROMPTS
 

@@ -9,7 +9,7 @@ from modeling.draft_config import BONUS_ANCHOR
 from modeling.pair import load_pair
 from runtime.backends.base import capacity_needed
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS, hf_greedy, median_confidence
 from oracles import OracleDrafts

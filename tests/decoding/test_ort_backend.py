@@ -9,7 +9,7 @@ from export.onnx_export import Limits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import ENGINE_CASES, PROMPTS, hf_greedy
 

@@ -19,7 +19,7 @@ import runtime.generate as generate
 from export.onnx_export import Limits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
-from runtime.decoding.speculative import Decoding
+from runtime.decoding.batch import Decoding
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)

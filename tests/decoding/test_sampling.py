@@ -10,9 +10,9 @@ from modeling.target import from_start
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.adaptive import AdaptiveVerification, StepCosts
+from runtime.decoding.batch import generate
 from runtime.decoding.sampling import draw, pick, probabilities
 from runtime.decoding.scheduler import Params, Scheduler
-from runtime.decoding.speculative import generate
 from runtime.decoding.stats import SpecStats
 from runtime.decoding.verify import rejection_verify
 

@@ -19,7 +19,7 @@ from distill.run import distill
 from modeling.pair import load_pair
 from modeling.target import from_start
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS
 

@@ -9,7 +9,7 @@ import pytest
 
 from common import manifest
 from modeling.registry import ARCHITECTURES
-from modeling.target_config import load_target_config
+from modeling.target_config_reader import load_target_config
 
 from family_configs import configs, save_configs
 

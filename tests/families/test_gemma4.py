@@ -19,7 +19,7 @@ from modeling.checkpoint import CheckpointError
 from modeling.pair import load_pair
 from modeling.target import every_row
 from runtime.backends.ort import OrtBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS
 from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant

@@ -8,7 +8,7 @@ import pytest
 from modeling.draft import load_draft
 from modeling.target import load_target
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import GEMMA4_GOLDEN, GOLDEN
 

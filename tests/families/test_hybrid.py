@@ -15,7 +15,7 @@ from modeling.pair import load_pair
 from plugins.cpu.build import library
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS
 from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant

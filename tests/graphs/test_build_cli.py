@@ -186,7 +186,7 @@ def test_the_early_k_check_reads_the_block_as_the_loader_does(tiny, fields):
     from modeling.checkpoint import read_config
     from modeling.draft_config import load_draft_config
     from modeling.layouts import trained_block
-    from modeling.target_config import load_target_config
+    from modeling.target_config_reader import load_target_config
 
     target, draft = tiny(**fields)
     decoder = load_target_config(target).decoder

@@ -10,7 +10,7 @@ import torch
 from export.build import build
 from export.onnx_export import Limits
 from runtime.backends.ort import OrtBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS, hf_greedy
 

@@ -138,7 +138,7 @@ def test_tensorrt_strongly_typed_network_keeps_the_island(fp16_engine):
     """TensorRT takes each layer's precision from the graph: fc's matrix multiply and the norm
     stay float32 until the Cast to float16."""
     pytest.importorskip("tensorrt_rtx")
-    from export.trt_build import import_tensorrt
+    from plugins.tensorrt_module import import_tensorrt
     from plugins.tensorrt_plugin import register_plugins
 
     trt = import_tensorrt("trt-rtx")

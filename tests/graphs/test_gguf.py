@@ -16,7 +16,7 @@ from modeling.pair import load_pair
 from modeling.target import every_row
 from runtime import Generator
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None
                                 or importlib.util.find_spec("gguf") is None,

@@ -13,7 +13,7 @@ from export.onnx_export import Limits
 from modeling.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import ENGINE_CASES, PROMPTS
 

@@ -18,7 +18,7 @@ from export.onnx_export import Limits
 from plugins.cpu.build import library
 from plugins.qmatmul import ort_lowering as qmatmul_lowering
 from runtime.backends.ort import OrtBackend
-from runtime.decoding.speculative import generate
+from runtime.decoding.batch import generate
 
 from conftest import PROMPTS
 from oracles import OrtOracle

@@ -150,7 +150,7 @@ def test_an_engine_whose_files_are_links_into_a_cache_runs_lowered(engine_dir, t
     """A Hugging Face cache's snapshot holds links to blobs named by hash: ONNX Runtime refuses a
     graph loaded from memory whose weights file is a link out of its folder, so the lowered graph
     gets the file mapped instead, and generates what the engine itself does."""
-    from runtime.decoding.speculative import generate
+    from runtime.decoding.batch import generate
 
     from conftest import PROMPTS
 
