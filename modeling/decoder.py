@@ -163,9 +163,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
+
+
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` in fp32 whatever ``x``'s dtype: what every RMS norm here
+    scales, each by its own weights."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class Rotary(nn.Module):
@@ -279,6 +284,16 @@ class DecoderLayer(nn.Module):
                                                scale=attn.scale, enable_gqa=True)
         h = h + attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h)), k_cache, v_cache
+
+
+def embedded(step: nn.Module, input_ids: torch.Tensor, start: torch.Tensor):
+    """How a target step's forward opens: the rows' embeddings ``h`` (``step.embed_tokens``), the
+    rotary ``cos`` / ``sin`` at their positions ``start ..``, and the taps list, which holds ``h``
+    where the draft taps the embeddings (-1 in ``step.taps``)."""
+    positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+    h = step.embed_tokens(input_ids)
+    cos, sin = step.rotary.cos_sin(positions, h.dtype)
+    return h, cos, sin, [h] if -1 in step.taps else []
 
 
 def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.Tensor, norm: nn.Module,

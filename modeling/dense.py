@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-import torch
 from torch import nn
 
-from modeling.decoder import CachedStep, DecoderLayer, RMSNorm, Rotary, logits_and_aux
+from modeling.decoder import CachedStep, DecoderLayer, RMSNorm, Rotary, embedded, logits_and_aux
 from modeling.moe import SparseMoe
 
 if TYPE_CHECKING:
@@ -49,10 +48,7 @@ class TargetStep(CachedStep, nn.Module):
         self.rotary = Rotary(d)
 
     def forward(self, input_ids, start, logit_rows, *caches):
-        positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        aux = [h] if -1 in self.taps else []
+        h, cos, sin, aux = embedded(self, input_ids, start)
         new_caches = []
         for index, layer in enumerate(self.layers):
             h, k, v = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], start, causal=True)

@@ -23,7 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling.checkpoint import CheckpointError
-from modeling.decoder import MLP, CachedStep, CacheSpec, Rotary, apply_rotary, kv_cache_specs, logits_and_aux
+from modeling.decoder import (
+    MLP,
+    CachedStep,
+    CacheSpec,
+    Rotary,
+    apply_rotary,
+    embedded,
+    kv_cache_specs,
+    logits_and_aux,
+    rms_normalized,
+)
 from modeling.moe import SparseMoe
 from plugins.block_attention import block_attention
 from plugins.cache_write import cache_write
@@ -63,9 +73,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -77,9 +85,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * rms_normalized(x, self.eps).to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -204,10 +210,7 @@ class HybridTargetStep(CachedStep, nn.Module):
         self.rotary = Rotary(d)
 
     def forward(self, input_ids, start, logit_rows, state_slot, state_rows, *caches):
-        positions = start[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        aux = [h] if -1 in self.taps else []
+        h, cos, sin, aux = embedded(self, input_ids, start)
         new_caches = []
         for index, layer in enumerate(self.layers):
             h, first, second = layer(h, cos, sin, caches[2 * index], caches[2 * index + 1], start,

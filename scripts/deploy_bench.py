@@ -1,7 +1,8 @@
 """Load benchmark of the deployment paths on 127.0.0.1: the same N-client streaming load as
 ``serve_bench.py`` through ``runtime.serve``, through Triton Inference Server's ``generate_stream``
 (``export triton-repo``, ``scripts/tritonserver.sh``) and through Ray Serve with 1 and with 2
-replicas (one Ray cluster, the two applications side by side: ``runtime.ray_serve.application``).
+replicas (one Ray cluster, the two applications side by side:
+``runtime.serving.ray_serve.application``).
 
 ``runtime.serve`` and Triton run the engine on ``--threads`` threads; each Ray replica on
 ``--replica-threads``. Every server is up at once and only one is under load at a time, the order
@@ -68,7 +69,7 @@ def main() -> None:
     from ray import serve
 
     from runtime import Generator
-    from runtime.ray_serve import application, local_cluster
+    from runtime.serving.ray_serve import application, local_cluster
     from runtime.serving.tritonserver_repo import write_model
 
     generator = Generator.from_engine(args.engine, threads=args.threads)

@@ -1,6 +1,6 @@
 """Triton's generate extension as tensors, for both ways of running an engine in Triton Inference
-Server: the model-repository model (``runtime/triton_model.py``) and the PyTriton binding
-(``runtime/triton.py``). A request's input tensors are read as an OpenAI request's fields and
+Server: the model-repository model (``tritonserver_model.py``) and the PyTriton binding
+(``pytriton_binding.py``). A request's input tensors are read as an OpenAI request's fields and
 checked by the same rules as ``runtime.serve``'s; a request's events from the scheduler thread
 become its responses' output tensors.
 

@@ -1,7 +1,7 @@
 """``python -m export triton-repo ENGINE OUT``: an engine directory as a model of a Triton Inference
 Server model repository, ``OUT/NAME/config.pbtxt`` and ``OUT/NAME/1/model.py``.
 
-The model is a decoupled Python-backend model (``runtime/triton_model.py``) with the inputs and
+The model is a decoupled Python-backend model (``tritonserver_model.py``) with the inputs and
 outputs of Triton's generate extension, so ``/v2/models/NAME/generate`` and ``generate_stream``
 work with no client of ours. The engine directory is referenced by its absolute path, not copied;
 the Python environment that Triton's Python-backend stub runs must have dspark-trt installed.
@@ -13,9 +13,10 @@ from pathlib import Path
 
 from common.outputs import check_replaceable, staged_directory
 
-MODEL_PY = '''"""Triton's Python backend loads this file; the model is dspark-trt's runtime.triton_model,
-which the Python environment Triton's stub runs in must have installed."""
-from runtime.triton_model import TritonPythonModel  # noqa: F401
+MODEL_PY = '''"""Triton's Python backend loads this file; the model is dspark-trt's
+runtime.serving.tritonserver_model, which the Python environment Triton's stub runs in must have
+installed."""
+from runtime.serving.tritonserver_model import TritonPythonModel  # noqa: F401
 '''
 
 

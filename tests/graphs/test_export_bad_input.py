@@ -188,3 +188,17 @@ def test_triton_repo_keeps_the_other_models_and_an_existing_one_without_force(bu
     refused(["triton-repo", str(built_once), str(models), "--name", "m"], "OUT/NAME", "--force")
     assert (models / "m" / "config.pbtxt").read_text() == config
     assert (models / "other" / "config.pbtxt").read_text() == "mine"
+
+
+def test_a_model_repository_written_before_the_serving_move_loads_the_same_model(built_once, tmp_path):
+    """Repositories written before the Triton model moved into ``runtime/serving/`` import it as
+    ``runtime.triton_model``; theirs and a new repository's ``model.py`` give Triton one class."""
+    import runpy
+
+    models = tmp_path / "models"
+    cli.main(["triton-repo", str(built_once), str(models), "--name", "m"])
+    old = tmp_path / "old_model.py"
+    old.write_text("from runtime.triton_model import TritonPythonModel  # noqa: F401\n")
+    new = runpy.run_path(str(models / "m" / "1" / "model.py"))["TritonPythonModel"]
+    assert runpy.run_path(str(old))["TritonPythonModel"] is new
+    assert new.__module__ == "runtime.serving.tritonserver_model"

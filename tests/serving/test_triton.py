@@ -1,7 +1,8 @@
 """An engine directory served by Triton Inference Server for real, both ways: a model repository
 that ``python -m export triton-repo`` writes, served by the ``tritonserver`` binary of
 ``nvidia-pytriton`` (``scripts/setup_triton.sh``, ``scripts/tritonserver.sh``), and the PyTriton
-binding (``runtime.triton.serve``); each on 127.0.0.1, where Triton's own endpoints answer what
+binding (``runtime.serving.pytriton_binding.serve``); each on 127.0.0.1, where Triton's own
+endpoints answer what
 ``Generator`` generates: the generate extension over HTTP, streamed or not, and gRPC streaming
 through ``tritonclient``."""
 from __future__ import annotations
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no .venv-tri
 PYTRITON = """
 import sys
 from pytriton.triton import TritonConfig
-from runtime.triton import serve
+from runtime.serving.pytriton_binding import serve
 
 engine, http, grpc, metrics, k = sys.argv[1:]
 serve(engine, TritonConfig(http_address="127.0.0.1", http_port=int(http), grpc_address="127.0.0.1",
