@@ -16,10 +16,9 @@ from modeling.checkpoint import (
     load_tensors,
     resolve,
 )
+from modeling.decoder import CachedStep
 from modeling.dense import TargetStep
-from modeling.gemma4 import Gemma4TargetStep
 from modeling.moe import fuse_experts
-from modeling.qwen3_5 import HybridTargetStep
 from modeling.registry import ARCHITECTURES
 from modeling.target_config import TargetConfig
 from modeling.target_config_reader import gguf_config, load_target_config
@@ -30,7 +29,8 @@ IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.",
 
 
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
-                role: str = "target") -> TargetStep | HybridTargetStep | Gemma4TargetStep:
+                role: str = "target") -> CachedStep:
+    """The family's step module (``registry.py``), which keeps ``dense.TargetStep``'s contract."""
     directory = resolve(path, role)
     config = load_target_config(directory)
     tensors = _tensors(directory, config)
