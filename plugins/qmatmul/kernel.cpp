@@ -29,7 +29,6 @@ namespace {
 
 constexpr int BLOCK = 32;
 constexpr int TILE = 16;       // columns per interleaved tile
-constexpr int ROW_GROUP = 4;   // rows sharing one unpacked tile block in registers
 // Blocks ahead whose weights are asked for while a block is computed (the next tile's once past
 // this one's: tiles lie one after the other), so that memory streams them in while the rows are
 // computed rather than after: a call's extra rows then cost their compute alone, not compute plus
@@ -224,6 +223,16 @@ XRows x_rows(void* scratch, int64_t M, int64_t K) {
             reinterpret_cast<int32_t*>(base + M * K + 4 * M * blocks),
             reinterpret_cast<float*>(base + M * K + 8 * M * blocks)};
 }
+
+// Rows sharing one unpacked tile block in registers: as many as the registers hold beside the
+// block (AVX-512: 32 registers, the block 8 of them; AVX2: 16, the block all of them), so that a
+// verify call of k + 1 = 5 rows unpacks each block once, not once for 4 rows and again for the
+// fifth (which cost that call's fifth row twice what each of the others did).
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int ROW_GROUP = 8;
+#else
+constexpr int ROW_GROUP = 4;
+#endif
 
 // ROWS rows (a template argument, so that their accumulators stay in registers) of one tile.
 template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
