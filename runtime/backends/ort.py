@@ -95,6 +95,7 @@ class OrtBackend(EngineBackend):
         self.pool_graphs = {name for name, session in self.sessions.items()
                        if SLOTS in {value.name for value in session.get_inputs()}}
         self.batched = "target" in self.pool_graphs
+        self.pool_slots = None   # the slots of the pools ``start`` made
         if self.batched:
             self.default_batch = None
 
@@ -131,15 +132,19 @@ class OrtBackend(EngineBackend):
             raise damaged(path, "ONNX Runtime cannot load it", err) from None
 
     def start(self, batch: int) -> None:
-        """Fresh zeroed caches for each of ``batch`` slots, bound in place: ``bindings[slot][graph]``
-        is that slot's; a pooled graph's are one pool, ``pools[graph]`` its caches (``[slot]``
-        each slot's rows) and their binding."""
+        """Caches for each of ``batch`` slots, bound in place: ``bindings[slot][graph]`` is that
+        slot's, fresh and zeroed; a pooled graph's are one pool, ``pools[graph]`` its caches
+        (``[slot]`` each slot's rows) and their binding. A pool of ``batch`` slots made before is
+        kept as ``clear`` keeps a slot's rows (no sequence reads rows it did not write), with its
+        bindings: zeroing it again cost each new ``Decoding`` 3-30 ms a slot (~100 MB of K/V)."""
         self.limits.check_batch(batch)
         self.bindings = [self._fresh_bindings() for _ in range(batch)]
-        self.pools = {name: self._bound_caches(name, batch) for name in self.pool_graphs}
-        self._buffers: dict[tuple, tuple[dict, list]] = {}
         self._bound: dict[str, tuple] = {}
-        self._pool_bindings: dict[tuple, object] = {}   # a pooled graph's binding per shape
+        if self.pool_slots != batch:
+            self.pools = {name: self._bound_caches(name, batch) for name in self.pool_graphs}
+            self.pool_slots = batch
+            self._buffers: dict[tuple, tuple[dict, list]] = {}
+            self._pool_bindings: dict[tuple, object] = {}   # a pooled graph's binding per shape
 
     def clear(self, slot: int) -> None:
         """A new sequence in ``slot`` (the others keep theirs): fresh zeroed caches for the graphs
