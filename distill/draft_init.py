@@ -12,6 +12,7 @@ from modeling.checkpoint import hf_location, read_config
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep
 from modeling.draft_config import load_draft_config, native_config
+from modeling.registry import ARCHITECTURES, QWEN3_DRAFT
 from modeling.target_config_reader import load_target_config
 
 from .options import DistillSpec
@@ -51,11 +52,13 @@ def init_layers(spec: DistillSpec, num_layers: int) -> list[int]:
 
 
 def num_target_layers(target_dir: Path) -> int:
-    """The target's layer count; a Gemma 4 target is refused: its draft is DeepSpec's
-    ``Gemma4DSparkModel``, which ``distill`` does not train yet (it trains Qwen3 backbones)."""
+    """The target's layer count; a target whose family's draft is not DeepSpec's
+    ``Qwen3DSparkModel`` (the registry's ``Family.draft``: Gemma 4's) is refused, since ``distill``
+    trains Qwen3 backbones only."""
     config = load_target_config(target_dir)
-    if config.gemma4 is not None:
-        raise ValueError(f"{target_dir}: a {config.architecture} target's draft is a Gemma4DSparkModel, "
+    draft = ARCHITECTURES[config.architecture].family.draft
+    if draft != QWEN3_DRAFT:
+        raise ValueError(f"{target_dir}: a {config.architecture} target's draft is a {draft}, "
                          f"which distill does not train yet; train it with DeepSpec and load it with "
                          f"`python -m export build`")
     return config.decoder.num_layers

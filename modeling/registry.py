@@ -36,6 +36,9 @@ class Parts:
     gemma4: Gemma4Layout | None = None              # a Gemma 4 target's layers beyond decoder's
 
 
+QWEN3_DRAFT = "Qwen3DSparkModel"   # the draft DeepSpec trains for most families, and ``distill`` too
+
+
 @dataclass(frozen=True)
 class Family:
     """One family of text models, whichever checkpoint layout holds it."""
@@ -47,6 +50,7 @@ class Family:
     # (tensors, target config, "FILE: field '[text_config.]") -> None; CheckpointError names the field
     check_weights: Callable | None = None    # the checkpoint's tensors, before the module takes them
     check_unused: Callable | None = None     # the tensors the module did not take
+    draft: str = QWEN3_DRAFT                 # DeepSpec's native draft class for its targets
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,9 @@ QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (F
 # Gemma 4 (MoE blocks too: 26B-A4B), and its "unified" form (the 12B: the same text layers without
 # per-layer inputs)
 GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
-                check_unused=check_unused)
+                check_unused=check_unused, draft="Gemma4DSparkModel")
 GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
-                        check_unused=check_unused)
+                        check_unused=check_unused, draft="Gemma4DSparkModel")
 
 def _multimodal(name: str, family: Family) -> Architecture:
     return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",
