@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from runtime.backends import GPU_BACKENDS
-from runtime.serving.server_flags import add_server_flags, check_finite, parse_draft_schedule
+from runtime.serving.server_flags import add_server_flags, check_finite
 
 # the named actor through which the driver stops the replicas, in a namespace of its own (a replica
 # runs in Ray Serve's)
@@ -79,9 +79,10 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
     from ray import serve
 
     from common import manifest as manifest_file
+    from runtime.decoding.draft_schedule import DraftSchedule
 
-    schedule = parse_draft_schedule(engine, draft_schedule)
     manifest = manifest_file.read(Path(engine))
+    schedule = DraftSchedule.parse(draft_schedule, manifest["draft"]["k"]) if draft_schedule else None
     engine, model = str(Path(engine).resolve()), model or Path(engine).resolve().name
 
     def build():

@@ -1,13 +1,12 @@
 """The flags every server command takes (``python -m runtime.serve``, ``python -m
-runtime.ray_serve``), each command's help saying what they mean there, and what they are checked
-against before anything loads."""
+runtime.ray_serve``), each command's help saying what they mean there, and the check of their
+numbers before anything loads."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 from runtime.backends import BACKENDS
-from runtime.decoding.draft_schedule import DraftSchedule
 
 SCHEDULE = "adaptive|BUSY:DRAFTS,..."
 
@@ -31,15 +30,6 @@ def check_finite(flag: str, value: float) -> None:
     """Refuse ``value`` in one line unless it is a finite number, at least 0."""
     if not 0 <= value < float("inf"):
         raise ValueError(f"{flag} {value}: expected a finite number, at least 0")
-
-
-def parse_draft_schedule(engine: str | Path, text: str | None) -> DraftSchedule | None:
-    """``--draft-schedule`` for the ``k`` that ``engine``'s manifest records (None: adaptive); the
-    manifest and the schedule are refused in one line."""
-    from common import manifest
-
-    k = manifest.read(Path(engine))["draft"]["k"]
-    return DraftSchedule.parse(text, k) if text else None
 
 
 def model_name(args: argparse.Namespace) -> str:

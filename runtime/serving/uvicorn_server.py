@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
+from runtime.decoding.draft_schedule import DraftSchedule
 from runtime.decoding.generator import Generator
 from runtime.serving.openai_server import Server
-from runtime.serving.server_flags import add_server_flags, check_finite, model_name, parse_draft_schedule
+from runtime.serving.server_flags import add_server_flags, check_finite, model_name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,10 +33,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="the largest request body accepted, in MB; larger ones get 413 [16]")
     p.add_argument("--access-log", action="store_true", help="log every request on stderr (uvicorn's)")
     args = p.parse_args(argv)
+    from common import manifest as manifest_file
+
     try:   # what can be checked before listening gets one line and status 1 now
         check_finite("--max-body", args.max_body)
         check_finite("--grace-period", args.grace_period)
-        schedule = parse_draft_schedule(args.engine, args.draft_schedule)
+        k = manifest_file.read(Path(args.engine))["draft"]["k"]
+        schedule = DraftSchedule.parse(args.draft_schedule, k) if args.draft_schedule else None
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     import logging
