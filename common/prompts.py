@@ -9,7 +9,7 @@ from pathlib import Path
 # distill's default prompts, and the held-out text of the build's quality cost (its last records)
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "gsm8k.jsonl"
 # beside a draft: the prompts it was distilled on, as data (``python -m distill`` writes it into its
-# --out; the demo draft ships its own), so that ``runtime.bench`` can refuse to measure on them
+# --out; the demo draft ships its own), so that ``python -m bench`` can refuse to measure on them
 TRAINING_RECORD = "training.json"
 
 

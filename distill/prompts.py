@@ -43,10 +43,10 @@ def read_prompts(spec: DistillSpec,
 
 def write_training_record(out: Path, spec: DistillSpec) -> None:
     """``OUT/training.json``: the records of each file that the draft trains on, which
-    ``runtime.bench`` refuses to measure it on (copy it with the draft's files)."""
+    ``python -m bench`` refuses to measure it on (copy it with the draft's files)."""
     ranges = [(path, _trained(spec, path, read_jsonl_prompts(path, "--prompts"))) for path in spec.prompts]
     about = ("The prompts this draft was distilled on (python -m distill): the first turn of records "
-             "[first, end) of each file; runtime.bench refuses to measure acceptance on them.")
+             "[first, end) of each file; python -m bench refuses to measure acceptance on them.")
     (out / TRAINING_RECORD).write_text(json.dumps(training_record(ranges, about), indent=1) + "\n")
 
 

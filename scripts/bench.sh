@@ -3,7 +3,7 @@
 # on prompts that distillation held out (the last 20 records of each file), batch 1, greedy and
 # temperature 1, against target-only decoding on the same engine and transformers generate (plain
 # and with prompt lookup). Writes docs/bench/<set>-t<T>.{json,png}. Extra arguments go to every
-# `python -m runtime.bench` call (e.g. --limit 2 for a quick look).
+# `python -m bench` call (e.g. --limit 2 for a quick look).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # its own engine folder: the demo's engines/smollm2-135m-instruct (built by scripts/demo.sh) is
@@ -18,7 +18,7 @@ mkdir -p docs/bench
 for temperature in 0 1; do
     for set in "gsm8k 180" "mt-bench 60" "humaneval 144"; do
         read -r name skip <<< "$set"
-        .venv/bin/python -m runtime.bench --engine "$ENGINE" --prompts-file "$PROMPTS/$name.jsonl" \
+        .venv/bin/python -m bench --engine "$ENGINE" --prompts-file "$PROMPTS/$name.jsonl" \
             --skip "$skip" --limit 6 --max-new-tokens 128 --temperature "$temperature" \
             --prompt-lookup 4 --out "docs/bench/$name-t$temperature.json" \
             --plot "docs/bench/$name-t$temperature.png" "$@"

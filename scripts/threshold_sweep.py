@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-schedule", default="adaptive", metavar="adaptive|N",
-                   help="drafts verified per step, as runtime.bench takes it [adaptive]")
+                   help="drafts verified per step, as python -m bench takes it [adaptive]")
     args = p.parse_args()
     prompts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:args.skip + args.limit]
     generator = Generator.from_engine(args.engine, threads=args.threads)

@@ -28,7 +28,8 @@ def _layer(module: str) -> int:
     for i, layer in reversed(list(enumerate(LAYERS))):
         if module == layer or module.startswith(layer + "."):
             return i
-    return ENTRY if module == "runtime" or module.startswith("runtime.") else -1
+    entry = ("runtime", "bench")   # the CLIs, and the benchmarks that run them
+    return ENTRY if any(module == e or module.startswith(e + ".") for e in entry) else -1
 
 
 def _imports(path: Path, module: str, names: bool = False) -> set[str]:
@@ -50,7 +51,7 @@ def _imports(path: Path, module: str, names: bool = False) -> set[str]:
     return {name for name in found if _layer(name) >= 0}
 
 
-SOURCES = [path for layer in ("common", "plugins", "modeling", "export", "runtime", "distill")
+SOURCES = [path for layer in ("common", "plugins", "modeling", "export", "runtime", "distill", "bench")
            for path in (ROOT / layer).rglob("*.py")]
 
 
@@ -110,5 +111,5 @@ def test_the_layers_are_told_apart():
                                 "export.build", "runtime.backends", "runtime.decoding.scheduler",
                                 "runtime.serving.request_loop", "distill.loop")] == list(range(ENTRY))
     assert {_layer(m) for m in ("runtime", "runtime.serve", "runtime.scheduler", "export.__main__",
-                                "distill.__main__")} == {ENTRY}
+                                "distill.__main__", "bench", "bench.decoding")} == {ENTRY}
     assert _layer("torch") == _layer("onnxruntime") == -1

@@ -1,10 +1,10 @@
-"""``python -m runtime.bench`` on a tiny engine: the report, its invariant checks, and the plot;
+"""``python -m bench`` on a tiny engine: the report, its invariant checks, and the plot;
 prompts a draft was distilled on refused."""
 import json
 from pathlib import Path
 
+from bench import decoding as bench
 from export.onnx_export import Limits
-from runtime import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -199,7 +199,7 @@ def test_torch_backend_needs_the_source_checkpoints(engine, tmp_path):
      "unrecognized argument --max-new-token; did you mean --max-new-tokens?"),
     ("runtime.generate", ["--engine", "e", "--temprature", "0.5"],
      "unrecognized argument --temprature; did you mean --temperature?"),
-    ("runtime.bench", ["--engine", "e", "--prompts-file", "p", "--limt", "2"],
+    ("bench", ["--engine", "e", "--prompts-file", "p", "--limt", "2"],
      "unrecognized argument --limt; did you mean --limit?"),
     ("export", ["build", "--max-batchs", "2"],
      "unrecognized argument --max-batchs; did you mean --max-batch?"),

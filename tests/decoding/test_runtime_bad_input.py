@@ -1,4 +1,4 @@
-"""Bad input to ``python -m runtime.generate``, ``python -m runtime.bench`` and the ``Generator``
+"""Bad input to ``python -m runtime.generate``, ``python -m bench`` and the ``Generator``
 API: each is refused with one line that names the flag, file or prompt, before any work, and
 nothing the user gave (engine directory, prompt files, earlier outputs) changes. Ctrl-C at any
 moment exits 130 with one line."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import runtime.bench as bench
 import runtime.generate as generate
+from bench import decoding as bench
 from export.onnx_export import Limits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
@@ -333,7 +333,7 @@ def test_ctrl_c_at_any_moment_of_generate_exits_cleanly(engine, prompts_file, wh
 
 def test_ctrl_c_while_importing_bench_exits_cleanly(engine, prompts_file, tmp_path):
     prompts = prompts_file("the cat")
-    run = _interrupted(["runtime.bench", "--engine", engine, "--prompts-file", prompts,
+    run = _interrupted(["bench", "--engine", engine, "--prompts-file", prompts,
                         "--out", tmp_path / "b.json", "--plot", tmp_path / "b.png"], 0.3)
     assert run.returncode == 130 and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and "interrupted" in run.stderr

@@ -80,7 +80,7 @@ def test_distill_writes_a_draft_that_loads_and_keeps_the_greedy_invariant(tiny, 
     draft = _assert_greedy_invariant(target_dir, out)
     assert draft.k == 3
     # what it was trained on, as data beside it: the first 6 of the 10 records (the last 4 held out),
-    # the file known by its checksum (runtime.bench refuses to measure the draft on them)
+    # the file known by its checksum (python -m bench refuses to measure the draft on them)
     record = json.loads((out / "training.json").read_text())
     assert [(e["file"], e["records"]) for e in record["prompts"]] == [(str(prompts_file), [0, 6])]
     assert record["prompts"][0]["checksum"] == file_checksum(prompts_file)

@@ -44,7 +44,7 @@ def test_make_tiny_rejects_a_bad_draft_vocab(tmp_path):
 
 
 def test_module_entry_points_run():
-    for module in ("export", "runtime.generate", "runtime.bench"):
+    for module in ("export", "runtime.generate", "bench"):
         result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
                                 capture_output=True, text=True, check=True)
         assert "usage: python -m" in result.stdout

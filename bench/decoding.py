@@ -1,4 +1,4 @@
-"""``python -m runtime.bench``: speculative vs target-only decoding on the same engine, and
+"""``python -m bench``: speculative vs target-only decoding on the same engine, and
 ``transformers`` ``generate`` on the original target as the outside baseline; optionally llama.cpp
 on a GGUF file too (``--llama-cpp``), in a process of its own, interleaved prompt by prompt.
 
@@ -23,7 +23,7 @@ from runtime.generate import add_draft_schedule, check_flags, read_prompts, stop
 def parser():
     from common.cli_parser import Parser
 
-    p = Parser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory")
     p.add_argument("--prompts-file", type=Path, required=True,
                    help="JSON Lines of {\"turns\": [...]} (e.g. data/prompts/gsm8k.jsonl)")
@@ -84,7 +84,7 @@ def checked_run(args) -> dict:
         writable_file(args.out, "--out")
         writable_file(args.plot, "--plot")
         if args.llama_cpp:
-            from runtime import llama_cpp_baseline
+            from bench import llama_cpp_baseline
 
             llama_cpp_baseline.check(args.llama_cpp)
         args.prompt = []
@@ -269,7 +269,7 @@ def _llama_cpp(args, generator):
     import contextlib
     import os
 
-    from runtime import llama_cpp_baseline
+    from bench import llama_cpp_baseline
 
     if not args.llama_cpp:
         return contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""llama.cpp as ``runtime.bench``'s outside baseline: greedy decoding of the same token ids through
+"""llama.cpp as ``python -m bench``'s outside baseline: greedy decoding of the same token ids through
 ``llama-cpp-python`` on a GGUF file, in a worker process of its own.
 
 Its own process because llama.cpp's OpenMP thread pool and ONNX Runtime's / torch's compete when
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-INSTALL = "pip install llama-cpp-python, built for this CPU (see runtime/llama_cpp_baseline.py)"
+INSTALL = "pip install llama-cpp-python, built for this CPU (see bench/llama_cpp_baseline.py)"
 
 
 def check(gguf: Path) -> None:
@@ -41,7 +41,7 @@ class LlamaCpp:
 
     def __init__(self, gguf: Path, threads: int | None, context: int):
         self.gguf = gguf
-        self.command = [sys.executable, "-m", "runtime.llama_cpp_baseline", str(gguf), str(context)]
+        self.command = [sys.executable, "-m", "bench.llama_cpp_baseline", str(gguf), str(context)]
         self.command += [str(threads)] if threads else []
 
     def __enter__(self) -> "LlamaCpp":
@@ -69,7 +69,7 @@ class LlamaCpp:
         if not line:
             status = self.process.wait()
             hint = (": llama-cpp-python was built for another CPU (an illegal instruction); rebuild it "
-                    "with the CMAKE_ARGS in runtime/llama_cpp_baseline.py" if status in (-4, 132) else "")
+                    "with the CMAKE_ARGS in bench/llama_cpp_baseline.py" if status in (-4, 132) else "")
             raise ValueError(f"--llama-cpp {self.gguf}: the llama.cpp worker stopped (exit status "
                              f"{status}){hint}")
         answer = json.loads(line)
