@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_attention_heads", "num_key_value_heads", "head_dim")
 # Far above any released model's widths, and refused before a tensor of that size is allocated
 LARGEST_DIMENSION = 1 << 24
+# a draft config's backbone fields not handed to transformers: the precision is --dtype's, the
+# model type is checked
+IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype")
 
 
 def is_int(value) -> bool:
@@ -294,6 +298,21 @@ def embedded(step: nn.Module, input_ids: torch.Tensor, start: torch.Tensor):
     h = step.embed_tokens(input_ids)
     cos, sin = step.rotary.cos_sin(positions, h.dtype)
     return h, cos, sin, [h] if -1 in step.taps else []
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``tanh(logits / cap) * cap`` (``final_logit_softcapping``), in the logits' dtype."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class DraftBackbone(NamedTuple):
+    """A DSpark draft's modules between ``fc`` and ``lm_head``, as its backbone's family makes them
+    (the registry's ``DRAFTS``); ``modeling/draft.py`` keeps them under DeepSpec's names."""
+    embed_tokens: nn.Module
+    hidden_norm: nn.Module          # the context rows' norm after ``fc``
+    layers: nn.ModuleList
+    norm: nn.Module
+    logit_softcap: float | None = None
 
 
 def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.Tensor, norm: nn.Module,

@@ -1,16 +1,31 @@
 """``TargetStep``: one forward of a dense target LLM (Qwen3, Llama, Qwen3-MoE) over fixed-capacity
-KV caches, and the contract every family's step keeps.
+KV caches, and the contract every family's step keeps; and the Qwen3 backbone of the DSpark drafts
+DeepSpec trains for most families (``Qwen3DSparkModel``, and Speculators' ``dspark``).
 
 The same module serves prefill chunks and verification (``S = k + 1`` rows): flat tensors in and
 out, no ``transformers`` cache objects, so it exports to ONNX as it is.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from torch import nn
 
-from modeling.decoder import CachedStep, DecoderLayer, RMSNorm, Rotary, embedded, logits_and_aux
+from modeling.checkpoint import CheckpointError, one_line
+from modeling.decoder import (
+    CONFIG_ERRORS,
+    IGNORED_BACKBONE_FIELDS,
+    CachedStep,
+    DecoderConfig,
+    DecoderLayer,
+    DraftBackbone,
+    RMSNorm,
+    Rotary,
+    check_fields,
+    embedded,
+    logits_and_aux,
+)
 from modeling.moe import SparseMoe
 
 if TYPE_CHECKING:
@@ -56,3 +71,33 @@ class TargetStep(CachedStep, nn.Module):
             if index in self.taps:
                 aux.append(h)
         return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
+
+
+def read_draft(backbone: dict, path: Path, field: str = "") -> tuple[DecoderConfig, int, int, dict]:
+    """A Qwen3 draft backbone's decoder, vocabulary size and max_position_embeddings, and no
+    section of its own; ``field`` says where the backbone sits in the file ("" for a native
+    config, ``transformer_layer_config.`` for Speculators')."""
+    from transformers import AutoConfig
+
+    model_type = backbone.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise CheckpointError(f"{path}: {field}model_type {model_type!r}: only qwen3 DSpark "
+                              f"backbones are supported")
+    clean = {k: v for k, v in backbone.items() if k not in IGNORED_BACKBONE_FIELDS}
+    try:
+        check_fields(clean, "qwen3")
+        hf = AutoConfig.for_model("qwen3", **clean)
+        decoder = DecoderConfig.from_hf(hf, qk_norm=True)
+    except CONFIG_ERRORS as err:
+        where = f"{field[:-1]}: " if field else ""
+        raise CheckpointError(f"{path}: {where}{one_line(err)}") from None
+    return decoder, hf.vocab_size, hf.max_position_embeddings, {}
+
+
+def draft_backbone(config) -> DraftBackbone:
+    """The modules of a draft with ``config`` (a ``DraftConfig``) on Qwen3 decoder layers."""
+    d = config.decoder
+    return DraftBackbone(nn.Embedding(config.vocab_size, d.hidden_size),
+                         RMSNorm(d.hidden_size, d.rms_norm_eps),
+                         nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers)),
+                         RMSNorm(d.hidden_size, d.rms_norm_eps))

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from modeling.checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
-from modeling.decoder import CachedStep, DecoderLayer, RMSNorm, Rotary
+from modeling.decoder import CachedStep, Rotary, softcap
 from modeling.dense import TargetStep
 from modeling.draft_config import DraftConfig, load_draft_config, resolve_k
-from modeling.gemma4 import AttentionShape, Gemma4Layer, Gemma4RMSNorm, ScaledEmbedding, softcap
+from modeling.registry import DRAFTS
 from modeling.target import load_embeddings
 from modeling.target_config import TargetConfig
 from modeling.target_config_reader import load_target_config
@@ -60,20 +60,12 @@ class DraftStep(CachedStep, nn.Module):
         d = config.decoder
         self.config, self.k = config, k
         self.target_vocab_size = target_vocab_size
-        taps, g = len(config.target_layer_ids), config.gemma4
+        taps = len(config.target_layer_ids)
         self.fc = nn.Linear(taps * config.target_hidden_size, d.hidden_size, bias=False)
-        if g is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, d.hidden_size)
-            self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-            self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.num_layers))
-            self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        else:   # DeepSpec's Gemma4DSparkModel: Gemma 4 layers, all full attention
-            self.embed_tokens = ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5)
-            self.hidden_norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
-            shape = AttentionShape(d.num_heads, d.num_kv_heads, d.head_dim, k_eq_v=g.attention_k_eq_v)
-            self.layers = nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps,
-                                                    d.attention_bias) for size in g.mlp_sizes)
-            self.norm = Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps)
+        # the layers and the norms around them are the draft class's family's
+        backbone = DRAFTS[config.architecture].backbone(config)
+        self.embed_tokens, self.hidden_norm, self.layers, self.norm = backbone[:4]
+        self.logit_softcap = backbone.logit_softcap
         self.lm_head = nn.Linear(d.hidden_size, config.draft_vocab_size, bias=False)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, config.markov_rank)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -129,9 +121,8 @@ class DraftStep(CachedStep, nn.Module):
         return self.logits(h), *new_caches
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Base logits of the last hidden rows (a Gemma 4 draft's soft-capped)."""
-        cap = self.config.gemma4.final_logit_softcapping if self.config.gemma4 else None
-        return softcap(self.lm_head(self.norm(h)), cap)
+        """Base logits of the last hidden rows (soft-capped where the backbone's are)."""
+        return softcap(self.lm_head(self.norm(h)), self.logit_softcap)
 
     def sample(self, base, anchor, temperature, noise):
         """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,

@@ -19,46 +19,27 @@ Conventions (``docs/dspark.md#target-taps``, ``#block-layouts-and-k``):
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from modeling.checkpoint import CheckpointError, one_line, read_config
-from modeling.decoder import (
-    CONFIG_ERRORS,
-    LARGEST_DIMENSION,
-    DecoderConfig,
-    check_fields,
-    is_int,
-    is_positive_number,
-)
+from modeling.checkpoint import CheckpointError, read_config
+from modeling.decoder import LARGEST_DIMENSION, DecoderConfig, is_int, is_positive_number
+from modeling.gemma4 import Gemma4Draft
 from modeling.layouts import ANCHOR_FIRST, BONUS_ANCHOR, check_k, max_drafts
+from modeling.registry import DRAFTS, QWEN3_DRAFT
 
 BLOCK_SIZE = "trained block width, at most the draft's max_position_embeddings"
-# backbone fields not handed to transformers: the precision is --dtype's, the model type is checked
-IGNORED_BACKBONE_FIELDS = ("model_type", "architectures", "dtype", "torch_dtype")
 # target config keys a Qwen3 draft must not inherit
 NOT_INHERITED = ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path",
                  "transformers_version", "mlp_bias", "pretraining_tp", "dtype", "torch_dtype",
                  "tie_word_embeddings", "logit_scale")
 # where vLLM reads a native draft's nestable fields, first to last
 NESTED_SECTIONS = ("dflash_config", "eagle_config")
-# DeepSpec's native draft classes -> their backbone's model_type
-NATIVE = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4_text"}
-
-
-@dataclass(frozen=True)
-class Gemma4Draft:
-    """What a Gemma 4 draft (DeepSpec's ``Gemma4DSparkModel``) adds to its ``DecoderConfig``,
-    which holds its full-attention head size, KV heads and proportional RoPE: V taken from the
-    raw K projection, soft-capped logits, and each layer's MLP width."""
-    attention_k_eq_v: bool
-    final_logit_softcapping: float | None
-    mlp_sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class DraftConfig:
+    architecture: str                   # the draft class (registry.DRAFTS): its backbone
     source_format: str                  # "native" (DeepSpec) or "speculators"
     decoder: DecoderConfig
     vocab_size: int                     # V: rows of embed_tokens and markov_w1 (indexed by target ids)
@@ -89,13 +70,13 @@ def load_draft_config(directory: Path, target_num_layers: int, target_hidden_siz
     path = directory / "config.json"
     if "speculators_model_type" in raw:
         config = _from_speculators(raw, path, target_hidden_size, target_num_layers)
-    elif isinstance(raw.get("architectures"), list) and set(NATIVE) & set(raw["architectures"]):
+    elif isinstance(raw.get("architectures"), list) and set(DRAFTS) & set(raw["architectures"]):
         config = _from_native(raw, path, target_hidden_size, target_num_layers)
     else:
+        native = " or ".join(f"['{name}']" for name in DRAFTS)
         raise CheckpointError(
-            f"{path}: not a DSpark draft: expected architectures ['Qwen3DSparkModel'] or "
-            f"['Gemma4DSparkModel'] (native DeepSpec) or speculators_model_type 'dspark' "
-            f"(Speculators), got architectures {raw.get('architectures')}")
+            f"{path}: not a DSpark draft: expected architectures {native} (native DeepSpec) or "
+            f"speculators_model_type 'dspark' (Speculators), got architectures {raw.get('architectures')}")
     if config.target_hidden_size != target_hidden_size:
         raise CheckpointError(f"{path}: target_hidden_size {config.target_hidden_size} does not match "
                               f"the target's hidden_size {target_hidden_size}")
@@ -129,28 +110,6 @@ def native_config(target: dict, *, layers: int, block_size: int, taps, mask_toke
         config["draft_vocab_size"] = draft_vocab_size
     if bonus_anchor:
         config["dspark_bonus_anchor"] = True
-    return config
-
-
-def gemma4_native_config(target: dict, *, layers: int, block_size: int, taps, mask_token_id: int,
-                         markov_rank: int, num_anchors: int) -> dict:
-    """What DeepSpec's ``build_draft_config`` writes for a Gemma 4 target whose text config.json
-    is ``target``: a copy of it (in transformers 5.10's form, the full layers' head size and KV
-    heads as ``global_head_dim`` / ``num_global_key_value_heads``) with ``layers`` full-attention
-    layers and the DSpark fields, a confidence head among them; no per-layer inputs and no MoE
-    blocks, which DeepSpec's ``Gemma4DSparkDecoderLayer`` asserts off (it copies them from the
-    target, so a draft for a per-layer-input or MoE target has them set off by hand)."""
-    config = {k: v for k, v in copy.deepcopy(target).items()
-              if k not in NOT_INHERITED and k != "per_layer_config"}
-    full = next((v for v in (target.get("per_layer_config") or {}).values()), {})
-    config.setdefault("global_head_dim", full.get("head_dim", target.get("head_dim")))
-    config.setdefault("num_global_key_value_heads", full.get("num_key_value_heads"))
-    config.update(
-        architectures=["Gemma4DSparkModel"], num_target_layers=target["num_hidden_layers"],
-        num_hidden_layers=layers, layer_types=["full_attention"] * layers, hidden_size_per_layer_input=0,
-        enable_moe_block=False, tie_word_embeddings=False, target_layer_ids=list(taps), block_size=block_size,
-        mask_token_id=mask_token_id, num_anchors=num_anchors, markov_rank=markov_rank,
-        markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True)
     return config
 
 
@@ -191,68 +150,6 @@ def _bool_field(raw: dict, key: str, path: Path, default: bool) -> bool:
     return value
 
 
-def _decoder(backbone: dict, path: Path, field: str) -> tuple[DecoderConfig, int, int]:
-    """The backbone's decoder, vocabulary size and max_position_embeddings; ``field`` says where
-    the backbone sits in the file ("" for a native config)."""
-    from transformers import AutoConfig
-
-    model_type = backbone.get("model_type", "qwen3")
-    if model_type != "qwen3":
-        raise CheckpointError(f"{path}: {field}model_type {model_type!r}: only qwen3 DSpark "
-                              f"backbones are supported")
-    clean = {k: v for k, v in backbone.items() if k not in IGNORED_BACKBONE_FIELDS}
-    try:
-        check_fields(clean, "qwen3")
-        hf = AutoConfig.for_model("qwen3", **clean)
-        decoder = DecoderConfig.from_hf(hf, qk_norm=True)
-    except CONFIG_ERRORS as err:
-        where = f"{field[:-1]}: " if field else ""
-        raise CheckpointError(f"{path}: {where}{one_line(err)}") from None
-    return decoder, hf.vocab_size, hf.max_position_embeddings
-
-
-def _gemma4_decoder(raw: dict, path: Path) -> tuple[DecoderConfig, int, int, Gemma4Draft]:
-    """A ``Gemma4DSparkModel``'s backbone, as DeepSpec builds it from the config (a copy of the
-    target's text config): every layer full attention of ``global_head_dim``, KV heads
-    ``num_global_key_value_heads`` where K is V, RoPE as the target's full layers."""
-    from transformers import AutoConfig
-
-    from modeling.gemma4 import FULL_LAYER_FIELDS, layout_from_hf, mlp_size
-
-    model_type = raw.get("model_type")
-    if model_type not in ("gemma4_text", "gemma4_unified_text"):   # a copy of its target's text config
-        raise CheckpointError(f"{path}: field 'model_type' = {model_type!r}: expected 'gemma4_text' or "
-                              f"'gemma4_unified_text' for Gemma4DSparkModel")
-    # absent, transformers 5.10 (which DeepSpec builds it with) assumes per-layer inputs of 256
-    for field, off, default in (("hidden_size_per_layer_input", 0, 256), ("enable_moe_block", False, False)):
-        value = raw.get(field, default)
-        if value != off or isinstance(value, bool) != isinstance(off, bool):
-            raise CheckpointError(f"{path}: field '{field}' = {value!r}: DeepSpec's Gemma4DSparkModel has "
-                                  f"no per-layer inputs or MoE blocks; expected {json.dumps(off)}")
-    layers = raw.get("num_hidden_layers")
-    if not (is_int(layers) and 1 <= layers <= LARGEST_DIMENSION):
-        raise CheckpointError(f"{path}: field 'num_hidden_layers' = {layers!r}: expected an integer from 1 "
-                              f"to {LARGEST_DIMENSION}")
-    if raw.get("layer_types") != ["full_attention"] * layers:
-        raise CheckpointError(f"{path}: field 'layer_types' = {raw.get('layer_types')!r}: expected "
-                              f"'full_attention' for each of the {layers} draft layers")
-    if raw.get("attention_k_eq_v") and not is_int(raw.get("num_global_key_value_heads")):
-        raise CheckpointError(f"{path}: field 'num_global_key_value_heads' = "
-                              f"{raw.get('num_global_key_value_heads')!r}: expected an integer "
-                              f"(attention_k_eq_v is true)")
-    clean = {k: v for k, v in raw.items() if k not in IGNORED_BACKBONE_FIELDS}
-    try:
-        check_fields(clean, model_type, FULL_LAYER_FIELDS)
-        hf = AutoConfig.for_model(model_type, **clean)
-        decoder, layout = layout_from_hf(hf, draft=True)
-    except CONFIG_ERRORS as err:
-        raise CheckpointError(f"{path}: {one_line(err)}") from None
-    gemma4 = Gemma4Draft(attention_k_eq_v=layout.attention_k_eq_v,
-                         final_logit_softcapping=layout.final_logit_softcapping,
-                         mlp_sizes=tuple(mlp_size(decoder, layout, i) for i in range(layers)))
-    return decoder, hf.vocab_size, hf.max_position_embeddings, gemma4
-
-
 def _markov(raw: dict, path: Path, rank_default=None, type_default="vanilla") -> int:
     head_type = raw.get("markov_head_type", type_default)
     if head_type != "vanilla":
@@ -287,17 +184,15 @@ def _logit_scale(raw: dict, path: Path, field: str) -> float:
 
 
 def _from_native(raw: dict, path: Path, target_hidden_size: int, target_num_layers: int) -> DraftConfig:
-    gemma4 = None
-    if "Gemma4DSparkModel" in raw["architectures"]:
-        decoder, vocab, positions, gemma4 = _gemma4_decoder(raw, path)
-    else:
-        decoder, vocab, positions = _decoder(raw, path, "")
+    architecture = next(name for name in raw["architectures"] if name in DRAFTS)
+    decoder, vocab, positions, sections = DRAFTS[architecture].read(raw, path, "")
     taps_source, taps_field = _nested(raw, "target_layer_ids", path)
     taps = _require(taps_source, taps_field, path, "DeepSpec tap layers")
     mask_source, mask_field = _nested(raw, "mask_token_id", path)
     bonus = _bool_field(raw, "dspark_bonus_anchor", path,
                         not _bool_field(raw, "sample_from_anchor", path, True))
     config = DraftConfig(
+        architecture=architecture,
         source_format="native",
         decoder=decoder,
         vocab_size=vocab,
@@ -311,7 +206,7 @@ def _from_native(raw: dict, path: Path, target_hidden_size: int, target_num_laye
         markov_rank=_markov(raw, path),
         default_k=None,
         logit_scale=_logit_scale(raw, path, ""),
-        gemma4=gemma4,
+        **sections,
     )
     _check_taps(config.target_layer_ids, path, target_num_layers, taps_field, shift=0)
     if "eagle_aux_hidden_state_layer_ids" in raw:
@@ -330,7 +225,7 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int,
         raise CheckpointError(f"{path}: must provide transformer_layer_config or transformer_config")
     if not isinstance(raw[backbone_key], dict):
         raise CheckpointError(f"{path}: '{backbone_key}' must be a dictionary")
-    decoder, vocab, positions = _decoder(raw[backbone_key], path, f"{backbone_key}.")
+    decoder, vocab, positions, _ = DRAFTS[QWEN3_DRAFT].read(raw[backbone_key], path, f"{backbone_key}.")
     try:
         method = raw["speculators_config"]["proposal_methods"][0]
     except (KeyError, IndexError, TypeError):
@@ -342,6 +237,7 @@ def _from_speculators(raw: dict, path: Path, target_hidden_size: int,
                            "speculators_config.proposal_methods[0]: drafts per step", 1)
     taps = _require(raw, "aux_hidden_state_layer_ids", path, "vLLM capture layer ids")
     config = DraftConfig(
+        architecture=QWEN3_DRAFT,
         source_format="speculators",
         decoder=decoder,
         vocab_size=vocab,

@@ -25,23 +25,31 @@ Parameters are named as ``transformers`` names them, so checkpoints load as they
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling.checkpoint import CheckpointError
+from modeling.checkpoint import CheckpointError, one_line
 from modeling.decoder import (
+    CONFIG_ERRORS,
+    IGNORED_BACKBONE_FIELDS,
+    LARGEST_DIMENSION,
     CachedStep,
     CacheSpec,
     DecoderConfig,
+    DraftBackbone,
     Rotary,
     apply_rotary,
+    check_fields,
     is_int,
     logits_and_aux,
+    softcap,
 )
 from modeling.moe import Experts, MoeConfig
 from plugins.block_attention import block_attention
@@ -257,11 +265,6 @@ class Gemma4Layer(nn.Module):
                              self.experts.gate_up_proj, self.experts.down_proj, GELU_TANH)
         return (self.post_feedforward_layernorm_1(mlp)
                 + self.post_feedforward_layernorm_2(routed.unflatten(0, h.shape[:2])))
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``tanh(logits / cap) * cap`` (``final_logit_softcapping``), in the logits' dtype."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class Gemma4TargetStep(CachedStep, nn.Module):
@@ -487,3 +490,68 @@ def check_unused(left: dict[str, torch.Tensor], config, directory) -> None:
         raise CheckpointError(f"{directory}: tensor(s) {shown} are not part of the model config.json "
                               f"describes (a field such as hidden_size_per_layer_input, attention_k_eq_v "
                               f"or num_kv_shared_layers disagrees with the weights)")
+
+
+@dataclass(frozen=True)
+class Gemma4Draft:
+    """What a Gemma 4 draft (DeepSpec's ``Gemma4DSparkModel``) adds to its ``DecoderConfig``,
+    which holds its full-attention head size, KV heads and proportional RoPE: V taken from the
+    raw K projection, soft-capped logits, and each layer's MLP width (the manifest's
+    ``draft.gemma4``)."""
+    attention_k_eq_v: bool
+    final_logit_softcapping: float | None
+    mlp_sizes: tuple[int, ...]
+
+
+def read_draft(raw: dict, path: Path, field: str = "") -> tuple[DecoderConfig, int, int, dict]:
+    """A ``Gemma4DSparkModel``'s backbone, as DeepSpec builds it from the config (a copy of the
+    target's text config): every layer full attention of ``global_head_dim``, KV heads
+    ``num_global_key_value_heads`` where K is V, RoPE as the target's full layers. Returns its
+    decoder, vocabulary size, max_position_embeddings and ``{"gemma4": Gemma4Draft}``."""
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    if model_type not in ("gemma4_text", "gemma4_unified_text"):   # a copy of its target's text config
+        raise CheckpointError(f"{path}: field '{field}model_type' = {model_type!r}: expected 'gemma4_text' "
+                              f"or 'gemma4_unified_text' for Gemma4DSparkModel")
+    # absent, transformers 5.10 (which DeepSpec builds it with) assumes per-layer inputs of 256
+    for name, off, default in (("hidden_size_per_layer_input", 0, 256), ("enable_moe_block", False, False)):
+        value = raw.get(name, default)
+        if value != off or isinstance(value, bool) != isinstance(off, bool):
+            raise CheckpointError(f"{path}: field '{field}{name}' = {value!r}: DeepSpec's Gemma4DSparkModel "
+                                  f"has no per-layer inputs or MoE blocks; expected {json.dumps(off)}")
+    layers = raw.get("num_hidden_layers")
+    if not (is_int(layers) and 1 <= layers <= LARGEST_DIMENSION):
+        raise CheckpointError(f"{path}: field '{field}num_hidden_layers' = {layers!r}: expected an integer "
+                              f"from 1 to {LARGEST_DIMENSION}")
+    if raw.get("layer_types") != [FULL] * layers:
+        raise CheckpointError(f"{path}: field '{field}layer_types' = {raw.get('layer_types')!r}: expected "
+                              f"'{FULL}' for each of the {layers} draft layers")
+    if raw.get("attention_k_eq_v") and not is_int(raw.get("num_global_key_value_heads")):
+        raise CheckpointError(f"{path}: field '{field}num_global_key_value_heads' = "
+                              f"{raw.get('num_global_key_value_heads')!r}: expected an integer "
+                              f"(attention_k_eq_v is true)")
+    clean = {k: v for k, v in raw.items() if k not in IGNORED_BACKBONE_FIELDS}
+    try:
+        check_fields(clean, model_type, FULL_LAYER_FIELDS)
+        hf = AutoConfig.for_model(model_type, **clean)
+        decoder, layout = layout_from_hf(hf, draft=True)
+    except CONFIG_ERRORS as err:
+        raise CheckpointError(f"{path}: {one_line(err)}") from None
+    draft = Gemma4Draft(attention_k_eq_v=layout.attention_k_eq_v,
+                        final_logit_softcapping=layout.final_logit_softcapping,
+                        mlp_sizes=tuple(mlp_size(decoder, layout, i) for i in range(layers)))
+    return decoder, hf.vocab_size, hf.max_position_embeddings, {"gemma4": draft}
+
+
+def draft_backbone(config) -> DraftBackbone:
+    """The modules of a draft with ``config`` (a ``DraftConfig`` read by ``read_draft``): Gemma 4
+    layers, all full attention, and soft-capped logits."""
+    d, g = config.decoder, config.gemma4
+    shape = AttentionShape(d.num_heads, d.num_kv_heads, d.head_dim, k_eq_v=g.attention_k_eq_v)
+    return DraftBackbone(
+        ScaledEmbedding(config.vocab_size, d.hidden_size, d.hidden_size ** 0.5),
+        Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps),
+        nn.ModuleList(Gemma4Layer(d.hidden_size, shape, size, d.rms_norm_eps, d.attention_bias)
+                      for size in g.mlp_sizes),
+        Gemma4RMSNorm(d.hidden_size, d.rms_norm_eps), g.final_logit_softcapping)

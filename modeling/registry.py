@@ -1,13 +1,15 @@
-"""The registry of target model families: architecture name -> ``Architecture`` -> ``Family``, the one
+"""The registry of model families: architecture name -> ``Architecture`` -> ``Family``, the one
 place that says which checkpoints the engine takes and, for each, how its config is read and which
-step module computes it. ``target_config``, ``target``, the manifest schema's architecture
-list (a test keeps them equal) and ``make-tiny`` read it; a new family is one entry here and its
-module."""
+step module computes it; and DSpark draft class -> ``DraftFamily`` (``DRAFTS``), how a draft's
+backbone is read and made. ``target_config_reader``, ``draft_config``, ``draft``, the manifest
+schema's architecture lists (a test keeps them equal) and ``make-tiny`` read it; a new family is
+one entry here and its module."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from modeling import dense, gemma4
 from modeling.decoder import DecoderConfig
 from modeling.dense import TargetStep
 from modeling.gemma4 import (
@@ -29,14 +31,30 @@ LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_
 
 @dataclass(frozen=True)
 class Parts:
-    """What a family's config reader makes of a ``transformers`` text config."""
+    """What a family's config reader makes of a ``transformers`` text config: the decoder and the
+    family's config parts, each a field of ``TargetConfig`` of the same name (the manifest's
+    ``target`` sections)."""
     decoder: DecoderConfig
     linear: LinearAttentionConfig | None = None   # a hybrid's linear-attention layers
     moe: MoeConfig | None = None                    # a MoE target's sparse blocks
     gemma4: Gemma4Layout | None = None              # a Gemma 4 target's layers beyond decoder's
 
 
+@dataclass(frozen=True)
+class DraftFamily:
+    """A DSpark draft class (a native config's ``architectures`` entry): its backbone's reader,
+    (the config's dict, its path, the field prefix where the backbone sits) -> (``DecoderConfig``,
+    vocab_size, max_position_embeddings, the ``DraftConfig`` fields it sets), raising a
+    ``CheckpointError`` that names the field; and its modules, ``DraftConfig`` -> ``DraftBackbone``."""
+    read: Callable[..., tuple]
+    backbone: Callable
+
+
 QWEN3_DRAFT = "Qwen3DSparkModel"   # the draft DeepSpec trains for most families, and ``distill`` too
+GEMMA4_DRAFT = "Gemma4DSparkModel"
+# Speculators' DSpark drafts have a Qwen3 backbone too
+DRAFTS: dict[str, DraftFamily] = {QWEN3_DRAFT: DraftFamily(dense.read_draft, dense.draft_backbone),
+                                  GEMMA4_DRAFT: DraftFamily(gemma4.read_draft, gemma4.draft_backbone)}
 
 
 @dataclass(frozen=True)
@@ -99,9 +117,9 @@ QWEN3_5_MOE = Family("qwen3_5_moe_text", _hybrid(moe=True), HybridTargetStep, (F
 # Gemma 4 (MoE blocks too: 26B-A4B), and its "unified" form (the 12B: the same text layers without
 # per-layer inputs)
 GEMMA4 = Family("gemma4_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
-                check_unused=check_unused, draft="Gemma4DSparkModel")
+                check_unused=check_unused, draft=GEMMA4_DRAFT)
 GEMMA4_UNIFIED = Family("gemma4_unified_text", _gemma4, Gemma4TargetStep, (FULL, SLIDING), SHAPE_FIELDS,
-                        check_unused=check_unused, draft="Gemma4DSparkModel")
+                        check_unused=check_unused, draft=GEMMA4_DRAFT)
 
 def _multimodal(name: str, family: Family) -> Architecture:
     return Architecture(name, family, family.model_type.removesuffix("_text"), text_config="text_config",

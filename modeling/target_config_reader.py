@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def load_target_config(directory: Path) -> TargetConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=_eos_token_ids(None if gguf else directory, hf, path),
         max_position_embeddings=hf.max_position_embeddings,
-        decoder=parts.decoder, linear=parts.linear, moe=parts.moe, gemma4=parts.gemma4,
+        # the decoder and the family's config parts, as its reader made them
+        **{field.name: getattr(parts, field.name) for field in dataclasses.fields(parts)},
     )
 
 

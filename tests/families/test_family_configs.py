@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common import manifest
-from modeling.registry import ARCHITECTURES
+from modeling.registry import ARCHITECTURES, DRAFTS
 from modeling.target_config_reader import load_target_config
 
 from family_configs import configs, save_configs
@@ -28,6 +28,8 @@ def test_every_architecture_is_covered():
     assert {path.name for path in OLD.iterdir()} == set(configs())
     schema = json.loads(manifest.SCHEMA.read_text())
     assert schema["properties"]["target"]["properties"]["architecture"]["enum"] == list(ARCHITECTURES)
+    assert schema["properties"]["draft"]["properties"]["architecture"]["enum"] == list(DRAFTS)
+    assert {a.family.draft for a in ARCHITECTURES.values()} <= set(DRAFTS)
 
 
 @pytest.mark.parametrize("name", list(configs()))

@@ -69,6 +69,7 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir, arch):
     engine = engine_dir(LIMITS, arch=arch)
     manifest = json.loads((engine / "manifest.json").read_text())
     layout = manifest["target"]["gemma4"]
+    assert manifest["draft"]["architecture"] == "Gemma4DSparkModel" and manifest["draft"]["gemma4"]
     caches = {t["name"]: t["shape"] for t in manifest["graphs"]["target"]["inputs"] if "_cache_" in t["name"]}
     owners = len(layout["layer_types"]) - layout["kv_shared_layers"]
     assert len(caches) == 2 * owners

@@ -161,8 +161,8 @@ def json_path(path: tuple) -> str:
 # maps whose keys are names (files, tool versions) and the fields old engines lack
 FREE_KEYS = {("source", "target", "files"), ("source", "draft", "files"), ("tools",)}
 # absent in engines built before them; ``linear`` / ``moe`` / ``gemma4`` are null for a dense target
-OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("weights",),
-            ("target", "linear"), ("target", "moe"), ("target", "gemma4"), ("draft", "gemma4")}
+OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("draft", "architecture"),
+            ("weights",), ("target", "linear"), ("target", "moe"), ("target", "gemma4"), ("draft", "gemma4")}
 
 
 def test_every_field_is_typed_and_required(engine_dir):
