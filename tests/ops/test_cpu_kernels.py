@@ -255,6 +255,30 @@ def test_the_attention_kernel_is_block_attention_and_a_row_its_own(causal):
         assert np.array_equal(alone[0], out[b])
 
 
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_a_causal_row_is_the_bits_it_is_in_a_call_of_its_own(head_dim):
+    """A head's rows are attended four at a time (each key and value loaded once for the four):
+    row i of a 7-row call (a group of four, three alone) is the same bits as that row in a one-row
+    call at start + i, as a verify block's rows must equal target-only steps'. Its keys past a
+    group of 16 and its head size past 64 floats take the kernel's tail paths."""
+    rng = np.random.default_rng(1)
+    heads, kv_heads, capacity, rows, start = 4, 2, 64, 7, 21
+    q = rng.standard_normal((1, heads, rows, head_dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((1, kv_heads, rows, head_dim)).astype(np.float32) for _ in range(2))
+    pool = [rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(np.float32) for _ in range(2)]
+    lib = ctypes.CDLL(str(LIBRARY))
+    at = np.array([start], np.int64), np.array([0], np.int64)
+    out = _attend(lib, q, k_new, v_new, *(c.copy() for c in pool), *at, 0.125)
+    for i in range(rows):
+        caches = [c.copy() for c in pool]
+        for cache, new in zip(caches, (k_new, v_new)):
+            cache[0, :, start:start + i] = new[0, :, :i]   # the rows before it, as earlier steps left them
+        one = [np.ascontiguousarray(a[:, :, i:i + 1]) for a in (q, k_new, v_new)]
+        alone = _attend(lib, *one, *caches, np.array([start + i], np.int64), at[1], 0.125)
+        assert np.array_equal(alone[0, :, 0], out[0, :, i]), i
+
+
 def _fp16_graph(path, table: np.ndarray, weight: np.ndarray):
     """An fp16 decoder's ends, its weights in a file beside it: ``h = table[concat(a, b)] * 2``,
     ``y = h @ weight`` and ``logits = y @ table^T`` (tied embeddings), saved at ``path``."""
