@@ -9,10 +9,10 @@
 // batch: nothing is padded to the batch's longest sequence, as ONNX Runtime's portable attention
 // does. The caches are a pool of slots [P, Hkv, C, D]; batch row b reads and writes slot slots[b].
 //
-// A head's rows go four at a time (a verify block, a prompt chunk, the draft's block): each key
-// and value is loaded once for the four, which at a long context is most of the work (the keys
-// and values of a head no longer fit the caches nearest the core), and each row's every sum is
-// still the one it has alone, in the same order.
+// A head's rows go up to five at a time (a verify block, a prompt chunk, the draft's block): each
+// key and value is loaded once for them, which at a long context is most of the work (a head's
+// keys and values no longer fit the caches nearest the core), and each row's every sum is still
+// the one it has alone, in the same order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -69,81 +69,90 @@ inline void scores16(const float* q, const float* keys, int64_t j0, int64_t D, f
     store(scores + j0, sums16(partial) * scale);
 }
 
-// Query rows a head attends together: four rows by four keys are sums16's sixteen vectors.
-constexpr int QB = 4;
+// ROWS query rows of a head attend together, KEYS = 16 / ROWS keys at a step: ROWS x KEYS
+// (row, key) vectors are sums16's sixteen (the rest zero), and a step loads ROWS + KEYS vectors
+// for its ROWS x KEYS products, fewest at 4 x 4 or 5 x 3.
+template <int ROWS>
+constexpr int KEYS = 16 / ROWS;
 
-// The scores of keys [j0, j0 + 4) for the QB rows q[r], into scores[r] + j0, keys at and past
-// `count` zero: each (row, key) vector summed over the d-chunks in order and reduced by sums16,
-// which reduces each vector by itself, so a row's scores are the bits scores16 gives it alone.
-inline void scores4(const float* const q[QB], const float* keys, int64_t j0, int64_t count, int64_t D,
-                    float scale, float* const scores[QB]) {
-    Vec partial[QB * 4] = {};
-    const int64_t here = count - j0 < 4 ? count - j0 : 4;
+// The scores of keys [j0, j0 + KEYS) for the ROWS rows q[r], into scores[r] + j0, keys at and
+// past `count` zero: each (row, key) vector summed over the d-chunks in order and reduced by
+// sums16, which reduces each vector by itself, so a row's scores are the bits scores16 gives it.
+template <int ROWS>
+inline void scores_step(const float* const q[], const float* keys, int64_t j0, int64_t count, int64_t D,
+                        float scale, float* const scores[]) {
+    constexpr int K = KEYS<ROWS>;
+    Vec partial[16] = {};
+    const int64_t here = count - j0 < K ? count - j0 : K;
     for (int64_t d = 0; d < D; d += LANES) {
-        Vec kd[4] = {};
+        Vec kd[K] = {};
         for (int k = 0; k < here; ++k) kd[k] = load(keys + (j0 + k) * D + d);
-        for (int r = 0; r < QB; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             const Vec qd = load(q[r] + d);
-            for (int k = 0; k < 4; ++k) partial[4 * r + k] += qd * kd[k];
+            for (int k = 0; k < K; ++k) partial[K * r + k] += qd * kd[k];
         }
     }
     const Vec s = sums16(partial) * scale;
-    for (int r = 0; r < QB; ++r)
-        for (int k = 0; k < 4; ++k) scores[r][j0 + k] = s[4 * r + k];
+    for (int r = 0; r < ROWS; ++r)
+        for (int k = 0; k < K; ++k) scores[r][j0 + k] = s[K * r + k];
 }
 
 // out[r][0, 16 NV) = inverse[r] * sum_j p[r][j] * values[j][0, 16 NV) over each row's count[r]
 // values, every value loaded once for the rows that see it; each row's sum in j order, as
 // weighted_values makes it alone.
-template <int NV>
-void weighted_values4(const float* const p[QB], const float* values, const int64_t count[QB], int64_t D,
-                      const float inverse[QB], float* const out[QB]) {
-    Vec acc[QB][NV] = {};
+template <int ROWS, int NV>
+void weighted_values_rows(const float* const p[], const float* values, const int64_t count[], int64_t D,
+                          const float inverse[], float* const out[]) {
+    Vec acc[ROWS][NV] = {};
     int64_t fewest = count[0], most = count[0];
-    for (int r = 1; r < QB; ++r) {
+    for (int r = 1; r < ROWS; ++r) {
         fewest = count[r] < fewest ? count[r] : fewest;
         most = count[r] > most ? count[r] : most;
     }
     for (int64_t j = 0; j < most; ++j) {
         Vec v[NV];
         for (int i = 0; i < NV; ++i) v[i] = load(values + j * D + LANES * i);
-        for (int r = 0; r < QB; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             if (j >= fewest && j >= count[r]) continue;
             const Vec weight = splat(p[r][j]);
             for (int i = 0; i < NV; ++i) acc[r][i] += weight * v[i];
         }
     }
-    for (int r = 0; r < QB; ++r)
+    for (int r = 0; r < ROWS; ++r)
         for (int i = 0; i < NV; ++i) store(out[r] + LANES * i, acc[r][i] * inverse[r]);
 }
 
-// QB query rows of one head, row r over count[r] cache rows: what attend_row gives each alone.
-// `scores` holds QB rows of the largest count rounded up to 16 floats.
-void attend_rows4(const float* const q[QB], const float* keys, const float* values, const int64_t count[QB],
-                  int64_t D, float scale, float* scores, float* const out[QB]) {
+// ROWS query rows of one head, row r over count[r] cache rows: what attend_row gives each alone.
+// `scores` holds ROWS rows of the largest count rounded up to 16 floats.
+template <int ROWS>
+void attend_rows(const float* const q[], const float* keys, const float* values, const int64_t count[],
+                 int64_t D, float scale, float* scores, float* const out[]) {
     int64_t most = 0;
-    for (int r = 0; r < QB; ++r) most = count[r] > most ? count[r] : most;
+    for (int r = 0; r < ROWS; ++r) most = count[r] > most ? count[r] : most;
     const int64_t width = (most + LANES - 1) / LANES * LANES;
-    float* rows[QB];
-    for (int r = 0; r < QB; ++r) rows[r] = scores + r * width;
-    for (int64_t j0 = 0; j0 < most; j0 += 4) scores4(q, keys, j0, most, D, scale, rows);
-    float inverse[QB];
-    for (int r = 0; r < QB; ++r) {
+    float* rows[ROWS];
+    for (int r = 0; r < ROWS; ++r) rows[r] = scores + r * width;
+    for (int64_t j0 = 0; j0 < most; j0 += KEYS<ROWS>) scores_step<ROWS>(q, keys, j0, most, D, scale, rows);
+    float inverse[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
         const int64_t padded = (count[r] + LANES - 1) / LANES * LANES;
         for (int64_t j = count[r]; j < padded; ++j) rows[r][j] = -INFINITY;
         inverse[r] = exponentials(rows[r], padded);
     }
     for (int64_t d = 0; d < D; d += 4 * LANES) {
-        float* at[QB];
-        for (int r = 0; r < QB; ++r) at[r] = out[r] + d;
+        float* at[ROWS];
+        for (int r = 0; r < ROWS; ++r) at[r] = out[r] + d;
         switch ((D - d) / LANES < 4 ? (D - d) / LANES : 4) {
-            case 4: weighted_values4<4>(rows, values + d, count, D, inverse, at); break;
-            case 3: weighted_values4<3>(rows, values + d, count, D, inverse, at); break;
-            case 2: weighted_values4<2>(rows, values + d, count, D, inverse, at); break;
-            default: weighted_values4<1>(rows, values + d, count, D, inverse, at); break;
+            case 4: weighted_values_rows<ROWS, 4>(rows, values + d, count, D, inverse, at); break;
+            case 3: weighted_values_rows<ROWS, 3>(rows, values + d, count, D, inverse, at); break;
+            case 2: weighted_values_rows<ROWS, 2>(rows, values + d, count, D, inverse, at); break;
+            default: weighted_values_rows<ROWS, 1>(rows, values + d, count, D, inverse, at); break;
         }
     }
 }
+
+// The most rows attend_rows takes together (a verify block of k + 1 = 5 rows in one pass).
+constexpr int MOST_ROWS = 5;
 
 // One query row of one head over `count` cache rows: out [D] = softmax(scale * q.K^T) V.
 // `scores` holds count rounded up to 16 floats.
@@ -194,7 +203,7 @@ void dspark_attention_write(const DsparkAttention* a) {
 }
 
 int64_t dspark_attention_scratch(const DsparkAttention* a) {
-    return QB * (a->C + LANES) * int64_t(sizeof(float));
+    return MOST_ROWS * (a->C + LANES) * int64_t(sizeof(float));
 }
 
 void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratch) {
@@ -204,19 +213,29 @@ void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratc
     const float* values = a->v_cache + cache;
     auto row = [&](int64_t i) { return ((b * a->heads + h) * a->R + i) * a->D; };
     auto seen = [&](int64_t i) { return a->start[b] + (a->causal ? i + 1 : a->R); };
+    // rows in groups of 5 or 4 (a 5-row verify block in one pass, a prompt chunk by fours), then
+    // 3 or 2 together, a last one alone
     int64_t i = 0;
-    for (; i + QB <= a->R; i += QB) {
-        const float* q[QB];
-        float* out[QB];
-        int64_t count[QB];
-        for (int r = 0; r < QB; ++r) {
+    while (i < a->R - 1) {
+        const int64_t left = a->R - i;
+        const int rows = left == 5 ? 5 : left >= 4 ? 4 : int(left);
+        const float* q[MOST_ROWS];
+        float* out[MOST_ROWS];
+        int64_t count[MOST_ROWS];
+        for (int r = 0; r < rows; ++r) {
             q[r] = a->q + row(i + r);
             out[r] = a->out + row(i + r);
             count[r] = seen(i + r);
         }
-        attend_rows4(q, keys, values, count, a->D, a->scale, scratch, out);
+        switch (rows) {
+            case 5: attend_rows<5>(q, keys, values, count, a->D, a->scale, scratch, out); break;
+            case 4: attend_rows<4>(q, keys, values, count, a->D, a->scale, scratch, out); break;
+            case 3: attend_rows<3>(q, keys, values, count, a->D, a->scale, scratch, out); break;
+            default: attend_rows<2>(q, keys, values, count, a->D, a->scale, scratch, out); break;
+        }
+        i += rows;
     }
-    for (; i < a->R; ++i)
+    if (i < a->R)
         attend_row(a->q + row(i), keys, values, seen(i), a->D, a->scale, scratch, a->out + row(i));
 }
 

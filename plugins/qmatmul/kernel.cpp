@@ -22,7 +22,6 @@
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
-#include <utility>
 
 #include "kernel.h"
 
@@ -41,7 +40,7 @@ inline void prefetch(const void* p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
-void quantize_row(const float* x, int K, int8_t* q, uint8_t* qu, float* scale, int32_t* qsum, float* sum) {
+void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum, float* sum) {
     for (int b = 0; b < K / BLOCK; ++b) {
         const float* xb = x + b * BLOCK;
         float amax = 0.f, s = 0.f;
@@ -55,7 +54,6 @@ void quantize_row(const float* x, int K, int8_t* q, uint8_t* qu, float* scale, i
         for (int i = 0; i < BLOCK; ++i) {
             const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
             q[b * BLOCK + i] = static_cast<int8_t>(v);
-            qu[b * BLOCK + i] = static_cast<uint8_t>(v + 128);
             total += v;
         }
         scale[b] = d;
@@ -92,43 +90,35 @@ inline Block8 load8(const uint8_t* w, const int32_t* wsum) {
     return b;
 }
 
-// A block's 8 vpdpbusd in CHAINS partial sums, so that they do not all wait on each other: 4 for
-// a row alone; with 4 rows or more in a group the rows' own sums are independent chains enough,
-// and one sum a row spares the adds (integer sums: their order changes nothing).
-template <int CHAINS, typename Operands>
-inline Ints dot8(Operands operands) {
-    __m512i acc[CHAINS];
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_setzero_si512();
+// Four partial sums, so that the vpdpbusd of a block do not wait on each other (integer sums:
+// their order changes nothing).
+inline Ints sum4(const __m512i acc[4]) {
+    return _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+}
+
+inline Ints dot(const Block4& b, const int8_t* xb, int32_t qsum) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
     for (int g = 0; g < 8; ++g) {
-        const auto [u, s] = operands(g);
-        acc[g % CHAINS] = _mm512_dpbusd_epi32(acc[g % CHAINS], u, s);
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        acc[g % 4] = _mm512_dpbusd_epi32(acc[g % 4], b.v[g], _mm512_set1_epi32(a));
     }
-    for (int width = CHAINS / 2; width > 0; width /= 2)
-        for (int c = 0; c < width; ++c) acc[c] = _mm512_add_epi32(acc[c], acc[c + width]);
-    return acc[0];
-}
-
-inline __m512i splat4(const uint8_t* bytes) {   // 4 bytes in every 32-bit lane
-    int32_t a;
-    std::memcpy(&a, bytes, 4);
-    return _mm512_set1_epi32(a);
-}
-
-template <int CHAINS>
-inline Ints dot(const Block4& b, const int8_t* xb, const uint8_t*, int32_t qsum) {
-    const Ints sum = dot8<CHAINS>([&](int g) {
-        return std::pair{b.v[g], splat4(reinterpret_cast<const uint8_t*>(xb) + 4 * g)};
-    });
     // sum((q + 8) * x) - 8 * sum(x) = sum(q * x)
-    return _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * qsum));
+    return _mm512_sub_epi32(sum4(acc), _mm512_set1_epi32(8 * qsum));
 }
 
-template <int CHAINS>
-inline Ints dot(const Block8& b, const int8_t*, const uint8_t* xub, int32_t) {
-    // x + 128 (quantize_row's second copy) as the unsigned operand:
-    // sum((x + 128) * q) - 128 * sum(q) = sum(x * q)
-    const Ints sum = dot8<CHAINS>([&](int g) { return std::pair{splat4(xub + 4 * g), b.v[g]}; });
-    return _mm512_sub_epi32(sum, b.wsum128);
+inline Ints dot(const Block8& b, const int8_t* xb, int32_t) {
+    // x + 128 as the unsigned operand: sum((x + 128) * q) - 128 * sum(q) = sum(x * q)
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int g = 0; g < 8; ++g) {
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        const __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(a), _mm512_set1_epi8(int8_t(0x80)));
+        acc[g % 4] = _mm512_dpbusd_epi32(acc[g % 4], xu, b.v[g]);
+    }
+    return _mm512_sub_epi32(sum4(acc), b.wsum128);
 }
 
 inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
@@ -171,8 +161,7 @@ inline Block4 load4(const uint8_t* w, const int32_t*) {
 }
 inline Block8 load8(const uint8_t* w, const int32_t*) { return {w}; }
 
-template <int>
-inline Ints dot(const Block4& block, const int8_t* xb, const uint8_t*, int32_t qsum) {
+inline Ints dot(const Block4& block, const int8_t* xb, int32_t qsum) {
     // (q + 8) <= 15 and |x| <= 127: a pair's sum is at most 3810, and the block's 8 pairs a lane
     // at most 30480, so they are summed in int16 and widened once (what llama.cpp's Q4 dot does)
     __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -193,8 +182,7 @@ inline Ints dot(const Block4& block, const int8_t* xb, const uint8_t*, int32_t q
             _mm256_sub_epi32(_mm256_madd_epi16(pairs[1], ones), bias)};
 }
 
-template <int>
-inline Ints dot(const Block8& block, const int8_t* xb, const uint8_t*, int32_t) {
+inline Ints dot(const Block8& block, const int8_t* xb, int32_t) {
     const uint8_t* w = block.w;
     // |x| as the unsigned operand, q carrying x's sign: |x|, |q| <= 127, so a pair fits int16
     __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -234,7 +222,6 @@ inline Floats load_floats(const uint16_t* p) {   // 16 fp16 values (F16C)
 // values and the sum of the float ones.
 struct XRows {
     int8_t* q;       // [M, K]
-    uint8_t* qu;     // [M, K] q + 128, the unsigned operand against 8-bit weights
     float* scale;    // [M, K / 32]
     int32_t* qsum;   // [M, K / 32]
     float* sum;      // [M, K / 32]
@@ -243,10 +230,9 @@ struct XRows {
 XRows x_rows(void* scratch, int64_t M, int64_t K) {
     auto* base = static_cast<uint8_t*>(scratch);
     const int64_t blocks = K / BLOCK;
-    const int64_t floats = 2 * M * K;   // past q and qu: 4-byte aligned for any K (a multiple of 32)
-    return {reinterpret_cast<int8_t*>(base), base + M * K, reinterpret_cast<float*>(base + floats),
-            reinterpret_cast<int32_t*>(base + floats + 4 * M * blocks),
-            reinterpret_cast<float*>(base + floats + 8 * M * blocks)};
+    return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + M * K),
+            reinterpret_cast<int32_t*>(base + M * K + 4 * M * blocks),
+            reinterpret_cast<float*>(base + M * K + 8 * M * blocks)};
 }
 
 // Rows sharing one unpacked tile block in registers: as many as the registers hold beside the
@@ -263,7 +249,6 @@ constexpr int ROW_GROUP = 4;
 template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
 void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int64_t t) {
     const int64_t K = w.K, N = w.N, blocks = K / BLOCK, block_bytes = w.bits * 64;
-    constexpr int CHAINS = ROWS >= 4 ? 1 : ROWS == 1 ? 4 : 2;   // dot8's partial sums
     const uint8_t* wq = w.q + t * blocks * block_bytes;
     const float* ws = w.scales + t * blocks * TILE;
     const float* wo = OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
@@ -278,7 +263,7 @@ void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int
         const Floats dw = load_floats(ws + b * TILE);
         for (int r = 0; r < ROWS; ++r) {
             const int64_t m = m0 + r, mb = m * blocks + b;
-            const Ints dots = dot<CHAINS>(block, x.q + m * K + b * BLOCK, x.qu + m * K + b * BLOCK, x.qsum[mb]);
+            const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
             acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
             if (OFFSETS) acc[r] = fma(load_floats(wo + b * TILE), broadcast(x.sum[mb]), acc[r]);
         }
@@ -401,14 +386,14 @@ void dspark_float_to_half(const float* f, int64_t n, uint16_t* h) {
 
 
 int64_t dspark_qmatmul_scratch(int64_t M, int64_t K) {
-    return 2 * M * K + 3 * M * (K / BLOCK) * 4;
+    return M * K + 3 * M * (K / BLOCK) * 4;
 }
 
 void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
     const XRows q = x_rows(scratch, M, K);
     const int64_t blocks = K / BLOCK;
     for (int64_t m = 0; m < M; ++m)
-        quantize_row(x + m * K, int(K), q.q + m * K, q.qu + m * K, q.scale + m * blocks, q.qsum + m * blocks,
+        quantize_row(x + m * K, int(K), q.q + m * K, q.scale + m * blocks, q.qsum + m * blocks,
                      q.sum + m * blocks);
 }
 

@@ -256,14 +256,14 @@ def test_the_attention_kernel_is_block_attention_and_a_row_its_own(causal):
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 128])
-def test_a_causal_row_is_the_bits_it_is_in_a_call_of_its_own(head_dim):
-    """A head's rows are attended four at a time (each key and value loaded once for the four):
-    row i of a 7-row call (a group of four, three alone) is the same bits as that row in a one-row
-    call at start + i, as a verify block's rows must equal target-only steps'. Its keys past a
-    group of 16 and its head size past 64 floats take the kernel's tail paths."""
-    rng = np.random.default_rng(1)
-    heads, kv_heads, capacity, rows, start = 4, 2, 64, 7, 21
+@pytest.mark.parametrize("rows, head_dim", [(5, 32), (7, 128), (2, 32)])
+def test_a_causal_row_is_the_bits_it_is_in_a_call_of_its_own(rows, head_dim):
+    """A head's rows are attended up to five at a time (each key and value loaded once for them):
+    row i of a call (5 rows: one group; 7: four and three; 2: two) is the same bits as that row in
+    a one-row call at start + i, as a verify block's rows must equal target-only steps'. Its keys
+    past a group of 16 and a head size past 64 floats take the kernel's tail paths."""
+    rng = np.random.default_rng(rows)
+    heads, kv_heads, capacity, start = 4, 2, 64, 21
     q = rng.standard_normal((1, heads, rows, head_dim)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((1, kv_heads, rows, head_dim)).astype(np.float32) for _ in range(2))
     pool = [rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(np.float32) for _ in range(2)]
