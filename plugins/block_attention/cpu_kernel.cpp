@@ -75,9 +75,9 @@ inline void scores16(const float* q, const float* keys, int64_t j0, int64_t D, f
 template <int ROWS>
 constexpr int KEYS = 16 / ROWS;
 
-// The scores of keys [j0, j0 + KEYS) for the ROWS rows q[r], into scores[r] + j0, keys at and
-// past `count` zero: each (row, key) vector summed over the d-chunks in order and reduced by
-// sums16, which reduces each vector by itself, so a row's scores are the bits scores16 gives it.
+// The scores of keys [j0, j0 + KEYS) below `count` for the ROWS rows q[r], into scores[r] + j0:
+// each (row, key) vector summed over the d-chunks in order and reduced by sums16, which reduces
+// each vector by itself, so a row's scores are the bits scores16 gives it.
 template <int ROWS>
 inline void scores_step(const float* const q[], const float* keys, int64_t j0, int64_t count, int64_t D,
                         float scale, float* const scores[]) {
@@ -93,8 +93,8 @@ inline void scores_step(const float* const q[], const float* keys, int64_t j0, i
         }
     }
     const Vec s = sums16(partial) * scale;
-    for (int r = 0; r < ROWS; ++r)
-        for (int k = 0; k < K; ++k) scores[r][j0 + k] = s[K * r + k];
+    for (int r = 0; r < ROWS; ++r)   // the keys below `count` only: a row's scores end at its padding
+        for (int k = 0; k < here; ++k) scores[r][j0 + k] = s[K * r + k];
 }
 
 // out[r][0, 16 NV) = inverse[r] * sum_j p[r][j] * values[j][0, 16 NV) over each row's count[r]

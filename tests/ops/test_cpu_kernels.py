@@ -256,14 +256,15 @@ def test_the_attention_kernel_is_block_attention_and_a_row_its_own(causal):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows, head_dim", [(5, 32), (7, 128), (2, 32)])
-def test_a_causal_row_is_the_bits_it_is_in_a_call_of_its_own(rows, head_dim):
+@pytest.mark.parametrize("rows, head_dim, start", [(5, 32, 21), (5, 32, 27), (7, 128, 25), (2, 32, 23)])
+def test_a_causal_row_is_the_bits_it_is_in_a_call_of_its_own(rows, head_dim, start):
     """A head's rows are attended up to five at a time (each key and value loaded once for them):
     row i of a call (5 rows: one group; 7: four and three; 2: two) is the same bits as that row in
-    a one-row call at start + i, as a verify block's rows must equal target-only steps'. Its keys
-    past a group of 16 and a head size past 64 floats take the kernel's tail paths."""
+    a one-row call at start + i, as a verify block's rows must equal target-only steps'. Keys past
+    a group of 16, a group's last keys ending on a multiple of 16 (start 27 and 25: 32 keys) and a
+    head size past 64 floats take the kernel's edges."""
     rng = np.random.default_rng(rows)
-    heads, kv_heads, capacity, start = 4, 2, 64, 21
+    heads, kv_heads, capacity = 4, 2, 64
     q = rng.standard_normal((1, heads, rows, head_dim)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((1, kv_heads, rows, head_dim)).astype(np.float32) for _ in range(2))
     pool = [rng.standard_normal((1, kv_heads, capacity, head_dim)).astype(np.float32) for _ in range(2)]
