@@ -98,22 +98,17 @@ inline void scores_step(const float* const q[], const float* keys, int64_t j0, i
 }
 
 // out[r][0, 16 NV) = inverse[r] * sum_j p[r][j] * values[j][0, 16 NV) over each row's count[r]
-// values, every value loaded once for the rows that see it; each row's sum in j order, as
-// weighted_values makes it alone.
+// values (`most` the largest), every value loaded once for the rows that see it; each row's sum
+// in j order, as weighted_values makes it alone.
 template <int ROWS, int NV>
-void weighted_values_rows(const float* const p[], const float* values, const int64_t count[], int64_t D,
-                          const float inverse[], float* const out[]) {
+void weighted_values_rows(const float* const p[], const float* values, const int64_t count[], int64_t most,
+                          int64_t D, const float inverse[], float* const out[]) {
     Vec acc[ROWS][NV] = {};
-    int64_t fewest = count[0], most = count[0];
-    for (int r = 1; r < ROWS; ++r) {
-        fewest = count[r] < fewest ? count[r] : fewest;
-        most = count[r] > most ? count[r] : most;
-    }
     for (int64_t j = 0; j < most; ++j) {
         Vec v[NV];
         for (int i = 0; i < NV; ++i) v[i] = load(values + j * D + LANES * i);
         for (int r = 0; r < ROWS; ++r) {
-            if (j >= fewest && j >= count[r]) continue;
+            if (j >= count[r]) continue;
             const Vec weight = splat(p[r][j]);
             for (int i = 0; i < NV; ++i) acc[r][i] += weight * v[i];
         }
@@ -143,10 +138,10 @@ void attend_rows(const float* const q[], const float* keys, const float* values,
         float* at[ROWS];
         for (int r = 0; r < ROWS; ++r) at[r] = out[r] + d;
         switch ((D - d) / LANES < 4 ? (D - d) / LANES : 4) {
-            case 4: weighted_values_rows<ROWS, 4>(rows, values + d, count, D, inverse, at); break;
-            case 3: weighted_values_rows<ROWS, 3>(rows, values + d, count, D, inverse, at); break;
-            case 2: weighted_values_rows<ROWS, 2>(rows, values + d, count, D, inverse, at); break;
-            default: weighted_values_rows<ROWS, 1>(rows, values + d, count, D, inverse, at); break;
+            case 4: weighted_values_rows<ROWS, 4>(rows, values + d, count, most, D, inverse, at); break;
+            case 3: weighted_values_rows<ROWS, 3>(rows, values + d, count, most, D, inverse, at); break;
+            case 2: weighted_values_rows<ROWS, 2>(rows, values + d, count, most, D, inverse, at); break;
+            default: weighted_values_rows<ROWS, 1>(rows, values + d, count, most, D, inverse, at); break;
         }
     }
 }
