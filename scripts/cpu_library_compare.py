@@ -1,9 +1,9 @@
 """Two builds of the compiled CPU kernels (``plugins/cpu``) on one engine: the target step at 1
-and ``k + 1`` rows and the draft step, each library's calls interleaved round by round in one
-process (which goes first alternates), so that a slow spell of a shared machine falls on both;
-and whether they give the same logits, bit for bit. The backend made second in a process ran ~3%
-faster with the same library (2026-12-06), so it runs twice, each library's backend made first
-once, and reports both runs' ratios and their geometric mean.
+and ``k + 1`` rows and the draft step (``row_cost.py``'s calls), each library's calls interleaved
+round by round in one process (which goes first alternates), so that a slow spell of a shared
+machine falls on both; and whether they give the same outputs, bit for bit. The backend made
+second in a process ran ~3% faster with the same library (2026-12-06), so it runs twice, each
+library's backend made first once, and reports both runs' ratios and their geometric mean.
 
     python scripts/cpu_library_compare.py --engine engines/smollm2-135m-instruct \\
         --old ~/.cache/dspark-trt/libdspark_cpu-OLD.so --new ~/.cache/dspark-trt/libdspark_cpu-NEW.so
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from row_cost import timed_steps  # noqa: E402
 
 import runtime.backends.ort as ort_backend  # noqa: E402
 
@@ -52,14 +54,15 @@ def main() -> None:
     times = {(name, step): [] for name in steps for step in steps[name]}
     for round_ in range(args.rounds + 3):   # the first rounds warm up, untimed
         for name in order if round_ % 2 else order[::-1]:
-            for step, call in steps[name].items():
+            for step, (before, call) in steps[name].items():
+                before()
                 began = time.perf_counter()
                 call()
                 if round_ >= 3:
                     times[name, step].append(time.perf_counter() - began)
     medians = {step: [statistics.median(times[name, step]) * 1e3 for name in ("old", "new")]
                for step in steps["old"]}
-    same = all(torch.equal(steps["old"][step]()[0], steps["new"][step]()[0]) for step in steps["old"])
+    same = all(torch.equal(steps["old"][step][1]()[0], steps["new"][step][1]()[0]) for step in steps["old"])
     print(json.dumps({"medians_ms": medians, "same": same}))
 
 
@@ -76,7 +79,7 @@ def _both_orders(args) -> None:
         ratios = [new / old for old, new in (run["medians_ms"][step] for run in runs)]
         olds = ", ".join(f"{run['medians_ms'][step][0]:.3f}" for run in runs)
         news = ", ".join(f"{run['medians_ms'][step][1]:.3f}" for run in runs)
-        print(f"  {step:15s} old {olds} ms  new {news} ms  new/old {ratios[0]:.3f}, {ratios[1]:.3f}"
+        print(f"  {step:26s} old {olds} ms  new {news} ms  new/old {ratios[0]:.3f}, {ratios[1]:.3f}"
               f"  (geometric mean {math.sqrt(ratios[0] * ratios[1]):.3f})")
     print(f"the same outputs, bit for bit: {all(run['same'] for run in runs)}")
 
@@ -87,28 +90,15 @@ def _backend(engine: str, library: Path, threads: int) -> ort_backend.OrtBackend
     backend = ort_backend.OrtBackend(engine, threads=threads)
     if not backend.batched:
         sys.exit(f"{engine}: its target does not run on the compiled kernels here")
-    backend.start(1)
     return backend
 
 
 def _steps(backend: ort_backend.OrtBackend, context: int) -> dict:
-    """The target step at 1 and ``k + 1`` rows and the draft step after a one-row verify, in one
-    slot after a prefill of ``context`` random tokens (the caches are not advanced: each call is
-    the same)."""
-    generator = torch.Generator().manual_seed(0)
-    draft, rows = backend.manifest["draft"], backend.limits.k + 1
-    prompt = torch.randint(draft["target_vocab_size"], (1, context), generator=generator)
-    last, start, state = torch.tensor([[context - 1]]), torch.tensor([context]), torch.tensor([0])
-    _, aux = backend.target_step(prompt, torch.tensor([0]), last, state, last, slots=[0])
-    ids = torch.randint(draft["target_vocab_size"], (1, rows), generator=generator)
-    positions = torch.arange(rows)[None]
-    feeds = (aux[:, -1:], torch.tensor([context - 1]), torch.tensor([1]), prompt[:, -1], torch.ones(1),
-             torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
-    return {f"target, {rows} rows": lambda: backend.target_step(ids, start, positions, state, positions,
-                                                                slots=[0]),
-            "draft": lambda: backend.draft_step(*feeds, slots=[0]),
-            "target, 1 row": lambda: backend.target_step(ids[:, :1], start, positions[:, :1], state,
-                                                         positions[:, :1], slots=[0])}
+    """``row_cost.timed_steps`` at 1 and ``k + 1`` rows of one sequence, named for the report."""
+    rows = backend.limits.k + 1
+    names = {(1, 1): "target, 1 row", (1, rows): f"target, {rows} rows",
+             ("draft", 1): "draft after a target call", ("draft again", 1): "draft again"}
+    return {names[key]: step for key, step in timed_steps(backend, [1, rows], [1], context).items()}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main() -> None:
         sys.exit(f"--batch: expected 1 .. {most} (the engines' --max-batch)")
     steps = {}
     for key, backend in backends.items():
-        for name, step in _steps(backend, args.rows, sorted(set(args.batch)), args.context).items():
+        for name, step in timed_steps(backend, args.rows, sorted(set(args.batch)), args.context).items():
             steps[(*key, *name) if isinstance(name, tuple) else (*key, name)] = step
     times = {name: [] for name in steps}
     for round_ in range(args.rounds + 3):   # the first rounds warm up, untimed
@@ -87,7 +87,7 @@ FORMS = {"lowered": "lowered (the compiled kernels where built)", "stock": "lowe
          "portable": "portable graphs"}
 
 
-def _steps(backend: OrtBackend, rows: list[int], batches: list[int], context: int) -> dict:
+def timed_steps(backend: OrtBackend, rows: list[int], batches: list[int], context: int) -> dict:
     """``(before, step)`` pairs, ``step`` a call timed right after an untimed ``before``:
     ``backend``'s target step at each (batch, row count) and its draft step at each batch, after a
     prefill of ``context`` random tokens in each slot (the caches are not advanced: each call is
