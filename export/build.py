@@ -311,14 +311,33 @@ def _save_tokenizer(target_dir: Path, destination: Path):
     returns it."""
     from transformers import AutoTokenizer
 
+    if target_dir.suffix == ".gguf":
+        _check_gguf_tokenizer(target_dir)
     try:
         location, options = hf_location(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(location, **options)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{target_dir}: no usable tokenizer ({err}); the engine directory "
-                              f"needs the target's tokenizer files") from None
+    except (OSError, ValueError, KeyError) as err:   # KeyError: a GGUF tokenizer transformers cannot read
+        raise CheckpointError(f"{target_dir}: no usable tokenizer ({type(err).__name__}: {err}); the engine "
+                              f"directory needs the target's tokenizer files") from None
     tokenizer.save_pretrained(destination)
     return tokenizer
+
+
+def _check_gguf_tokenizer(path: Path) -> None:
+    """Refuse a GGUF file whose tokenizer no reader can rebuild: a BPE vocabulary (``gpt2``)
+    without its merges, which llama.cpp refuses too ("cannot find tokenizer merges") and
+    ``transformers`` fails on inside its GGUF reader."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    model = fields.get("tokenizer.ggml.model")
+    if model is None:
+        raise CheckpointError(f"{path}: no tokenizer.ggml.model field (the file carries no tokenizer); the "
+                              f"engine directory needs the target's tokenizer")
+    kind = bytes(model.parts[model.data[0]]).decode()
+    if kind == "gpt2" and "tokenizer.ggml.merges" not in fields:
+        raise CheckpointError(f"{path}: its BPE tokenizer (tokenizer.ggml.model gpt2) has no "
+                              f"tokenizer.ggml.merges; expected the merges beside the token list")
 
 
 def _save_generation_config(target_dir: Path, out: Path) -> None:
