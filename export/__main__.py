@@ -73,7 +73,8 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
     build_checks.check_options(
-        k=args.k, confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
+        k=args.k, markov_top_k=args.markov_top_k, confidence_threshold=args.confidence_threshold or 0.0,
+        dtype=args.dtype,
         backend=args.backend, gpus=tuple(args.gpu), weights=args.weights, weights_block=args.weights_block,
         quantize_draft=bool(args.quantize_draft), max_batch=args.max_batch, max_seq_len=args.max_seq_len,
         max_prompt_chunk=args.max_prompt_chunk)
@@ -99,8 +100,8 @@ def cmd_build(args: argparse.Namespace) -> None:
         limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         max_prompt_chunk=args.max_prompt_chunk)
         # built beside --out and swapped in once verified: a failed build leaves the old one as it was
-        result = build(args.target, args.draft, staging, k=args.k, limits=limits,
-                       confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
+        result = build(args.target, args.draft, staging, k=args.k, markov_top_k=args.markov_top_k,
+                       limits=limits, confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,
                        opset=args.opset, backend=args.backend, gpus=tuple(args.gpu),
                        weights=args.weights, weights_block=args.weights_block,
                        quantize_draft=bool(args.quantize_draft), progress=not args.quiet)
@@ -185,6 +186,11 @@ def parser() -> argparse.ArgumentParser:
                                    "draft, modeling/drafts/smollm2-135m-instruct]")
     b.add_argument("--out", help="engine directory [engines/<draft name>]")
     b.add_argument("--k", type=int, help="drafts per step [the draft's trained number]")
+    b.add_argument("--markov-top-k", type=int, default=0, metavar="K",
+                   help="each draft's Markov bias and choice over the K largest of its base logits only "
+                        "(vLLM's dspark_draft_topk): at a 151936-id vocabulary the full chain reads all of "
+                        "markov_w2 once a draft; verification stays exact, the drafts may differ from "
+                        "DeepSpec's [0: every draft id]")
     b.add_argument("--confidence-threshold", type=float, metavar="P",
                    help="the runtime's default: verify a step's drafts only up to the first whose "
                         "top draft probability is below P, as transformers' "

@@ -60,20 +60,22 @@ class BuildResult:
     quality: dict | None                      # quality_cost of the target, when quantized
 
 
-def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: Limits,
+def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_top_k: int = 0, limits: Limits,
           confidence_threshold: float = 0.0, dtype: str = "fp32", opset: int = 23,
           backend: str = "onnx", gpus: tuple[str, ...] = (), weights: str | None = None,
           weights_block: int = 32, quantize_draft: bool = False, progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
     ``backend`` ``trt`` / ``trt-rtx`` also builds TensorRT engines (for ``gpus``).
     ``confidence_threshold`` is recorded as the runtime's default (``runtime.decoding.batch``).
+    ``markov_top_k`` K > 0 draws each draft from its K largest base logits (``DraftStep.sample``).
     ``weights`` (``int4`` / ``int8``) quantizes the target's linear layers in blocks of
     ``weights_block``, and the draft's too with ``quantize_draft``; ``gguf`` keeps a GGUF target's
     own blocks (and ``quantize_draft`` rounds the draft to int4). A ``None`` in ``limits`` is the
     default: ``max_seq_len`` the target's max_position_embeddings, at most 2048; ``max_prompt_chunk``
     512, at most ``max_seq_len``."""
     build_checks.check_options(
-        k=k, confidence_threshold=confidence_threshold, dtype=dtype, backend=backend, gpus=gpus,
+        k=k, markov_top_k=markov_top_k, confidence_threshold=confidence_threshold, dtype=dtype,
+        backend=backend, gpus=gpus,
         weights=weights, weights_block=weights_block, quantize_draft=quantize_draft,
         max_batch=limits.max_batch, max_seq_len=limits.max_seq_len, max_prompt_chunk=limits.max_prompt_chunk)
     weights = None if weights == quantize.FLOAT else weights
@@ -106,7 +108,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, limits: L
         _save_generation_config(target_dir, out)
 
         torch_dtype = DTYPES[dtype]
-        loaders = {"draft": lambda: load_draft(draft_dir, target_dir, k=k, dtype=torch_dtype),
+        loaders = {"draft": lambda: load_draft(draft_dir, target_dir, k=k, dtype=torch_dtype,
+                                               markov_top_k=markov_top_k),
                    "target": lambda: load_target(target_dir, taps=draft_config.target_layer_ids,
                                                  dtype=torch_dtype)}
         generator = torch.Generator().manual_seed(0)
@@ -249,7 +252,8 @@ def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> di
     """The manifest's entry for a loaded model: its config and, for the draft, the loop's facts."""
     if not isinstance(module, DraftStep):
         return asdict(module.config)
-    return {**asdict(module.config), "k": module.k, "confidence_threshold": confidence_threshold,
+    return {**asdict(module.config), "k": module.k, "markov_top_k": module.markov_top_k,
+            "confidence_threshold": confidence_threshold,
             "has_d2t": bool(module.d2t.any()), "target_vocab_size": module.target_vocab_size,
             "precision": {part: DTYPE_NAMES[t] for part, t in module.precision().items()}}
 

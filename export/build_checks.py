@@ -28,7 +28,8 @@ DEFAULT_MAX_SEQ_LEN = 2048   # or the target's max_position_embeddings, if small
 DEFAULT_MAX_PROMPT_CHUNK = 512   # or max_seq_len, if smaller
 
 
-def check_options(*, k: int | None = None, confidence_threshold: float = 0.0, dtype: str = "fp32",
+def check_options(*, k: int | None = None, markov_top_k: int = 0, confidence_threshold: float = 0.0,
+                  dtype: str = "fp32",
                   backend: str = "onnx", gpus: tuple[str, ...] = (), weights: str | None = None,
                   weights_block: int = 32, quantize_draft: bool = False, max_batch: int = 1,
                   max_seq_len: int | None = None, max_prompt_chunk: int | None = None) -> None:
@@ -36,6 +37,8 @@ def check_options(*, k: int | None = None, confidence_threshold: float = 0.0, dt
     target's config is read (``max_prompt_chunk`` is then checked against the largest they can be)."""
     if k is not None and k < 1:
         raise ValueError(f"--k {k}: expected at least 1 draft per step")
+    if markov_top_k < 0:
+        raise ValueError(f"--markov-top-k {markov_top_k}: expected 0 (every draft id) or a positive count")
     if not (math.isfinite(confidence_threshold) and 0 <= confidence_threshold <= 1):
         raise ValueError(f"--confidence-threshold {confidence_threshold}: expected 0 (verify every "
                          f"draft) .. 1")

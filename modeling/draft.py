@@ -55,10 +55,10 @@ class DraftStep(CachedStep, nn.Module):
     ``p_anchor`` hold the block's scratch K/V; the next call's context rows overwrite them.
     """
 
-    def __init__(self, config: DraftConfig, target_vocab_size: int, k: int):
+    def __init__(self, config: DraftConfig, target_vocab_size: int, k: int, markov_top_k: int = 0):
         super().__init__()
         d = config.decoder
-        self.config, self.k = config, k
+        self.config, self.k, self.markov_top_k = config, k, markov_top_k
         self.target_vocab_size = target_vocab_size
         taps = len(config.target_layer_ids)
         self.fc = nn.Linear(taps * config.target_hidden_size, d.hidden_size, bias=False)
@@ -127,15 +127,30 @@ class DraftStep(CachedStep, nn.Module):
     def sample(self, base, anchor, temperature, noise):
         """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
         then the target id emitted at row ``i - 1``), is scaled by the temperature, and draws
-        ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row."""
+        ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row.
+
+        With ``markov_top_k`` K, row ``i``'s candidates are the K largest of its base logits (taken
+        once for every row, ties to the lower id, as ONNX's TopK), and only they get the bias and
+        can be drawn (vLLM's ``dspark_draft_topk``): the bias reads K rows of ``markov_w2`` instead
+        of all of them, at 151936 ids and rank 256 a 39M-weight product a draft. ``q`` is then the
+        distribution over those K that each draft was drawn from, so verification stays exact."""
         w1 = self.markov_head.markov_w1.weight
         w2 = self.markov_head.markov_w2.weight
         batch = base.shape[0]
         target_columns = (torch.arange(w2.shape[0], device=w2.device) + self.d2t).expand(batch, -1)
         row = w1[anchor]
+        if self.markov_top_k:
+            values, candidates = torch.topk(base, self.markov_top_k, dim=-1)   # [B, k, K]
+            candidate_w2 = nn.functional.embedding(candidates, w2)             # [B, k, K, r]
         tokens, probs = [], []
         for i in range(self.k):
-            z = (base[:, i] + row @ w2.T).float() / temperature[:, None]
+            if self.markov_top_k:
+                bias = (candidate_w2[:, i] @ row[:, :, None])[..., 0]
+                z_candidates = (values[:, i] + bias).float() / temperature[:, None]
+                z = torch.full(base[:, i].shape, float("-inf"), dtype=torch.float32, device=base.device)
+                z = z.scatter(1, candidates[:, i], z_candidates)
+            else:
+                z = (base[:, i] + row @ w2.T).float() / temperature[:, None]
             q = torch.zeros(batch, self.target_vocab_size, dtype=torch.float32, device=base.device)
             probs.append(q.scatter(1, target_columns, torch.softmax(z, dim=-1)))
             token, row = d2t_gather(z + noise[:, i], self.d2t, w1)
@@ -175,7 +190,7 @@ def _block_mask(anchors: torch.Tensor, seen: int, block: int) -> torch.Tensor:
 
 
 def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None = None,
-               dtype: torch.dtype = torch.float32) -> DraftStep:
+               dtype: torch.dtype = torch.float32, markov_top_k: int = 0) -> DraftStep:
     """Load a native or Speculators DSpark draft for ``target``: ``embed_tokens`` and ``lm_head``
     are shared from the target when the draft has none; ``t2d`` is ignored; the confidence head is
     not used for proposals (``docs/dspark.md#shared-and-ignored-tensors``).
@@ -197,6 +212,10 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
             return load_embeddings(target_dir)
     config = load_draft_config(directory, tc.decoder.num_layers, tc.decoder.hidden_size)
     k = resolve_k(config, k)
+    ids = min(config.draft_vocab_size, tc.vocab_size)   # a padded draft vocabulary is cut to the target's
+    if not 0 <= markov_top_k <= ids:
+        raise ValueError(f"--markov-top-k {markov_top_k}: expected 0 (every draft id) .. the draft "
+                         f"vocabulary's {ids} ids")
     tensors = {name: t for name, t in load_tensors(directory).items()
                if not name.startswith("confidence_head.") and name != "t2d"}
     where = f"{directory}/config.json"
@@ -247,7 +266,7 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
         for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
             tensors[name] = tensors[name].float() * config.logit_scale   # a new tensor: lm_head may be shared
     island = {name: tensors[name] for name in FP32_ISLAND}  # build_module consumes ``tensors``
-    draft = build_module(lambda: DraftStep(config, tc.vocab_size, k), tensors, directory, dtype)
+    draft = build_module(lambda: DraftStep(config, tc.vocab_size, k, markov_top_k), tensors, directory, dtype)
     return keep_context_input_fp32(draft, island)
 
 

@@ -35,6 +35,9 @@ ENGINE_CASES = {
     "llama-speculators-reduced-bonus-anchor": dict(arch="llama", draft_format="speculators",
                                                     draft_vocab=30, layout="bonus-anchor"),
 }
+# a draft over its base logits' top 6 (build --markov-top-k), with a reduced vocabulary and the drafts'
+# rows starting at block row 1: engine_dir(LIMITS, **MARKOV_TOP_K)
+MARKOV_TOP_K = dict(ENGINE_CASES["llama-speculators-reduced-bonus-anchor"], markov_top_k=6)
 
 
 @pytest.fixture(scope="session")
@@ -53,17 +56,19 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine_dir(tiny, tmp_path_factory):
-    """``engine_dir(limits, **TinySpec fields) -> path`` of a built engine directory, built once."""
+    """``engine_dir(limits, markov_top_k=0, **TinySpec fields) -> path`` of a built engine directory,
+    built once."""
     from export.build import build
 
     built: dict = {}
 
-    def make(limits, **fields) -> Path:
-        key = (limits, TinySpec(**fields))
+    def make(limits, markov_top_k: int = 0, **fields) -> Path:
+        key = (limits, markov_top_k, TinySpec(**fields))
         if key not in built:
             target_dir, draft_dir = tiny(**fields)
             out = tmp_path_factory.mktemp("engine")
-            build(str(target_dir), str(draft_dir), out, limits=limits, progress=False)
+            build(str(target_dir), str(draft_dir), out, markov_top_k=markov_top_k, limits=limits,
+                  progress=False)
             built[key] = out
         return built[key]
 

@@ -339,37 +339,43 @@ OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelIn
 }
 
 // ---- MarkovSampler: base [B, R, Vd], anchor [B] int64, temperature [B], noise [B, k, Vd], d2t [Vd]
-// int64, markov_w1 [V, r], markov_w2 transposed [r, Vd]. Attribute `first`: the block row of the
-// first draft. Outputs: tokens [B, k] int64 and q [B, k, V] (plugins/d2t_gather/ort_cpu.py).
+// int64, markov_w1 [V, r], and markov_w2 transposed [r, Vd] (top_k 0) or as it is [Vd, r] (top_k K).
+// Attributes `first`: the block row of the first draft; `top_k`: each draft over its K largest base
+// logits, or 0. Outputs: tokens [B, k] int64 and q [B, k, V] (plugins/d2t_gather/ort_cpu.py).
 
 struct Sampler {
-    int64_t first;
+    int64_t first, top_k;
 };
 
 OrtStatus* markov_sampler(void* state, OrtKernelContext* context) {
     const Tensor base = input(context, 0), anchor = input(context, 1), temperature = input(context, 2),
-                 noise = input(context, 3), d2t = input(context, 4), w1 = input(context, 5), w2t = input(context, 6);
-    if (base.dims.size() != 3 || noise.dims.size() != 3 || w1.dims.size() != 2 || w2t.dims.size() != 2
+                 noise = input(context, 3), d2t = input(context, 4), w1 = input(context, 5), w2 = input(context, 6);
+    const Sampler& s = *static_cast<Sampler*>(state);
+    const size_t rank_axis = s.top_k ? 1 : 0;   // markov_w2 [Vd, r] with top_k, transposed [r, Vd] without
+    if (base.dims.size() != 3 || noise.dims.size() != 3 || w1.dims.size() != 2 || w2.dims.size() != 2
             || noise.dims[0] != base.dims[0] || noise.dims[2] != base.dims[2] || anchor.size() != base.dims[0]
-            || temperature.size() != base.dims[0] || d2t.size() != base.dims[2] || w2t.dims[1] != base.dims[2]
-            || w2t.dims[0] != w1.dims[1])
+            || temperature.size() != base.dims[0] || d2t.size() != base.dims[2]
+            || w2.dims[1 - rank_axis] != base.dims[2] || w2.dims[rank_axis] != w1.dims[1])
         return error("MarkovSampler", "expected base [B, R, Vd], anchor and temperature [B], noise [B, k, Vd], "
-                     "d2t [Vd], markov_w1 [V, r] and markov_w2 transposed [r, Vd]");
+                     "d2t [Vd], markov_w1 [V, r] and markov_w2 [Vd, r] (top_k) or transposed [r, Vd]");
     const int64_t B = base.dims[0], k = noise.dims[1], V = w1.dims[0];
-    const DsparkMarkov m{B, k, base.dims[1], static_cast<Sampler*>(state)->first, base.dims[2], V, w1.dims[1],
+    const auto* weight = static_cast<const float*>(w2.data);
+    const DsparkMarkov m{B, k, base.dims[1], s.first, base.dims[2], V, w1.dims[1], s.top_k,
                          static_cast<const float*>(base.data), static_cast<const int64_t*>(anchor.data),
                          static_cast<const float*>(temperature.data), static_cast<const float*>(noise.data),
                          static_cast<const int64_t*>(d2t.data), static_cast<const float*>(w1.data),
-                         static_cast<const float*>(w2t.data), static_cast<int64_t*>(output(context, 0, {B, k})),
+                         s.top_k ? nullptr : weight, s.top_k ? weight : nullptr,
+                         static_cast<int64_t*>(output(context, 0, {B, k})),
                          static_cast<float*>(output(context, 1, {B, k, V}))};
     if (const char* wrong = dspark_markov_check(&m)) return error("MarkovSampler", wrong);
     return tasks_with_scratch<DsparkMarkov, dspark_markov_row>(context, m, B, dspark_markov_scratch(&m));
 }
 
 OrtStatus* create_sampler(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new Sampler{0};
-    return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "first", &state->first),
-                   kernel);
+    auto* state = new Sampler{0, 0};
+    const auto attribute = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64);
+    OrtStatus* status = attribute(info, "first", &state->first);
+    return created(state, status ? status : attribute(info, "top_k", &state->top_k), kernel);
 }
 
 // ---- registration

@@ -7,6 +7,13 @@
 // argmax(z + noise_i) (the first of equal maxima, as ONNX's ArgMax), mapped to its target id,
 // whose w1 row conditions the next draft. Each sequence is one task, in one fixed order, so its
 // drafts do not depend on the others in the call.
+//
+// With top_k K > 0 (vLLM's dspark_draft_topk, DraftStep.sample), draft i's candidates are the K
+// largest of its base row (ties to the lower id, as ONNX's TopK), and only they get the bias, each a
+// dot product with its own markov_w2 row: K x rank weights read rather than Vd x rank (39M at
+// 151936 ids and rank 256, seven times a step). z is -inf off them, so q is zero there and the
+// draft is one of them.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +25,7 @@ using namespace dspark_vec;
 
 const char* dspark_markov_check(const DsparkMarkov* m) {
     if (m->first < 0 || m->first + m->k > m->R) return "the drafts' rows run past the block";
+    if (m->top_k < 0 || m->top_k > m->Vd) return "top_k outside 0 .. the draft vocabulary";
     for (int64_t j = 0; j < m->Vd; ++j)
         if (j + m->d2t[j] < 0 || j + m->d2t[j] >= m->V) return "d2t maps a draft id outside the target vocabulary";
     for (int64_t b = 0; b < m->B; ++b)
@@ -50,11 +58,85 @@ void logits(const DsparkMarkov* m, const float* base, const float* noise, const 
     for (int64_t j = Vd; j < padded(Vd); ++j) z[j] = scores[j] = -INFINITY;
 }
 
+struct Candidate {
+    float value;
+    int64_t id;
+};
+
+// Heap order whose top is the candidate to drop first: the lowest value, of equal values the higher id.
+inline bool keeps_before(const Candidate& a, const Candidate& b) {
+    return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
+
+// The K largest of x[0, n) into top (in no order), ties to the lower id: a heap of K, and a vector
+// of x is looked at one lane at a time only where a lane beats the heap's lowest.
+void largest(const float* x, int64_t n, int64_t K, Candidate* top) {
+    for (int64_t j = 0; j < K; ++j) top[j] = {x[j], j};
+    std::make_heap(top, top + K, keeps_before);
+    const auto offer = [&](int64_t j) {
+        if (x[j] > top[0].value) {   // an equal value has a higher id than any kept: it loses
+            std::pop_heap(top, top + K, keeps_before);
+            top[K - 1] = {x[j], j};
+            std::push_heap(top, top + K, keeps_before);
+        }
+    };
+    int64_t j = K;
+    for (; j < n && j % LANES; ++j) offer(j);
+    for (; j + LANES <= n; j += LANES) {
+        const Vec v = load(x + j);
+        bool any = false;
+        for (int l = 0; l < LANES; ++l) any |= v[l] > top[0].value;
+        if (any)
+            for (int l = 0; l < LANES; ++l) offer(j + l);
+    }
+    for (; j < n; ++j) offer(j);
+}
+
+// Draft i over its candidates: their logits z (then exponentials) in z[0, K), -inf padded to a
+// vector; the choice, the first maximum of z + noise by draft id; q written at their target ids.
+int64_t draw_candidates(const DsparkMarkov* m, const float* base, const float* noise, const float* row,
+                        float temperature, Candidate* top, float* z, float* q) {
+    const int64_t K = m->top_k;
+    largest(base, m->Vd, K, top);
+    int64_t choice = -1;
+    float best = -INFINITY;
+    for (int64_t c = 0; c < K; ++c) {
+        const float* w2 = m->w2 + top[c].id * m->rank;
+        float bias = 0.f;
+        for (int64_t r = 0; r < m->rank; ++r) bias += row[r] * w2[r];
+        z[c] = (top[c].value + bias) / temperature;
+        const float score = z[c] + noise[top[c].id];
+        if (choice < 0 || score > best || (score == best && top[c].id < choice)) best = score, choice = top[c].id;
+    }
+    for (int64_t c = K; c < padded(K); ++c) z[c] = -INFINITY;
+    const float share = exponentials(z, padded(K));
+    std::memset(q, 0, size_t(m->V) * sizeof(float));
+    for (int64_t c = 0; c < K; ++c) q[top[c].id + m->d2t[top[c].id]] = z[c] * share;
+    return choice;
+}
+
 }  // namespace
 
-int64_t dspark_markov_scratch(const DsparkMarkov* m) { return 2 * padded(m->Vd) * int64_t(sizeof(float)); }
+int64_t dspark_markov_scratch(const DsparkMarkov* m) {
+    if (m->top_k) return m->top_k * int64_t(sizeof(Candidate)) + padded(m->top_k) * int64_t(sizeof(float));
+    return 2 * padded(m->Vd) * int64_t(sizeof(float));
+}
 
 void dspark_markov_row(const DsparkMarkov* m, int64_t b, float* scratch) {
+    if (m->top_k) {
+        auto* top = reinterpret_cast<Candidate*>(scratch);
+        float* z = reinterpret_cast<float*>(top + m->top_k);
+        const float* row = m->w1 + m->anchor[b] * m->rank;
+        for (int64_t i = 0; i < m->k; ++i) {
+            const int64_t choice = draw_candidates(
+                m, m->base + (b * m->R + m->first + i) * m->Vd, m->noise + (b * m->k + i) * m->Vd, row,
+                m->temperature[b], top, z, m->q + (b * m->k + i) * m->V);
+            const int64_t token = choice + m->d2t[choice];
+            m->tokens[b * m->k + i] = token;
+            row = m->w1 + token * m->rank;
+        }
+        return;
+    }
     const int64_t Vd = m->Vd, width = padded(Vd);
     float* z = scratch;            // the draft's logits, then their exponentials
     float* scores = scratch + width;

@@ -29,25 +29,27 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
     found = _sampler(model.graph)
     if found is None:
         return {}
-    base, first, d2t, w1, transposed = found
+    base, first, top_k, d2t, w1, weight = found
     graph = model.graph
     outputs = {value.name: value for value in graph.outputs}
     inputs = {value.name: value for value in graph.inputs}
-    name = "markov_w2_t_markov_sampler"
+    name = "markov_w2_markov_sampler" if top_k else "markov_w2_t_markov_sampler"
     node = ir.node(OP, [base, inputs["anchor"], inputs["temperature"], inputs["noise"], d2t, w1,
-                        placeholder(graph, name, transposed, location)],
-                   domain=CPU_DOMAIN, num_outputs=2, attributes={"first": first}, name="markov_sampler")
+                        placeholder(graph, name, weight, location)],
+                   domain=CPU_DOMAIN, num_outputs=2, attributes={"first": first, "top_k": top_k},
+                   name="markov_sampler")
     old = [outputs["tokens"], outputs["q"]]
     ir.convenience.replace_nodes_and_values(graph, base.producer(), [], [node], old, list(node.outputs))
     model.opset_imports[CPU_DOMAIN] = 1
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
-    return {name: transposed}
+    return {name: weight}
 
 
 def _sampler(graph):
-    """``(base, first, d2t, markov_w1, markov_w2^T)`` of the unrolled sampler: the base logits
-    ``[B, R, Vd]`` whose rows ``first ..`` the drafts read, the two constants and the transposed
-    weight as an array; None where the graph is not of that form."""
+    """``(base, first, top_k, d2t, markov_w1, markov_w2's array)`` of the unrolled sampler: the base
+    logits ``[B, R, Vd]`` whose rows ``first ..`` the drafts read, the candidates per draft (0: all),
+    the two constants, and ``markov_w2`` as the kernel reads it (transposed ``[r, Vd]``, or as it
+    is ``[Vd, r]`` with top_k); None where the graph is not of that form."""
     import onnx_ir as ir
 
     gathers = [node for node in graph if node.op_type == NAME]
@@ -58,6 +60,13 @@ def _sampler(graph):
     if any(g.inputs[1] is not d2t or g.inputs[2] is not w1 for g in gathers) or d2t.const_value is None \
             or w1.const_value is None:
         return None
+    floats = [w1, *(value for value in graph.inputs if value.name in ("temperature", "noise"))]
+    if any(value.dtype != ir.DataType.FLOAT for value in floats):
+        return None   # the kernel's are float32 (an fp16 draft keeps its graph)
+    top_k = [node for node in graph if node.op_type == "TopK"]
+    if top_k:
+        found = _top_k_sampler(top_k)
+        return None if found is None else (found[0], 0, found[1], d2t, w1, found[2])
     # draft i > 0's bias: MatMul(the previous draft's Markov row, markov_w2^T); its block row: the
     # other input of the Add after it, Gather(base, first + i, axis=1)
     rows = []
@@ -78,10 +87,30 @@ def _sampler(graph):
             or [row for _, row, _ in rows] != list(range(second, second + len(rows)))):
         return None
     w2t = _transposed(product)
-    floats = [base, w1, *(value for value in graph.inputs if value.name in ("temperature", "noise"))]
-    if w2t is None or w2t.dtype != np.float32 or any(value.dtype != ir.DataType.FLOAT for value in floats):
-        return None   # the kernel's are float32 (an fp16 draft keeps its graph)
-    return base, second - 1, d2t, w1, w2t
+    if w2t is None or w2t.dtype != np.float32 or base.dtype != ir.DataType.FLOAT:
+        return None
+    return base, second - 1, 0, d2t, w1, w2t
+
+
+def _top_k_sampler(top_k):
+    """``(base, K, markov_w2 [Vd, r])`` of ``DraftStep.sample``'s top-K form: one ``TopK`` over the
+    drafts' rows of base logits (so ``first`` is 0), whose candidate ids gather ``markov_w2``'s
+    rows; None for anything else."""
+    import onnx_ir as ir
+
+    if len(top_k) != 1:
+        return None
+    node = top_k[0]
+    base, count = node.inputs[0], node.inputs[1].const_value
+    weights = [use.node for use in node.outputs[1].uses() if use.node.op_type == "Gather" and use.idx == 1
+               and use.node.attributes.get_int("axis", 0) == 0 and use.node.inputs[0].const_value is not None]
+    if count is None or len(weights) != 1 or node.attributes.get_int("axis", -1) not in (-1, 2) \
+            or node.attributes.get_int("largest", 1) != 1 or base.dtype != ir.DataType.FLOAT:
+        return None
+    w2 = np.ascontiguousarray(weights[0].inputs[0].const_value.numpy())
+    if w2.dtype != np.float32 or w2.ndim != 2:
+        return None
+    return base, int(count.numpy().reshape(-1)[0]), w2
 
 
 def _transposed(value):

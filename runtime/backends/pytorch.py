@@ -56,7 +56,8 @@ class TorchBackend:
                     f"({sources[side]['path']}) is not there; use --backend ort")
         dtype = getattr(torch, m["dtype"])
         target, draft = load_pair(sources["target"]["path"], sources["draft"]["path"],
-                                  k=m["draft"]["k"], dtype=dtype)
+                                  k=m["draft"]["k"], dtype=dtype,
+                                  markov_top_k=m["draft"].get("markov_top_k", 0))
         limits = m["limits"]
         return cls(target, draft, limits["max_seq_len"], limits["max_batch"], limits["max_prompt_chunk"],
                    manifest_file.confidence_threshold(m), device=device, cuda_graphs=cuda_graphs)

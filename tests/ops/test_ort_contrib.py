@@ -14,14 +14,15 @@ from plugins.cpu import build
 from plugins.d2t_gather import ort_cpu as markov
 from runtime.backends.ort import OrtBackend
 
-from conftest import ENGINE_CASES
+from conftest import ENGINE_CASES, MARKOV_TOP_K
 
 LIMITS = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+CASES = {**ENGINE_CASES, "markov-top-k": MARKOV_TOP_K}
 
 
-@pytest.fixture(scope="module", params=ENGINE_CASES)
+@pytest.fixture(scope="module", params=CASES)
 def engine(request, engine_dir):
-    return engine_dir(LIMITS, **ENGINE_CASES[request.param])
+    return engine_dir(LIMITS, **CASES[request.param])
 
 
 def test_each_layer_of_both_graphs_is_lowered_the_targets_with_its_rotations(engine):
@@ -50,16 +51,19 @@ def test_the_drafts_markov_sampler_is_one_node(engine):
     """Its ~60 nodes (a softmax, scatter and D2TGather per draft) become one ``MarkovSampler``
     writing the graph's ``tokens`` and ``q``; the proposals are compared with the portable
     graph's below (``compiled-kernels``)."""
-    draft = ir.load(engine / OrtBackend(engine).manifest["graphs"]["draft"]["file"])
-    k = OrtBackend(engine).limits.k
+    manifest = OrtBackend(engine).manifest
+    draft = ir.load(engine / manifest["graphs"]["draft"]["file"])
+    k, top_k = OrtBackend(engine).limits.k, manifest["draft"]["markov_top_k"]
     assert [node.op_type for node in draft.graph].count("D2TGather") == k
-    (name, transposed), = markov.lower(draft, "weights").items()
+    (name, weight), = markov.lower(draft, "weights").items()
     ops = [node.op_type for node in draft.graph]
-    assert ops.count(markov.OP) == 1 and not {"D2TGather", "Softmax", "ScatterElements"} & set(ops)
+    assert ops.count(markov.OP) == 1 and not {"D2TGather", "Softmax", "ScatterElements", "TopK"} & set(ops)
     sampler = next(node for node in draft.graph if node.op_type == markov.OP)
     assert [value.name for value in sampler.outputs] == ["tokens", "q"]
-    assert sampler.inputs[6].name == name and transposed.shape[1] == OrtBackend(engine).manifest["draft"][
-        "draft_vocab_size"]
+    assert sampler.attributes["top_k"].value == top_k
+    # markov_w2 as the kernel reads it: transposed [r, Vd] for the whole chain, its rows [Vd, r] for top-K
+    assert sampler.inputs[6].name == name
+    assert weight.shape[1 if top_k == 0 else 0] == manifest["draft"]["draft_vocab_size"]
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["onnx-runtime-kernels", "compiled-kernels"])
@@ -117,9 +121,12 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
         caches = [v.numpy()[:, :, :seen].copy() for v in bound]
         results.append((steps, caches))
     (steps, caches), (steps_p, caches_p) = results
+    top_k = draft["markov_top_k"]
     for (tokens, q), (tokens_p, q_p) in zip(steps, steps_p):
         assert torch.equal(tokens, tokens_p)
         torch.testing.assert_close(q, q_p, rtol=1e-4, atol=1e-5)
+        if top_k:   # each draft drawn from its row's top K: K ids with mass, the draft among them
+            assert ((q > 0).sum(-1) == top_k).all() and (q.gather(-1, tokens[..., None]) > 0).all()
     assert all(np.abs(c).sum() > 0 for c in caches)
     for cache, cache_p in zip(caches, caches_p):
         np.testing.assert_allclose(cache, cache_p, rtol=1e-4, atol=1e-4)
