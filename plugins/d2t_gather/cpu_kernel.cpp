@@ -68,28 +68,27 @@ inline bool keeps_before(const Candidate& a, const Candidate& b) {
     return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
-// The K largest of x[0, n) into top (in no order), ties to the lower id: a heap of K, and a vector
-// of x is looked at one lane at a time only where a lane beats the heap's lowest.
+// The K largest of x[0, n) into top (in no order), ties to the lower id: a heap of K, and a span of
+// x is looked at value by value only where its maximum beats the heap's lowest (after the first few
+// spans, almost none does).
 void largest(const float* x, int64_t n, int64_t K, Candidate* top) {
+    constexpr int64_t SPAN = 16 * LANES;
     for (int64_t j = 0; j < K; ++j) top[j] = {x[j], j};
     std::make_heap(top, top + K, keeps_before);
-    const auto offer = [&](int64_t j) {
-        if (x[j] > top[0].value) {   // an equal value has a higher id than any kept: it loses
-            std::pop_heap(top, top + K, keeps_before);
-            top[K - 1] = {x[j], j};
-            std::push_heap(top, top + K, keeps_before);
-        }
+    const auto offer = [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j)
+            if (x[j] > top[0].value) {   // an equal value has a higher id than any kept: it loses
+                std::pop_heap(top, top + K, keeps_before);
+                top[K - 1] = {x[j], j};
+                std::push_heap(top, top + K, keeps_before);
+            }
     };
-    int64_t j = K;
-    for (; j < n && j % LANES; ++j) offer(j);
-    for (; j + LANES <= n; j += LANES) {
-        const Vec v = load(x + j);
-        bool any = false;
-        for (int l = 0; l < LANES; ++l) any |= v[l] > top[0].value;
-        if (any)
-            for (int l = 0; l < LANES; ++l) offer(j + l);
-    }
-    for (; j < n; ++j) offer(j);
+    const int64_t aligned = std::min(n, (K + SPAN - 1) / SPAN * SPAN);
+    offer(K, aligned);
+    int64_t j = aligned;
+    for (; j + SPAN <= n; j += SPAN)
+        if (highest(x + j, SPAN) > top[0].value) offer(j, j + SPAN);
+    offer(j, n);
 }
 
 // Draft i over its candidates: their logits z (then exponentials) in z[0, K), -inf padded to a
