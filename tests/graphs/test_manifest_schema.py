@@ -162,6 +162,7 @@ def json_path(path: tuple) -> str:
 FREE_KEYS = {("source", "target", "files"), ("source", "draft", "files"), ("tools",)}
 # absent in engines built before them; ``linear`` / ``moe`` / ``gemma4`` are null for a dense target
 OPTIONAL = {("draft", "confidence_threshold"), ("draft", "logit_scale"), ("draft", "architecture"),
+            ("draft", "markov_top_k"),
             ("weights",), ("target", "linear"), ("target", "moe"), ("target", "gemma4"), ("draft", "gemma4")}
 
 
