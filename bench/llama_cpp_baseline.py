@@ -1,97 +1,109 @@
 """llama.cpp as ``python -m bench``'s outside baseline: greedy decoding of the same token ids through
-``llama-cpp-python`` on a GGUF file, in a worker process of its own.
+llama.cpp's own ``llama-server`` on a GGUF file, target-only and, given the draft converted by its
+converter, with its DSpark (``--spec-type draft-dspark``).
 
-Its own process because llama.cpp's OpenMP thread pool and ONNX Runtime's / torch's compete when
-they share one (in one process it measured 45 tokens/s where alone it gave 60-67). The bench sends
-one prompt at a time, between its own modes, so a slow spell of a shared machine falls on all of
-them alike. The worker reads JSON lines ``{"ids": [...], "max_new_tokens": N, "stop": [...]}`` on
-stdin (``stop``: the engine's end-of-sequence ids, so both stop alike) and answers
-``{"token_ids": [...], "seconds": s}``, timing only the decoding (prompt included).
-
-``pip install llama-cpp-python`` compiles llama.cpp for the CPU it is built on, and its default
-build uses AMX kernels that crash in the first decode on the CPUs we test on. Machines of one kind
-differ (some have AVX-512, some only AVX2), and a build for one can stop on another with an illegal
-instruction, so build where it runs, e.g. for AVX2: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON
--DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
--DGGML_AMX_BF16=OFF" pip install llama-cpp-python`` (add ``-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON``
-where ``/proc/cpuinfo`` lists ``avx512f``).
+The server is llama.cpp's own build for this CPU (``python -m bench.llama_cpp_tools``), a process of
+its own: llama.cpp's thread pool and ONNX Runtime's would compete in one. The bench sends one prompt
+at a time, between its own modes, so a slow spell of a shared machine falls on all of them alike.
+A prompt goes as token ids to ``/completion`` (temperature 0, the prompt cache off); the seconds are
+the server's own ``prompt_ms + predicted_ms``, the decoding with its prompt, not the HTTP around it.
+Between its requests the server is stopped (``SIGSTOP``): its idle threads poll for work, which took
+a core from the engine's runs beside it, and polling less made llama.cpp slower (tg32 48 against
+54 tokens/s with ``--poll 0``).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
+import signal
+import socket
 import subprocess
-import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-INSTALL = "pip install llama-cpp-python, built for this CPU (see bench/llama_cpp_baseline.py)"
+from bench.llama_cpp_tools import ToolsError, tools
+
+STARTUP_SECONDS = 300
 
 
-def check(gguf: Path) -> None:
+def check(gguf: Path, draft: Path | None = None) -> None:
     """Refuse, before any benchmark work, a baseline that cannot run."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise ValueError(f"--llama-cpp needs llama-cpp-python: {INSTALL}")
-    if not gguf.is_file():
-        raise ValueError(f"--llama-cpp {gguf}: no such GGUF file")
+    for flag, path in (("--llama-cpp", gguf), ("--llama-cpp-draft", draft)):
+        if path is not None and not path.is_file():
+            raise ValueError(f"{flag} {path}: no such GGUF file")
+    if draft is not None and gguf is None:
+        raise ValueError(f"--llama-cpp-draft {draft}: needs --llama-cpp, the target it drafts for")
+    try:
+        tools()
+    except ToolsError as error:
+        raise ValueError(f"--llama-cpp: {error}") from None
 
 
-class LlamaCpp:
-    """The worker process, started on entering and stopped on leaving."""
+class LlamaServer:
+    """``llama-server`` on a free port of 127.0.0.1, started on entering and stopped on leaving;
+    with ``draft``, llama.cpp's DSpark drafting ``drafts`` tokens a step at most (confidence cut
+    off: ``--spec-draft-p-min 0``)."""
 
-    def __init__(self, gguf: Path, threads: int | None, context: int):
-        self.gguf = gguf
-        self.command = [sys.executable, "-m", "bench.llama_cpp_baseline", str(gguf), str(context)]
-        self.command += [str(threads)] if threads else []
+    def __init__(self, gguf: Path, threads: int, context: int, draft: Path | None = None, drafts: int = 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.gguf, self.draft = gguf, draft
+        self.command = [str(tools().server), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+                        "-c", str(context), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)]
+        if draft is not None:
+            self.command += ["-md", str(draft), "--spec-type", "draft-dspark", "--spec-draft-n-max",
+                             str(drafts), "--spec-draft-p-min", "0", "-td", str(threads)]
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "LlamaCpp":
-        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, cwd=Path(__file__).resolve().parents[1])
-        return self
+    def __enter__(self) -> "LlamaServer":
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                last = (self.process.stderr.read().strip().splitlines() or ["(no output)"])[-1]
+                raise ValueError(f"--llama-cpp {self.gguf}: llama-server stopped (exit status "
+                                 f"{self.process.returncode}): {last}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        self.process.send_signal(signal.SIGSTOP)
+                        return self
+            except (OSError, urllib.error.HTTPError):
+                time.sleep(0.25)
+        self.__exit__()
+        raise ValueError(f"--llama-cpp {self.gguf}: llama-server did not answer in {STARTUP_SECONDS} s")
 
     def __exit__(self, *exc) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.terminate()
         try:
-            self.process.stdin.close()
-        except BrokenPipeError:
-            pass
-        self.process.wait()
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
-    def generate(self, ids: list[int], max_new_tokens: int, stop: list[int]) -> tuple[list[int], float]:
-        """Greedy new tokens for ``ids`` (up to and including a ``stop`` id) and the seconds the
-        worker spent decoding them."""
-        request = {"ids": ids, "max_new_tokens": max_new_tokens, "stop": stop}
+    def generate(self, ids: list[int], max_new_tokens: int, stop: list[int] | None) -> dict:
+        """Greedy new tokens for ``ids``, as ``{"token_ids", "seconds", "decode_seconds", "drafted",
+        "accepted"}`` (seconds with the prompt's, and without; draft tokens its steps verified, and of
+        them accepted). It stops after an
+        end-of-generation id as the engine does with ``stop`` (the engine's end ids), or with
+        ``stop`` None only at ``max_new_tokens``."""
+        request = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "top_k": 1,
+                   "cache_prompt": False, "return_tokens": True, "stream": False,
+                   "ignore_eos": stop is None}
+        post = urllib.request.Request(f"{self.url}/completion", json.dumps(request).encode(),
+                                      {"Content-Type": "application/json"})
+        self.process.send_signal(signal.SIGCONT)
         try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            line = self.process.stdout.readline()
-        except BrokenPipeError:   # it stopped before reading
-            line = ""
-        if not line:
-            status = self.process.wait()
-            hint = (": llama-cpp-python was built for another CPU (an illegal instruction); rebuild it "
-                    "with the CMAKE_ARGS in bench/llama_cpp_baseline.py" if status in (-4, 132) else "")
-            raise ValueError(f"--llama-cpp {self.gguf}: the llama.cpp worker stopped (exit status "
-                             f"{status}){hint}")
-        answer = json.loads(line)
-        return answer["token_ids"], answer["seconds"]
-
-
-def serve(gguf: str, context: int, threads: int | None) -> None:
-    from llama_cpp import Llama
-
-    model = Llama(gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
-    next(model.generate([model.token_bos()], temp=0.0, top_k=1))   # touches the weights once
-    for line in sys.stdin:
-        request = json.loads(line)
-        started = time.perf_counter()
-        tokens = []
-        for token in model.generate(request["ids"], temp=0.0, top_k=1, reset=True):
-            tokens.append(token)
-            if token in request["stop"] or len(tokens) == request["max_new_tokens"]:
-                break
-        seconds = time.perf_counter() - started
-        print(json.dumps({"token_ids": tokens, "seconds": seconds}), flush=True)
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+            with urllib.request.urlopen(post) as reply:
+                answer = json.loads(reply.read())
+        finally:
+            self.process.send_signal(signal.SIGSTOP)
+        timings = answer["timings"]
+        seconds = (timings["prompt_ms"] + timings["predicted_ms"]) / 1e3
+        return {"token_ids": answer["tokens"], "seconds": seconds,
+                "decode_seconds": timings["predicted_ms"] / 1e3, "drafted": timings.get("draft_n", 0),
+                "accepted": timings.get("draft_n_accepted", 0)}

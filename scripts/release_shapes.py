@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from row_cost import timed_steps  # noqa: E402
 
+from bench.llama_cpp_baseline import LlamaServer  # noqa: E402
 from bench.llama_cpp_tools import tools  # noqa: E402
 from runtime.backends.ort import OrtBackend  # noqa: E402
 from runtime.decoding.batch import generate  # noqa: E402
@@ -66,15 +66,18 @@ def main() -> None:
     vocab = backend.manifest["draft"]["target_vocab_size"]
     prompt = torch.randint(vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     samples: dict[str, list[float]] = {}
-    with _dspark_server(built, args, k) as url:
-        for round_ in range(args.rounds + 1):   # the first round warms up, untimed
-            figures = {**_ours(steps, rows, k), **_our_full_verification(backend, prompt),
-                       **_llama_bench(built, args), **_llama_dspark(url, prompt)}
-            if round_:
-                for name, value in figures.items():
-                    samples.setdefault(name, []).append(value)
-            print(f"round {round_}{' (warm-up)' if not round_ else ''}: "
-                  + ", ".join(f"{name} {value:.2f}" for name, value in figures.items()), file=sys.stderr)
+    for round_ in range(args.rounds + 1):   # the first round warms up, untimed
+        figures = {**_ours(steps, rows, k), **_our_full_verification(backend, prompt),
+                   **_llama_bench(built, args)}
+        # the server runs only for its own figure: its idle threads poll for work, taking a core
+        context = args.context + NEW_TOKENS + 64
+        with LlamaServer(args.gguf, args.threads, context, args.draft_gguf, k) as server:
+            figures.update(_llama_dspark(server, prompt))
+        if round_:
+            for name, value in figures.items():
+                samples.setdefault(name, []).append(value)
+        print(f"round {round_}{' (warm-up)' if not round_ else ''}: "
+              + ", ".join(f"{name} {value:.2f}" for name, value in figures.items()), file=sys.stderr)
     report = {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
               for name, v in samples.items()}
     _print(report, args, k)
@@ -83,14 +86,18 @@ def main() -> None:
                                         "context": args.context, "k": k, "figures": report}, indent=1))
 
 
-def _ours(steps: dict, rows: list[int], k: int) -> dict[str, float]:
-    """Our target step at each row count and the draft step (ms), and prefill tokens/s."""
+def _ours(steps: dict, rows: list[int], k: int, calls: int = 3) -> dict[str, float]:
+    """Our target step at each row count and the draft step (ms, the median of ``calls``), and
+    prefill tokens/s."""
     out = {}
     for name, (before, step) in steps.items():
-        before()
-        began = time.perf_counter()
-        step()
-        seconds = time.perf_counter() - began
+        times = []
+        for _ in range(calls):
+            before()
+            began = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - began)
+        seconds = statistics.median(times)
         if name == "draft" or (isinstance(name, tuple) and name[0] == "draft"):
             out["ours draft step ms"] = seconds * 1e3
         elif name[-1] == PREFILL:
@@ -119,47 +126,14 @@ def _llama_bench(built, args) -> dict[str, float]:
             for r in records}
 
 
-def _llama_dspark(url: str, prompt: list[int]) -> dict[str, float]:
-    request = {"prompt": prompt, "n_predict": NEW_TOKENS, "temperature": 0, "cache_prompt": False,
-               "ignore_eos": True}
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/completion", json.dumps(request).encode(),
-                                                       {"Content-Type": "application/json"})) as reply:
-        timings = json.loads(reply.read())["timings"]
-    return {"llama.cpp full-verification steps/s": timings["predicted_per_second"]}
-
-
-class _dspark_server:
-    """``llama-server`` with the draft, every step drafting ``k``, on a free port."""
-
-    def __init__(self, built, args, k: int):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.command = [str(built.server), "-m", str(args.gguf), "-md", str(args.draft_gguf), "--spec-type",
-                        "draft-dspark", "--spec-draft-n-max", str(k), "--spec-draft-n-min", str(k),
-                        "--spec-draft-p-min", "0", "-t", str(args.threads), "-c",
-                        str(args.context + NEW_TOKENS + 64), "-np", "1", "--port", str(self.port)]
-
-    def __enter__(self) -> str:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{self.port}"
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{url}/health") as reply:
-                    if reply.status == 200:
-                        return url
-            except OSError:
-                if self.process.poll() is not None:
-                    sys.exit(f"llama-server stopped (exit status {self.process.returncode}): "
-                             f"{' '.join(self.command)}")
-            time.sleep(0.5)
-        sys.exit("llama-server did not start in 300 s")
-
-    def __exit__(self, *exc) -> None:
-        self.process.terminate()
-        self.process.wait()
+def _llama_dspark(server: LlamaServer, prompt: list[int]) -> dict[str, float]:
+    """llama.cpp's DSpark decoding ``prompt`` (the second of two requests: the first pages its
+    weights in), steps/s: with nothing accepted, its tokens/s."""
+    for _ in range(2):
+        run = server.generate(prompt, NEW_TOKENS, stop=None)
+    steps = len(run["token_ids"]) - 1   # the first token is the prompt's
+    return {"llama.cpp full-verification steps/s": steps / run["decode_seconds"],
+            "llama.cpp drafts a step": run["drafted"] / steps}
 
 
 def _print(report: dict, args, k: int) -> None:

@@ -145,6 +145,33 @@ def test_layers_that_read_one_input_run_as_one_product(gguf_file, tmp_path):
             assert np.abs(y - exact).max() < 1e-5 * np.abs(exact).max(), name
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_embedding_gathers_the_files_rows_as_blocks_and_gives_their_values(gguf_file, tmp_path, kind):
+    """With ``embeddings``, a ``Gather`` of a float table whose rows are the file's (a tied
+    embedding: the output layer's rows) holds the rows' integers and scales instead, and gives
+    exactly the values it gave; without, or for a table not in the file, it stays float."""
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    table = np.ascontiguousarray(weights[kind].T)                    # [N, K]: a row per token
+    ids = np.array([[3, 0, 47, 3], [9, 12, 1, 46]], np.int64)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="embed")], "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, "tokens"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [2, "tokens", K])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    for embeddings, values in ((False, table), (True, table), (True, table + 1e-3)):
+        model = tmp_path / "embedding.onnx"
+        graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(values, "table"))
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
+        assert qdq.quantize_graph(model, GgufBlocks(path).lookup, embeddings=embeddings) == 0
+        stored = {t.name: t.data_type for t in onnx.load(model).graph.initializer}
+        kept = not embeddings or values is not table
+        assert ("table" in stored) == kept and (stored.get("table_rows_q") == TensorProto.INT8) != kept
+        rows = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+        assert np.array_equal(rows, values[ids])
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_file_with_other_types_is_refused_before_any_model_is_loaded(tiny, tmp_path, tied):
     """A Q4_K_M-style file (matrices of types ``--weights gguf`` cannot keep) is refused from its
