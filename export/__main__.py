@@ -63,15 +63,11 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
         args.target, args.draft = str(demo_pair.target()), str(demo_pair.draft())
         if args.k is None:
             args.k, k_origin = demo_pair.K, "the demo pair's default"
-        if args.weights is None and args.dtype != "fp32":   # the demo's default weights need fp32
-            raise ValueError(f"--dtype {args.dtype}: the demo pair keeps the GGUF file's own blocks "
-                             f"(--weights gguf, its default), which need --dtype fp32; pass --weights "
-                             f"float, int4 or int8 with --dtype {args.dtype}")
-        args.weights = args.weights or demo_pair.WEIGHTS
-        if args.quantize_draft is None:   # as the target is, unless --weights float
-            args.quantize_draft = demo_pair.QUANTIZE_DRAFT and args.weights != build_checks.FLOAT
         if args.confidence_threshold is None:
             args.confidence_threshold = demo_pair.CONFIDENCE_THRESHOLD
+    if Path(args.target).suffix == ".gguf":   # the demo pair's target is one too
+        args.weights, args.quantize_draft = build_checks.gguf_defaults(args.weights, args.quantize_draft,
+                                                                       args.dtype)
     build_checks.check_options(
         k=args.k, markov_top_k=args.markov_top_k, confidence_threshold=args.confidence_threshold or 0.0,
         dtype=args.dtype,
@@ -210,13 +206,13 @@ def parser() -> argparse.ArgumentParser:
                         "(lm_head included), weight-only, symmetric, blockwise round-to-nearest, as "
                         "DequantizeLinear -> MatMul (the build verifies it and states its quality "
                         "cost); gguf: keep a .gguf target's own Q4_0 / Q4_1 / Q8_0 blocks, the "
-                        "weights llama.cpp computes with [float; the demo pair: gguf]")
+                        "weights llama.cpp computes with [float; a .gguf target: gguf]")
     b.add_argument("--weights-block", type=int, default=32, metavar="N",
                    help="weights per quantization scale, along the input axis (a power of two >= 16) [32]")
     b.add_argument("--quantize-draft", action=argparse.BooleanOptionalAction,
                    help="quantize the draft's linear layers too, as --weights says (int4 beside a gguf "
-                        "target: a draft has no GGUF file) [the draft keeps its --dtype weights; the "
-                        "demo pair: quantized]")
+                        "target: a draft has no GGUF file) [the draft keeps its --dtype weights; beside "
+                        "a .gguf target: quantized, unless --weights float]")
     b.add_argument("--backend", choices=build_checks.BACKENDS, default="onnx",
                    help="also build TensorRT (trt) or TensorRT-RTX (trt-rtx) engines with the "
                         "dspark plugins; build those graphs with --dtype fp16 or bf16 [onnx]")
