@@ -11,6 +11,10 @@ this CPU's model and instruction-set flags: a machine of another kind builds its
 kernels crashed in the first decode on the Xeons this was built on, and ``GGML_NATIVE`` turns it
 back on unless the compiler is told ``-mno-amx-*`` too).
 
+``python -m bench.llama_cpp_tools draft DRAFT TARGET OUT.gguf`` converts a DSpark draft for llama.cpp's
+DSpark (``--spec-type draft-dspark``). The converter reads the draft's target as a Hugging Face folder;
+a GGUF target is written as one first (``transformers`` de-quantizes the file), beside ``OUT``.
+
 This is a benchmark dependency, never a runtime one: nothing in ``runtime`` or ``export`` imports it.
 """
 from __future__ import annotations
@@ -147,6 +151,31 @@ def build(log=print) -> Tools:
     return tools()
 
 
+def convert_draft(draft: Path, target: Path, out: Path, pre_tokenizer: str | None = None) -> Path:
+    """``draft`` (a DSpark checkpoint folder) as llama.cpp's converter writes it, for ``target`` (a
+    Hugging Face folder, or a GGUF file, written as a folder beside ``out`` first)."""
+    if target.suffix == ".gguf":
+        folder = out.with_name(f"{out.stem}.target")
+        if not (folder / "config.json").exists():
+            hf_folder(target, folder)
+        target = folder
+    return tools().convert(draft, out, "--target-model-dir", str(target), pre_tokenizer=pre_tokenizer)
+
+
+def hf_folder(gguf: Path, out: Path) -> Path:
+    """A GGUF file as a Hugging Face folder: ``transformers`` loads it de-quantized and saves it,
+    without the ``quantization_config`` that names the file (a saved folder has no file to name)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
 def _run(command: list[str], what: str, cwd: Path | None = None) -> None:
     done = subprocess.run(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -158,8 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=BUILD, description=__doc__.split("\n\n")[0])
     p.add_argument("--print", action="store_true",
                    help="print the build's bin folder if it is built, else fail (builds nothing)")
+    commands = p.add_subparsers(dest="command")
+    draft = commands.add_parser("draft", help="convert a DSpark draft for llama.cpp's DSpark")
+    draft.add_argument("draft", type=Path, help="the draft's checkpoint folder")
+    draft.add_argument("target", type=Path, help="its target: a Hugging Face folder or a .gguf file")
+    draft.add_argument("out", type=Path, help="the GGUF file to write")
+    draft.add_argument("--pre-tokenizer",
+                       help="pin the converter's pre-tokenizer (qwen2 for make-tiny --preset pairs, whose "
+                            "tokenizer it does not know)")
     args = p.parse_args(argv)
     try:
+        if args.command == "draft":
+            print(convert_draft(args.draft, args.target, args.out, args.pre_tokenizer))
+            return 0
         found = tools() if args.print else build(log=lambda line: print(line, file=sys.stderr))
     except ToolsError as error:
         print(f"{BUILD}: {error}", file=sys.stderr)

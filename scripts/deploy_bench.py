@@ -82,13 +82,13 @@ def main() -> None:
     requests = {}
     with ExitStack() as stack:
         port = free_port()
-        url = stack.enter_context(server("runtime.serve", [
+        url, _ = stack.enter_context(server("runtime.serve", [
             sys.executable, "-m", "runtime.serve", "--engine", str(args.engine),
             "--threads", str(args.threads), "--model", "m", "--max-queue", "1024", "--port", str(port),
             *schedule], "/health", port, logs / "serve.log"))
         requests["runtime.serve"] = (url, None)
         http, grpc, metrics = free_port(), free_port(), free_port()
-        url = stack.enter_context(server("triton", [
+        url, _ = stack.enter_context(server("triton", [
             "bash", "scripts/tritonserver.sh", "--model-repository", str(logs / "models"),
             "--http-address", "127.0.0.1", "--http-port", str(http), "--grpc-address", "127.0.0.1",
             "--grpc-port", str(grpc), "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics),

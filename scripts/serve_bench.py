@@ -1,11 +1,12 @@
 """Load benchmark of ``runtime.serve`` on 127.0.0.1: N concurrent streaming clients (N = 1, 2, 4,
 8 by default) against the server with its measured draft schedule, the same server target-only
-(``--draft-schedule 0``) and, on the same GGUF file, llama-cpp-python's OpenAI server
-(``python -m llama_cpp.server``); and ``Generator`` in this process on the same prompts, one at a
-time, as the no-server baseline.
+(``--draft-schedule 0``) and, on the same GGUF file, llama.cpp's own ``llama-server`` with as many
+slots as the engine (``-np``, continuous batching; built by ``python -m bench.llama_cpp_tools``); and
+``Generator`` in this process on the same prompts, one at a time, as the no-server baseline.
 
 Every server runs at once on its own port with the same threads; only one is under load at a
-time. Each pass runs every concurrency against every server in turn (the order rotating), and
+time, the others stopped (``SIGSTOP``: llama-server's idle threads poll for work and took a core).
+Each pass runs every concurrency against every server in turn (the order rotating), and
 ``--repeat`` passes give each figure as a median with its spread. Prompts are sent as text to
 ``/v1/completions`` with the chat template applied here, so every server reads the same text.
 Per run: total tokens/s (all tokens over the run's wall time), time to first token p50 / p95 and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import statistics
 import subprocess
@@ -44,7 +46,8 @@ def free_port() -> int:
 
 @contextmanager
 def server(name: str, command: list[str], ready_path: str, port: int, log: Path):
-    """A server process, up when ``ready_path`` answers 200; stopped (SIGTERM) on exit."""
+    """A server process, up when ``ready_path`` answers 200: ``(url, process)``; ended (SIGTERM)
+    on exit, resumed first if it was stopped."""
     out = log.open("w")
     process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -59,8 +62,9 @@ def server(name: str, command: list[str], ready_path: str, port: int, log: Path)
                 raise SystemExit(f"{name} did not start; its output is in {log}")
             time.sleep(0.5)
     try:
-        yield url
+        yield url, process
     finally:
+        process.send_signal(signal.SIGCONT)
         process.terminate()
         try:
             process.wait(30)
@@ -144,7 +148,7 @@ def chat_prompts(generator, args) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--engine", type=Path, required=True)
-    p.add_argument("--llama-cpp", type=Path, metavar="GGUF", help="also llama-cpp-python's server on it")
+    p.add_argument("--llama-cpp", type=Path, metavar="GGUF", help="also llama.cpp's llama-server on it")
     p.add_argument("--prompts-file", type=Path, default=ROOT / "data" / "prompts" / "gsm8k.jsonl")
     p.add_argument("--skip", type=int, default=180, help="held-out records from here [180]")
     p.add_argument("--limit", type=int, default=16, help="requests per run [16]")
@@ -170,20 +174,22 @@ def main() -> None:
                 for schedule in args.draft_schedule} or {"speculative": ours}
     commands["target-only"] = ours + ["--draft-schedule", "0"]
     if args.llama_cpp:
-        # --interrupt_requests False: by default it drops a running stream for a newer request
-        commands["llama.cpp"] = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.llama_cpp),
-                                 "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                                 "--n_ctx", "2048", "--model_alias", "m",
-                                 "--interrupt_requests", "False"]
+        from bench.llama_cpp_tools import tools
+
+        limits = generator.backend.limits   # as many slots as the engine, each with its capacity
+        commands["llama.cpp"] = [str(tools().server), "-m", str(args.llama_cpp), "-t", str(args.threads),
+                                 "-tb", str(args.threads), "-np", str(limits.max_batch),
+                                 "-c", str(limits.capacity * limits.max_batch), "--alias", "m",
+                                 "--host", "127.0.0.1"]
     runs: dict = {name: {n: [] for n in clients} for name in commands}
     runs["generate"] = []
     with ExitStack() as stack:
-        urls = {}
+        urls, processes = {}, {}
         for name, command in commands.items():
             port = free_port()
-            ready = "/health" if name != "llama.cpp" else "/v1/models"
-            urls[name] = stack.enter_context(server(name, command + ["--port", str(port)], ready, port,
-                                                    logs / f"{name}.log"))
+            urls[name], processes[name] = stack.enter_context(server(name, command + ["--port", str(port)],
+                                                                     "/health", port, logs / f"{name}.log"))
+            processes[name].send_signal(signal.SIGSTOP)
         names = list(commands)
         reference = None
         for repeat in range(args.repeat):
@@ -195,6 +201,7 @@ def main() -> None:
             runs["generate"].append(sum(len(m.token_ids[0]) for m in made) / wall)
             for n in clients:
                 for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                    processes[name].send_signal(signal.SIGCONT)
                     before = metrics(urls[name]) if name != "llama.cpp" else None
                     run = load(urls[name], "m", prompts, n, args.max_tokens)
                     if before is not None:
@@ -207,6 +214,7 @@ def main() -> None:
                         run["drafts_per_step"] = (gained["dspark:spec_decode_num_draft_tokens_total"] / drafts
                                                   if drafts else 0.0)
                         run["exact"] = run["texts"] == reference
+                    processes[name].send_signal(signal.SIGSTOP)
                     runs[name][n].append(run)
                     print(f"pass {repeat + 1} {name:12s} N={n}: {run['total_tok_s']:6.1f} tok/s total, "
                           f"TTFT p50 {run['ttft_p50']:.2f} s p95 {run['ttft_p95']:.2f} s"
