@@ -9,11 +9,10 @@
 // batch: nothing is padded to the batch's longest sequence, as ONNX Runtime's portable attention
 // does. The caches are a pool of slots [P, Hkv, C, D]; batch row b reads and writes slot slots[b].
 //
-// A task is one sequence's group of query heads that share a key/value head (GQA), and the group's
-// rows go up to five at a time (a one-row step's heads of a group, a verify block, a prompt chunk,
-// the draft's block): each key and value is loaded once for them, which at a long context is most
-// of the work (a head's keys and values no longer fit the caches nearest the core), and each row's
-// every sum is still the one it has alone, in the same order.
+// A head's rows go up to five at a time (a verify block, a prompt chunk, the draft's block): each
+// key and value is loaded once for them, which at a long context is most of the work (a head's
+// keys and values no longer fit the caches nearest the core), and each row's every sum is still
+// the one it has alone, in the same order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -202,20 +201,18 @@ int64_t dspark_attention_scratch(const DsparkAttention* a) {
     return MOST_ROWS * (a->C + LANES) * int64_t(sizeof(float));
 }
 
-void dspark_attention_group(const DsparkAttention* a, int64_t task, float* scratch) {
-    const int64_t b = task / a->kv_heads, g = task % a->kv_heads, group = a->heads / a->kv_heads;
+void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratch) {
+    const int64_t b = task / a->heads, h = task % a->heads, g = h / (a->heads / a->kv_heads);
     const int64_t cache = (a->slots[b] * a->kv_heads + g) * a->C * a->D;
     const float* keys = a->k_cache + cache;
     const float* values = a->v_cache + cache;
-    // the group's rows head after head: row n is head g * group + n / R's row n % R
-    auto row = [&](int64_t n) { return ((b * a->heads + g * group + n / a->R) * a->R + n % a->R) * a->D; };
-    auto seen = [&](int64_t n) { return a->start[b] + (a->causal ? n % a->R + 1 : a->R); };
-    const int64_t total = group * a->R;
+    auto row = [&](int64_t i) { return ((b * a->heads + h) * a->R + i) * a->D; };
+    auto seen = [&](int64_t i) { return a->start[b] + (a->causal ? i + 1 : a->R); };
     // rows in groups of 5 or 4 (a 5-row verify block in one pass, a prompt chunk by fours), then
     // 3 or 2 together, a last one alone
     int64_t i = 0;
-    while (i < total - 1) {
-        const int64_t left = total - i;
+    while (i < a->R - 1) {
+        const int64_t left = a->R - i;
         const int rows = left == 5 ? 5 : left >= 4 ? 4 : int(left);
         const float* q[MOST_ROWS];
         float* out[MOST_ROWS];
@@ -233,7 +230,7 @@ void dspark_attention_group(const DsparkAttention* a, int64_t task, float* scrat
         }
         i += rows;
     }
-    if (i < total)
+    if (i < a->R)
         attend_row(a->q + row(i), keys, values, seen(i), a->D, a->scale, scratch, a->out + row(i));
 }
 

@@ -30,8 +30,8 @@ struct DsparkAttention {
 DSPARK_API const char* dspark_attention_check(const DsparkAttention* a);
 // Write every sequence's new K/V rows into its slot (before any head attends).
 DSPARK_API void dspark_attention_write(const DsparkAttention* a);
-// Bytes of scratch one task needs.
+// Bytes of scratch one head task needs.
 DSPARK_API int64_t dspark_attention_scratch(const DsparkAttention* a);
-// Task b * kv_heads + g: every query row of sequence b in the heads that share key/value head g.
-DSPARK_API void dspark_attention_group(const DsparkAttention* a, int64_t task, float* scratch);
+// Task b * heads + h: every query row of sequence b, head h.
+DSPARK_API void dspark_attention_head(const DsparkAttention* a, int64_t task, float* scratch);
 }

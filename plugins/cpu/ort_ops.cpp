@@ -328,7 +328,7 @@ OrtStatus* pool_attention(void* state, OrtKernelContext* context) {
         dspark_attention_write(&rows);
     }
     dspark_attention_write(&a);
-    return tasks_with_scratch<DsparkAttention, dspark_attention_group>(context, a, a.B * a.kv_heads,
+    return tasks_with_scratch<DsparkAttention, dspark_attention_head>(context, a, a.B * a.heads,
                                                                       dspark_attention_scratch(&a));
 }
 

@@ -207,20 +207,20 @@ class _Attention(ctypes.Structure):
 
 
 def _attend(lib, q, k_new, v_new, k_cache, v_cache, start, slots, scale, causal=True):
-    """The kernel's three phases as ``ort_ops.cpp`` runs them (head groups in reverse order: any
-    order of the tasks gives the same); returns ``out`` and writes the caches in place."""
+    """The kernel's three phases as ``ort_ops.cpp`` runs them (heads in reverse order: any order of
+    the tasks gives the same); returns ``out`` and writes the caches in place."""
     out = np.full_like(q, np.nan)
     arrays = [q, k_new, v_new, k_cache, v_cache, start, slots, out]
     call = _Attention(q.shape[0], q.shape[2], q.shape[1], k_new.shape[1], q.shape[3], k_cache.shape[0],
                       k_cache.shape[2], scale, *(a.ctypes.data for a in arrays), int(causal))
     lib.dspark_attention_check.restype = ctypes.c_char_p
     lib.dspark_attention_scratch.restype = ctypes.c_int64
-    lib.dspark_attention_group.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int64, ctypes.c_void_p]
+    lib.dspark_attention_head.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int64, ctypes.c_void_p]
     assert lib.dspark_attention_check(ctypes.byref(call)) is None
     lib.dspark_attention_write(ctypes.byref(call))
     scratch = np.empty(lib.dspark_attention_scratch(ctypes.byref(call)) // 4, np.float32)
-    for task in reversed(range(q.shape[0] * k_new.shape[1])):
-        lib.dspark_attention_group(ctypes.byref(call), task, scratch.ctypes.data)
+    for task in reversed(range(q.shape[0] * q.shape[1])):
+        lib.dspark_attention_head(ctypes.byref(call), task, scratch.ctypes.data)
     return out
 
 
