@@ -329,9 +329,9 @@ def _save_tokenizer(target_dir: Path, destination: Path):
 
 
 def _check_gguf_tokenizer(path: Path) -> None:
-    """Refuse a GGUF file whose tokenizer no reader can rebuild: a BPE vocabulary (``gpt2``)
-    without its merges, which llama.cpp refuses too ("cannot find tokenizer merges") and
-    ``transformers`` fails on inside its GGUF reader."""
+    """Refuse a GGUF file whose tokenizer ``transformers`` cannot rebuild: a BPE vocabulary
+    (``gpt2``) with neither its merges nor the scores it derives them from, on which its GGUF
+    reader fails (``KeyError: 'scores'``); llama.cpp refuses one without merges too."""
     from gguf import GGUFReader
 
     fields = GGUFReader(path).fields
@@ -340,9 +340,10 @@ def _check_gguf_tokenizer(path: Path) -> None:
         raise CheckpointError(f"{path}: no tokenizer.ggml.model field (the file carries no tokenizer); the "
                               f"engine directory needs the target's tokenizer")
     kind = bytes(model.parts[model.data[0]]).decode()
-    if kind == "gpt2" and "tokenizer.ggml.merges" not in fields:
+    if kind == "gpt2" and not {"tokenizer.ggml.merges", "tokenizer.ggml.scores"} & fields.keys():
         raise CheckpointError(f"{path}: its BPE tokenizer (tokenizer.ggml.model gpt2) has no "
-                              f"tokenizer.ggml.merges; expected the merges beside the token list")
+                              f"tokenizer.ggml.merges (nor tokenizer.ggml.scores to derive them from); "
+                              f"expected the merges beside the token list")
 
 
 def _save_generation_config(target_dir: Path, out: Path) -> None:

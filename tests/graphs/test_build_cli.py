@@ -156,7 +156,7 @@ def test_every_flag_and_path_is_checked_before_anything_loads(tiny, tmp_path, ca
         "gguf fp16": ([*pair, "--weights", "gguf", "--dtype", "fp16"],
                       "--weights gguf: needs --dtype fp32, got fp16"),
         "demo pair fp16": (["--out", str(tmp_path / "e"), "--dtype", "fp16"],
-                           "--dtype fp16: the demo pair keeps the GGUF file's own blocks (--weights gguf, "
+                           "--dtype fp16: a GGUF target keeps the file's own blocks (--weights gguf, "
                            "its default), which need --dtype fp32; pass --weights float, int4 or int8"),
         "k 9": ([*pair, "--k", "9"], "--k 9: the draft was trained with block_size 4 (anchor-first) and "
                                      "proposes at most 4 per step"),

@@ -59,7 +59,7 @@ def test_the_presets_tokenizer_comes_back_from_a_gguf_file(tiny, tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("no merges", r"model\.gguf: its BPE tokenizer \(tokenizer\.ggml\.model gpt2\) has no "
-                  r"tokenizer\.ggml\.merges"),
+                  r"tokenizer\.ggml\.merges \(nor tokenizer\.ggml\.scores to derive them from\)"),
     ("no tokenizer", r"model\.gguf: no tokenizer\.ggml\.model field"),
 ])
 def test_a_gguf_tokenizer_no_reader_can_rebuild_is_one_line(tiny, tmp_path, capsys, case, message):

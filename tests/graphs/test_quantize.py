@@ -39,10 +39,10 @@ def engines(tiny, tmp_path_factory):
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
             rewrite = qdq.quantize_graph
 
-            def keeping_the_traced_graph(path, blocks_of, keep):
+            def keeping_the_traced_graph(path, blocks_of, keep, **options):
                 for name in (path.name, f"{path.name}.data"):
                     shutil.copy(path.parent / name, traced / name)
-                return rewrite(path, blocks_of, keep)
+                return rewrite(path, blocks_of, keep, **options)
 
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(qdq, "quantize_graph", keeping_the_traced_graph)
@@ -222,14 +222,14 @@ def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypa
     one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
     rewrite = qdq.quantize_graph
 
-    def corrupted(path, blocks_of, keep):
+    def corrupted(path, blocks_of, keep, **options):
         def flipped(matrix):
             blocks = blocks_of(matrix)
             if blocks is not None:
                 blocks.scales[0] = -blocks.scales[0]
             return blocks
 
-        return rewrite(path, flipped, keep)
+        return rewrite(path, flipped, keep, **options)
 
     monkeypatch.setattr(qdq, "quantize_graph", corrupted)
     with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
