@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -71,7 +70,7 @@ class LlamaServer:
                     if reply.status == 200:
                         self.process.send_signal(signal.SIGSTOP)
                         return self
-            except (OSError, urllib.error.HTTPError):
+            except OSError:   # not listening yet, or 503 while it loads (HTTPError is an OSError)
                 time.sleep(0.25)
         self.__exit__()
         raise ValueError(f"--llama-cpp {self.gguf}: llama-server did not answer in {STARTUP_SECONDS} s")
@@ -88,9 +87,8 @@ class LlamaServer:
     def generate(self, ids: list[int], max_new_tokens: int, stop: list[int] | None) -> dict:
         """Greedy new tokens for ``ids``, as ``{"token_ids", "seconds", "decode_seconds", "drafted",
         "accepted"}`` (seconds with the prompt's, and without; draft tokens its steps verified, and of
-        them accepted). It stops after an
-        end-of-generation id as the engine does with ``stop`` (the engine's end ids), or with
-        ``stop`` None only at ``max_new_tokens``."""
+        them accepted). It stops after an end-of-generation id as the engine does with ``stop`` (the
+        engine's end ids), or with ``stop`` None only at ``max_new_tokens``."""
         request = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "top_k": 1,
                    "cache_prompt": False, "return_tokens": True, "stream": False,
                    "ignore_eos": stop is None}

@@ -6,8 +6,9 @@ draft-dspark``), and builds ``llama-server``, ``llama-bench`` and ``llama-quanti
 ``-DGGML_NATIVE=ON`` (about 10 minutes on 2 cores). Its ``convert_hf_to_gguf.py`` (with the
 ``gguf-py`` beside it) turns Hugging Face checkpoints, DSpark drafts included, into GGUF files.
 
-A native build runs only on the CPU it was built for, so the build is cached by sdist version and by
-this CPU's model and instruction-set flags: a machine of another kind builds its own. AMX is off (its
+A native build runs only on the CPU it was built for, so the build is cached by sdist version, this
+CPU's instruction-set flags and the compiler, beside the compiled CPU kernels (``plugins/cpu/build.py``,
+whose cache folder and flags it reads): a machine of another kind builds its own. AMX is off (its
 kernels crashed in the first decode on the Xeons this was built on, and ``GGML_NATIVE`` turns it
 back on unless the compiler is told ``-mno-amx-*`` too).
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +30,8 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from plugins.cpu.build import cache_dir, cpu_flags
 
 VERSION = "0.3.36"   # llama-cpp-python's sdist; its vendor/llama.cpp has DSpark (llama.cpp PR #25173)
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
@@ -86,30 +88,16 @@ class Tools:
         return out
 
 
-def cache_root() -> Path:
-    base = os.environ.get("DSPARK_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "dspark-trt"
-    return Path(base).expanduser() / "llama.cpp"
-
-
-def cpu_key() -> str:
-    """What a native build depends on: the CPU's model and instruction-set flags, and the compiler."""
-    model, flags = platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        pass
-    compiler = shutil.which("c++") or ""
-    return hashlib.sha256(f"{model}\n{flags}\n{compiler}".encode()).hexdigest()[:12]
+def home() -> Path:
+    """This CPU's build folder, beside the compiled CPU kernels (``plugins/cpu/build.py``): keyed by
+    the sdist's version, this CPU's instruction-set flags and the compiler, as the kernels are."""
+    key = hashlib.sha256(f"{cpu_flags()}\n{shutil.which('c++') or ''}".encode()).hexdigest()[:12]
+    return cache_dir() / "llama.cpp" / f"{VERSION}-{key}"
 
 
 def tools() -> Tools:
     """This CPU's build, or a one-line ``ToolsError`` that says how to make it."""
-    found = Tools(cache_root() / f"{VERSION}-{cpu_key()}" / "llama.cpp")
+    found = Tools(home() / "llama.cpp")
     missing = [p.name for p in (found.server, found.bench, found.quantize, found.converter) if not p.exists()]
     if missing:
         raise ToolsError(f"llama.cpp's tools are not built for this CPU ({', '.join(missing)} missing under "
@@ -119,18 +107,18 @@ def tools() -> Tools:
 
 def build(log=print) -> Tools:
     """Download the sdist, unpack its ``vendor/llama.cpp`` and build the targets (cached)."""
-    for program in ("cmake", "c++", "ninja"):
-        if shutil.which(program) is None:
-            raise ToolsError(f"building llama.cpp needs {program}, which is not on PATH")
     try:
         return tools()
     except ToolsError:
         pass
-    home = cache_root() / f"{VERSION}-{cpu_key()}"
-    source = home / "llama.cpp"
+    for program in ("cmake", "c++", "ninja"):
+        if shutil.which(program) is None:
+            raise ToolsError(f"building llama.cpp needs {program}, which is not on PATH")
+    folder = home()
+    source = folder / "llama.cpp"
     if not (source / "CMakeLists.txt").exists():
-        home.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=home) as scratch:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
             log(f"downloading llama-cpp-python {VERSION}'s sdist")
             _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                   f"llama-cpp-python=={VERSION}", "-d", scratch], what="pip download llama-cpp-python")

@@ -166,16 +166,14 @@ class _Rewrite:
         return self.block_sums[(x.name, block)]
 
 
-def _quantize_embeddings(graph, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
+def _quantize_embeddings(graph, blocks_of: Callable[[np.ndarray], Blocks | None]) -> None:
     """Rewrite each ``Gather`` of a float ``[V, K]`` table's rows (the token embeddings) whose rows
     have blocks as a gather of the rows' integers (int8, one a value) and scales, de-quantized
     after: ``d * q`` (plus a Q4_1 block's offset), the values it held. A GGUF file's tied embedding
     is the output layer too, which the engine already holds as blocks; kept as float32 it was the
-    largest tensor of a small target (622 MB at 151936 x 1024, against 165 MB as Q8_0). Returns how
-    many."""
+    largest tensor of a small target (622 MB at 151936 x 1024, against 165 MB as Q8_0)."""
     import onnx_ir as ir
 
-    replaced = 0
     for node in [n for n in graph if n.op_type == "Gather" and n.attributes.get_int("axis", 0) == 0]:
         table, ids = node.inputs[0], node.inputs[1]
         if not table.is_initializer() or table.const_value is None or table.dtype != ir.DataType.FLOAT \
@@ -202,8 +200,6 @@ def _quantize_embeddings(graph, blocks_of: Callable[[np.ndarray], Blocks | None]
         ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, node.outputs, flat.outputs)
         if not table.uses():
             graph.initializers.pop(table.name)
-        replaced += 1
-    return replaced
 
 
 def _gathered(graph, name: str, columns: np.ndarray, ids, unsqueeze: bool = False) -> tuple[list, object]:

@@ -14,7 +14,7 @@ $PY -m bench.llama_cpp_tools > /dev/null
 ENGINE=${ENGINE:-engines/smollm2-135m-instruct}
 [ -f "$ENGINE/manifest.json" ] || $PY -m export build --out "$ENGINE" --quiet
 TARGET=$($PY -c 'from modeling import demo_pair; print(demo_pair.target())')
-DRAFT=${DSPARK_CACHE:-$HOME/.cache/dspark-trt}/llama.cpp/smollm2-135m-instruct-dspark.gguf
+DRAFT=${XDG_CACHE_HOME:-$HOME/.cache}/dspark-trt/llama.cpp/smollm2-135m-instruct-dspark.gguf
 [ -f "$DRAFT" ] || $PY -m bench.llama_cpp_tools draft modeling/drafts/smollm2-135m-instruct "$TARGET" "$DRAFT"
 OUT=${OUT:-docs/bench/llama-cpp}
 mkdir -p "$OUT"

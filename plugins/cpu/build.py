@@ -44,11 +44,12 @@ def _key(compiler: str) -> str:
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update(f"{version}{FLAGS}{_cpu_flags()}".encode())
+    digest.update(f"{version}{FLAGS}{cpu_flags()}".encode())
     return digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``'s line), what a native build depends on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -45,7 +45,7 @@ def _prompts(tmp_path):
 
 def test_a_llama_cpp_baseline_that_cannot_run_is_refused_first(engine_dir, tmp_path, capsys, monkeypatch):
     """Before any benchmark work, one line: a GGUF file missing, a draft without its target, or
-    llama.cpp's tools not built for this CPU (an empty cache here)."""
+    llama.cpp's tools not built for this CPU (an empty cache folder here)."""
     import pytest
 
     engine = engine_dir(Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
@@ -53,7 +53,7 @@ def test_a_llama_cpp_baseline_that_cannot_run_is_refused_first(engine_dir, tmp_p
             str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     present = tmp_path / "present.gguf"
     present.write_bytes(b"GGUF")
-    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for flags, expected in (
             (["--llama-cpp", str(tmp_path / "nowhere.gguf")],
              f"error: --llama-cpp {tmp_path / 'nowhere.gguf'}: no such GGUF file"),
