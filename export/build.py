@@ -10,8 +10,9 @@ With ``--weights int4|int8`` the module's linear weights are replaced by their d
 before it is traced (after the target's teacher-forced predictions on held-out text are taken, for
 the quality cost), and the written graph is rewritten to hold them quantized (``qdq.py``): the
 graph is then verified against a reference with exactly its weights. ``--weights gguf`` leaves the
-module as ``transformers`` loaded it (the GGUF file's de-quantized values) and writes the file's own
-blocks into the graph (``gguf_blocks.py``).
+module as ``transformers`` loaded it (the GGUF file's de-quantized values; those of a type the
+engine rounds again, Q6_K, rounded first, the cost measured as ``--weights int4``'s is) and writes the
+file's own blocks into the graph (``gguf_blocks.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import gc
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from tqdm.auto import tqdm
 
 from common import manifest as manifest_file
 from export import build_checks, qdq, quantize
-from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
+from export.gguf_blocks import ROUNDED, SUPPORTED, GgufBlocks, unsupported_matrices
 from export.onnx_check import VerificationError, check_model, compare_with_reference
 from export.onnx_export import (
     DTYPE_NAMES,
@@ -120,8 +122,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
             bits = quantize.BITS.get(formats[name])
             if bits:
                 phase(f"{name}: quantize")
-                quantized[name], cost = _quantize(module, bits, weights_block,
-                                                  tokenizer if name == "target" else None)
+                quantized[name], cost = _rounded(module, lambda m: quantize.quantize_linears(
+                    m, bits, weights_block), tokenizer if name == "target" else None)
                 quality = cost or quality
                 blocks_of = quantize.rtn_blocks(bits, weights_block)
             elif formats[name] == quantize.GGUF:   # every linear layer, from the file
@@ -130,6 +132,10 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 quantized[name] = len(linears) + 2 * len(stacks)
                 gguf = GgufBlocks(target_dir)
                 blocks_of = gguf.lookup
+                if set(ROUNDED) & set(gguf.types):   # the module computes with what the engine will
+                    phase(f"{name}: round {' / '.join(sorted(set(ROUNDED) & set(gguf.types)))} blocks")
+                    _, quality = _rounded(module, lambda m: quantize.round_weights(m, gguf.engine_values),
+                                          tokenizer)
             keep_float = quantize.float_weights(module)
             # a hybrid target keeps a recurrent-state slot per verify row: k + 1
             spec = specs[name] = (draft_spec(module, limits) if name == "draft" else
@@ -259,15 +265,16 @@ def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> di
             "precision": {part: DTYPE_NAMES[t] for part, t in module.precision().items()}}
 
 
-def _quantize(module: TargetStep | DraftStep, bits: int, block: int, tokenizer) -> tuple[int, dict | None]:
-    """Quantize ``module``'s linear layers (``quantize.quantize_linears``); given the target's
-    ``tokenizer``, also measure what that costs, teacher-forced on held-out text before and after
-    (None where that text is not installed)."""
+def _rounded(module: TargetStep | DraftStep, round_weights: Callable[[torch.nn.Module], int],
+             tokenizer) -> tuple[int, dict | None]:
+    """Round ``module``'s weights (``round_weights(module)``, which says how many it changed); given the
+    target's ``tokenizer``, also measure what that costs, teacher-forced on held-out text before and
+    after (None where that text is not installed, or nothing changed)."""
     texts = None if tokenizer is None else held_out_texts(
         tokenizer, min(QUALITY_MAX_TOKENS, module.config.max_position_embeddings))
     reference = teacher_forced(module, texts) if texts else None
-    count = quantize.quantize_linears(module, bits, block)
-    if reference is None:
+    count = round_weights(module)
+    if reference is None or not count:
         return count, None
     return count, quality_cost(reference, teacher_forced(module, texts))
 

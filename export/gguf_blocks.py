@@ -10,16 +10,30 @@ its de-quantized values (computed by ``gguf``, the library ``transformers`` de-q
 table of tensor names is needed, nor of the rows ``transformers`` permutes (the q / k projections'
 rotary layout).
 
-In blocks of 32 along the input axis, Q4_0 is ``d * (q - 8)`` and Q8_0 ``d * q``: a blocked
-``DequantizeLinear`` as they are. Q4_1 is ``d * q + m``, which no integer zero point reproduces; it
-is ``d * (q - 8)`` plus a per-block offset ``m + 8 d``, so a layer's output gains the sums of its
-input over each block times the offsets (a matrix 32 times smaller than the weight) — the sum that
-llama.cpp's own Q4_1 dot product adds.
+The kernel (``plugins/qmatmul``) takes blocks of 32 along the input axis: int4 or int8, a scale
+per block and, where a format has one, an offset per block added to the block's values. Each type
+is written in that form:
+
+- Q4_0 ``d * (q - 8)``, Q8_0 ``d * q``, Q5_0 ``d * (q - 16)`` (as int8): a blocked
+  ``DequantizeLinear`` as they are;
+- Q4_1 ``d * q + m``: ``d * (q - 8) + (m + 8 d)`` (Q5_1 the same with 16, as int8), no integer
+  zero point reproducing ``m``, so a layer's output gains the sums of its input over each block times the
+  offsets (a matrix 32 times smaller than the weight), the sum llama.cpp's own dot product adds;
+- Q4_K and Q5_K (int8): super-blocks of 256 whose eight sub-blocks of 32 each have a 6-bit scale
+  and minimum, ``d sc * q - dmin m``: a scale ``d sc`` and an offset per block of 32, as Q4_1's.
+  These keep the file's values (to a rounding of the offset's last bit);
+- Q6_K: sixteen sub-blocks of 16 with a scale each, which no block of 32 holds: its values are
+  rounded again to int8 in blocks of 32 (``quantize.rtn``: a step of 1/127 of the block's largest
+  magnitude, where Q6_K's own is 1/32 of a sub-block's), the one format the engine does not
+  compute with exactly as the file does. The build gives the PyTorch module those values first
+  (``engine_values``), so that the graph is still verified against a reference with exactly its
+  weights.
 
 A MoE target's experts are 3-D tensors in the file (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` /
 ``ffn_down_exps``: each expert's matrix, one after another), whose rows are indexed as a 2-D
 tensor's are, so each expert's matrix is found the same way and kept as ``MoeExpertsInt4`` /
-``Int8``'s blocks (``qdq.py``). Those have no per-block offsets: Q4_1 experts are refused. The
+``Int8``'s blocks (``qdq.py``). Those have no per-block offsets: Q4_1, Q5_1 and K-quant experts
+but Q6_K's are refused. The
 router (``ffn_gate_inp``) stays float, as llama.cpp keeps it.
 """
 from __future__ import annotations
@@ -32,15 +46,17 @@ import numpy as np
 from export.quantize import Blocks
 
 BLOCK = 32
-SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
-EXPERTS_SUPPORTED = ("Q4_0", "Q8_0")   # MoeExpertsInt{4,8}'s blocks have no offsets
+EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")   # the file's values, re-blocked
+ROUNDED = ("Q6_K",)                                                  # rounded again to int8
+SUPPORTED = EXACT + ROUNDED
+EXPERTS_SUPPORTED = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")   # MoeExpertsInt{4,8}'s blocks have no offsets
 ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")   # kept float by the engine
 
 
 def unsupported_matrices(path: Path) -> list[str]:
     """The matrices of the GGUF file at ``path`` that ``--weights gguf`` cannot keep as they are,
     as ``"name (TYPE)"``, read from its header alone so that a build refuses them before loading
-    and tracing a model for minutes (Q4_K_M files hold Q4_K and Q6_K, for one). A matrix is a 2-D
+    and tracing a model for minutes (F16 matrices or IQ quants, for one). A matrix is a 2-D
     tensor, or a 3-D stack of experts; the token embeddings count only where they are also the
     output layer (no ``output.weight``), since the engine's embedding lookup keeps floats, and a
     MoE router not at all."""
@@ -55,8 +71,9 @@ def unsupported_matrices(path: Path) -> list[str]:
 
 
 class GgufBlocks:
-    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file, indexed by their rows' de-quantized values
-    (an expert stack's rows expert after expert)."""
+    """The supported tensors of a GGUF file, indexed by their rows' de-quantized values (an
+    expert stack's rows expert after expert) and, for a ``ROUNDED`` type, by the values the engine
+    computes with as well."""
 
     def __init__(self, path: Path):
         from gguf import GGUFReader
@@ -69,12 +86,36 @@ class GgufBlocks:
         self.rows: dict[bytes, tuple[int, int]] = {}   # row digest -> (tensor, row)
         for index, tensor in enumerate(self.tensors):
             values = dequantize(tensor.data, tensor.tensor_type)
-            for row, value in enumerate(values.reshape(-1, values.shape[-1])):
+            values = values.reshape(-1, values.shape[-1])
+            rounded = tensor.tensor_type.name in ROUNDED
+            for row, value in enumerate(values):
                 self.rows.setdefault(_digest(value), (index, row))
+            if rounded:
+                for row, value in enumerate(_rounded(values)):
+                    self.rows.setdefault(_digest(value), (index, row))
 
     def lookup(self, matrix: np.ndarray) -> Blocks | None:
         """The file's blocks of a float32 weight ``matrix [K, N]``, or None when some output row is
-        not a row of a supported tensor (another tensor type, or values not the file's)."""
+        not a row of a supported tensor (another tensor type, or values not the file's). A
+        ``ROUNDED`` type's rows must hold the values the engine computes with (``engine_values``)."""
+        found = self._rows(matrix)
+        if found is None:
+            return None
+        blocks = self._decode(*found)
+        if not np.allclose(blocks.values(), matrix, rtol=1e-6, atol=1e-6 * float(np.abs(matrix).max())):
+            raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
+        return blocks
+
+    def engine_values(self, matrix: np.ndarray) -> np.ndarray | None:
+        """What the engine computes with for ``matrix [K, N]`` where its rows are a ``ROUNDED``
+        type's (the file's values rounded again), else None: the build gives these values to the
+        PyTorch module before tracing it."""
+        found = self._rows(matrix)
+        return None if found is None or found[2] not in ROUNDED else self._decode(*found).values()
+
+    def _rows(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, str] | None:
+        """``(tensor, row, type)`` of each of ``matrix [K, N]``'s columns, all from tensors of one
+        type, or None."""
         found = [self.rows.get(_digest(column)) for column in np.ascontiguousarray(matrix.T)]
         if None in found:
             return None
@@ -82,42 +123,94 @@ class GgufBlocks:
         kinds = {self.tensors[index].tensor_type.name for index in np.unique(tensor)}
         if len(kinds) > 1:   # rows from tensors of two types: not one of the file's layers
             return None
-        kind = kinds.pop()
-        n, k = matrix.shape[1], matrix.shape[0]
-        q = np.empty((n, k), np.int8)
-        scales = np.empty((n, k // BLOCK), np.float32)
-        offsets = np.empty_like(scales) if kind == "Q4_1" else None
+        return tensor, row, kinds.pop()
+
+    def _decode(self, tensor: np.ndarray, row: np.ndarray, kind: str) -> Blocks:
+        """The blocks of the rows ``row`` of the tensors ``tensor``, as a weight ``[K, N]``."""
+        q = scales = offsets = None
         for index in np.unique(tensor):
             columns = np.flatnonzero(tensor == index)
             raw = self.tensors[index].data
-            q[columns], scales[columns], offset = _decode(kind, raw.reshape(-1, raw.shape[-1])[row[columns]])
+            part = decode(kind, raw.reshape(-1, raw.shape[-1])[row[columns]])
+            if q is None:
+                q = np.empty((len(row), part[0].shape[1]), np.int8)
+                scales = np.empty((len(row), part[1].shape[1]), np.float32)
+                offsets = None if part[2] is None else np.empty_like(scales)
+            q[columns], scales[columns] = part[:2]
             if offsets is not None:
-                offsets[columns] = offset
-        transposed = (None if part is None else np.ascontiguousarray(part.T) for part in (q, scales, offsets))
-        q, scales, offsets = transposed
-        blocks = Blocks(q, scales, 8 if kind == "Q8_0" else 4, offsets)
-        if not np.allclose(blocks.values(), matrix, rtol=1e-6, atol=1e-6 * float(np.abs(matrix).max())):
-            raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
-        return blocks
+                offsets[columns] = part[2]
+        q, scales, offsets = (None if part is None else np.ascontiguousarray(part.T)
+                              for part in (q, scales, offsets))
+        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets)
 
 
-def _decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Rows of raw blocks (``[rows, bytes]``, uint8) -> ``(q int8 [rows, K], scales [rows, K / 32],
-    offsets [rows, K / 32] or None)``. A 4-bit block holds 16 bytes of nibbles: value ``j``
-    is byte ``j``'s low nibble, value ``16 + j`` its high nibble."""
+FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
+# bytes per block of each exact type, and its values per block
+LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
+           "Q4_K": (144, 256), "Q5_K": (176, 256)}
+
+
+def decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Rows of a tensor's raw blocks (``[rows, bytes]``, uint8) -> ``(q int8 [rows, K], scales
+    [rows, K / 32], offsets [rows, K / 32] or None)`` with ``scales * q + offsets`` the values, in
+    blocks of 32."""
+    if kind in ROUNDED:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        blocks = Blocks(*_rtn8(dequantize(raw, GGMLQuantizationType[kind]).T), bits=8)
+        return blocks.q.T, blocks.scales.T, None
+    size, values = LAYOUTS[kind]
     rows = raw.shape[0]
-    header = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
-    blocks = raw.reshape(rows, -1, header + (BLOCK if kind == "Q8_0" else BLOCK // 2))
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., header:]
+    b = raw.reshape(rows, -1, size)
+    d = _half(b, 0)
     if kind == "Q8_0":
-        return np.ascontiguousarray(packed).view(np.int8).reshape(rows, -1), d, None
-    nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8) - 8
-    offsets = None
-    if kind == "Q4_1":   # d * q + m = d * (q - 8) + (m + 8 d)
-        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-        offsets = m + 8 * d
-    return nibbles.reshape(rows, -1), d, offsets
+        return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), d, None
+    if kind in ("Q4_0", "Q4_1"):
+        q = _nibbles(b[..., size - 16:]) - 8
+        return q.reshape(rows, -1), d, None if kind == "Q4_0" else _half(b, 2) + 8 * d
+    if kind in ("Q5_0", "Q5_1"):   # bit j of the 32-bit qh is value j's fifth bit
+        high = np.ascontiguousarray(b[..., size - 20:size - 16]).view("<u4")
+        q = (_nibbles(b[..., size - 16:]) | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4)) - 16
+        return q.reshape(rows, -1), d, None if kind == "Q5_0" else _half(b, 2) + 16 * d
+    # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth bits,)
+    # 128 bytes of nibbles: byte l of chunk c holds value l of sub-block 2c (low) and 2c + 1 (high)
+    from gguf.quants import Q4_K
+
+    sc, mn = (part.reshape(rows, -1, 8).astype(np.float32) for part in
+              Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
+    low = b[..., size - 128:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    q = (low & 0x0F).reshape(rows, -1, 8, 32).astype(np.int16)
+    middle = 8
+    if kind == "Q5_K":   # byte l of qh holds value l's fifth bit of sub-block i at bit i
+        high = b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        q |= (high & 1).astype(np.int16) << 4
+        middle = 16
+    scales = d[..., None] * sc                       # [rows, super-blocks, 8]
+    offsets = middle * scales - _half(b, 2)[..., None] * mn
+    return ((q - middle).astype(np.int8).reshape(rows, -1), scales.reshape(rows, -1),
+            offsets.reshape(rows, -1))
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte ``at`` of each block, as float32."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 bytes of nibbles -> 32 values: byte ``j``'s low nibble is value ``j``, its high one ``16 + j``."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+
+
+def _rtn8(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    from export.quantize import rtn
+
+    return rtn(np.ascontiguousarray(matrix, dtype=np.float32), 8, BLOCK)
+
+
+def _rounded(rows: np.ndarray) -> np.ndarray:
+    """A ``ROUNDED`` tensor's rows ``[rows, K]`` as the engine computes with them."""
+    return Blocks(*_rtn8(rows.T), bits=8).values().T
 
 
 def _digest(row: np.ndarray) -> bytes:

@@ -88,6 +88,27 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
     return replaced
 
 
+def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.ndarray | None]) -> int:
+    """Overwrite, in place, each weight the graph may hold as blocks (``quantizable``'s matrices
+    and the token embeddings) for which ``values_of(weight [K, N])`` gives values, and return how
+    many: a GGUF file's weights where the engine rounds them again (``gguf_blocks.ROUNDED``), so
+    that the reference verifying the graph computes with the graph's weights. In place, so that a
+    tied ``lm_head`` stays the embedding."""
+    linears, stacks = quantizable(module)
+    matrices = [linear.weight for linear in linears] + [m for s in stacks for pair in
+                                                        (s.gate_up_proj, s.down_proj) for m in pair]
+    embedding = getattr(module, "embed_tokens", None)
+    matrices += [] if embedding is None else [embedding.weight]
+    replaced = 0
+    with torch.no_grad():
+        for weight in matrices:   # [N, K]
+            values = values_of(np.ascontiguousarray(to_numpy(weight.T)))
+            if values is not None:
+                weight.copy_(torch.from_numpy(np.ascontiguousarray(values.T)))
+                replaced += 1
+    return replaced
+
+
 def dequantized(weight: torch.Tensor, bits: int, block: int) -> torch.nn.Parameter:
     """``weight [..., N, K]`` (a linear layer's, or a stack of experts') rounded in blocks along
     K, one matrix at a time."""

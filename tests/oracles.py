@@ -94,3 +94,18 @@ def check_engine_invariant(engine, target_dir) -> None:
         target_only = generate(oracle, prompts, max_new_tokens=MAX_NEW, speculative=False,
                                eos_token_ids=oracle.limits.eos_token_ids)
         assert target_only.token_ids == expected[:batch]
+
+
+def check_speculative_equals_target_only(engine) -> None:
+    """On a quantized engine, whose products round otherwise than ``transformers``' float ones:
+    speculative output with every acceptance count equals the engine's target-only output, batch
+    1 and 3."""
+    backend = OrtBackend(engine)
+    for batch in (1, 3):
+        prompts = PROMPTS[:batch]
+        target_only = generate(backend, prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
+        oracle = OrtOracle(engine, prompts, target_only)
+        result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
+        assert result.token_ids == target_only
+        if batch == 3:
+            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))

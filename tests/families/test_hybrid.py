@@ -13,12 +13,14 @@ from export.onnx_export import Limits
 from modeling.checkpoint import CheckpointError
 from modeling.pair import load_pair
 from plugins.cpu.build import library
-from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.batch import generate
 
-from conftest import PROMPTS
-from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
+from oracles import (
+    CHUNK,
+    check_engine_invariant,
+    check_speculative_equals_target_only,
+    check_torch_invariant,
+)
 
 ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
 
@@ -300,21 +302,6 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
         model = ir.load(tmp_path / "target.onnx")
         assert len(ort_cpu.lower(model, "target.onnx.data")) == 6 * layers
     check_speculative_equals_target_only(tmp_path)
-
-
-def check_speculative_equals_target_only(engine) -> None:
-    """On a quantized engine, whose products round otherwise than ``transformers``' float ones:
-    speculative output with every acceptance count equals the engine's target-only output, batch
-    1 and 3."""
-    backend = OrtBackend(engine)
-    for batch in (1, 3):
-        prompts = PROMPTS[:batch]
-        target_only = generate(backend, prompts, max_new_tokens=MAX_NEW, speculative=False).token_ids
-        oracle = OrtOracle(engine, prompts, target_only)
-        result = generate(oracle, prompts, max_new_tokens=MAX_NEW)
-        assert result.token_ids == target_only
-        if batch == 3:
-            assert {r["accepted"] for r in result.trace if r["step"] > 0} == set(range(oracle.limits.k + 1))
 
 
 def test_more_states_than_the_bank_holds_are_named(tiny):

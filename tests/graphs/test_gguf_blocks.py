@@ -1,5 +1,6 @@
-"""``build --weights gguf``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, found by a weight's values
-and written as ``DequantizeLinear -> MatMul`` (plus Q4_1's per-block offsets), which ONNX Runtime
+"""``build --weights gguf``: a GGUF file's own blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K
+as they are, Q6_K rounded again to int8), found by a weight's values and written as
+``DequantizeLinear -> MatMul`` (plus Q4_1's per-block offsets), which ONNX Runtime
 runs as ``MatMulNBits`` computing with exactly the file's weights; a row's result does not depend on
 how many rows share the call. The demo build with these weights: ``tests/graphs/test_gguf.py``."""
 import importlib.util
@@ -13,8 +14,29 @@ from onnx import TensorProto, helper
 from export import qdq
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
-K, N = 128, 48
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16")
+K, N = 256, 48   # K-quants' super-blocks are 256 wide
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16")
+# where a K-quant block's fp16 scales lie (gguf-py cannot write these types: the blocks are random
+# bytes, their scales made small enough that the values stay finite)
+K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def raw_blocks(rng, kind: str, rows: int, columns: int) -> np.ndarray:
+    """A ``[rows, columns]`` weight of type ``kind`` as the file holds it (uint8 blocks)."""
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind not in K_SCALES:
+        # an offset per row, so that Q4_1's minimum is not Q4_0's -8 d
+        return gguf_quantize((rng.standard_normal((rows, columns)) + rng.standard_normal((rows, 1)))
+                             .astype(np.float32), qtype)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, columns // values, size), dtype=np.uint8)
+    for at in K_SCALES[kind]:
+        scale = rng.uniform(1e-3, 4e-3, (rows, columns // values)).astype(np.float16)
+        raw[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +45,6 @@ def gguf_file(tmp_path_factory):
     each weight's de-quantized values ``[K, N]``, as ``transformers`` gives them to the build."""
     import gguf
     from gguf.quants import dequantize
-    from gguf.quants import quantize as gguf_quantize
 
     path = tmp_path_factory.mktemp("gguf") / "model.gguf"
     writer = gguf.GGUFWriter(path, "llama")
@@ -31,9 +52,7 @@ def gguf_file(tmp_path_factory):
     weights = {}
     for kind in TYPES:
         qtype = gguf.GGMLQuantizationType[kind]
-        # an offset per row, so that Q4_1's minimum is not Q4_0's -8 d
-        raw = gguf_quantize((rng.standard_normal((N, K)) + rng.standard_normal((N, 1))).astype(np.float32),
-                            qtype)
+        raw = raw_blocks(rng, kind, N, K)
         writer.add_tensor(kind, raw, raw_dtype=qtype)
         weights[kind] = np.ascontiguousarray(dequantize(raw, qtype).T)
     writer.write_header_to_file()
@@ -43,19 +62,45 @@ def gguf_file(tmp_path_factory):
     return path, weights
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"])
 def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
+    """Each exact type's blocks give the file's values (those with offsets to the last bit of the
+    offset's rounding), in blocks of 32 of int4 (Q4_*) or int8 that the kernel takes."""
     from export.gguf_blocks import GgufBlocks
+    from plugins.qmatmul.layout import supported
 
     path, weights = gguf_file
     blocks = GgufBlocks(path)
     order = np.random.default_rng(1).permutation(N)   # transformers permutes q / k projections' rows
     for matrix in (weights[kind], np.ascontiguousarray(weights[kind][:, order])):
         found = blocks.lookup(matrix)
-        assert found.bits == (8 if kind == "Q8_0" else 4) and found.block == 32
-        assert (found.offsets is not None) == (kind == "Q4_1")
+        assert found.bits == (4 if kind.startswith("Q4") else 8) and found.block == 32
+        assert (found.offsets is not None) == (kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+        assert supported(found.q, found.block, found.bits)
         assert -2 ** (found.bits - 1) <= found.q.min() and found.q.max() < 2 ** (found.bits - 1)
-        assert np.array_equal(found.values(), matrix)
+        if found.offsets is None:
+            assert np.array_equal(found.values(), matrix)
+        else:
+            assert np.abs(found.values() - matrix).max() <= 1e-6 * np.abs(matrix).max()
+        assert blocks.engine_values(matrix) is None   # the module keeps the file's values
+
+
+def test_a_q6_k_weight_is_rounded_again_to_int8_blocks_of_32(gguf_file):
+    """Q6_K's sub-blocks of 16 fit no block of 32: the engine computes with its values rounded to
+    int8 (within half a step, 1/254 of a block's largest magnitude), which ``engine_values`` gives
+    the module first; those values are then found, and their blocks give them exactly."""
+    from export.gguf_blocks import GgufBlocks
+
+    path, weights = gguf_file
+    blocks, matrix = GgufBlocks(path), weights["Q6_K"]
+    rounded = blocks.engine_values(matrix)
+    largest = np.repeat(np.abs(matrix).reshape(K // 32, 32, N).max(axis=1), 32, axis=0)
+    assert 0 < np.abs(rounded - matrix).max() and np.all(np.abs(rounded - matrix) <= largest / 254 * 1.0001)
+    with pytest.raises(ValueError, match="do not reproduce its values"):
+        blocks.lookup(matrix)                      # the file's values: the build rounds them first
+    found = blocks.lookup(rounded)
+    assert (found.bits, found.block, found.offsets) == (8, 32, None) and found.q.min() >= -127
+    assert np.array_equal(found.values(), rounded)
 
 
 def test_a_weight_not_in_the_file_as_a_supported_type_is_not_found(gguf_file):
@@ -145,7 +190,7 @@ def test_layers_that_read_one_input_run_as_one_product(gguf_file, tmp_path):
             assert np.abs(y - exact).max() < 1e-5 * np.abs(exact).max(), name
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
 def test_an_embedding_gathers_the_files_rows_as_blocks_and_gives_their_values(gguf_file, tmp_path, kind):
     """With ``embeddings``, a ``Gather`` of a float table whose rows are the file's (a tied
     embedding: the output layer's rows) holds the rows' integers and scales instead, and gives
@@ -205,3 +250,86 @@ def test_a_file_with_other_types_is_refused_before_any_model_is_loaded(tiny, tmp
     assert message.startswith("error: --weights gguf: ") and "\n" not in message, message
     assert all(name in message for name in expected) and "use --weights int4 or int8" in message
     assert not (tmp_path / "e").exists()
+
+
+def _k_quant_pair(directory, kinds: dict[str, str]):
+    """A Qwen3 GGUF target 256 wide (K-quants' rows are super-blocks of 256) whose matrices are
+    random blocks of ``kinds[name]`` (llama.cpp's tensor names without ``blk.N.``; others Q8_0),
+    with the tiny pair's vocabulary, and a random draft for it: ``(target, draft)``."""
+    import gguf
+
+    from modeling.fixtures.tiny import SPECIALS, TinySpec, _tokenizer, write_draft
+
+    # transformers reads no head size from a qwen3 file: its default, 128
+    layers, hidden, width, heads, head_dim = 3, 256, 512, 2, 128
+    tokens = list(_tokenizer().get_vocab())
+    tokens.sort(key=_tokenizer().get_vocab().get)
+    writer = gguf.GGUFWriter(directory / "target.gguf", "qwen3")
+    for add, value in (("block_count", layers), ("context_length", 256), ("embedding_length", hidden),
+                       ("feed_forward_length", width), ("head_count", heads), ("head_count_kv", 1),
+                       ("key_length", head_dim), ("value_length", head_dim), ("rope_freq_base", 1e4),
+                       ("layer_norm_rms_eps", 1e-6)):
+        getattr(writer, f"add_{add}")(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    rng = np.random.default_rng(4)
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (head_dim, hidden),
+              "attn_v": (head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+              "ffn_gate": (width, hidden), "ffn_up": (width, hidden), "ffn_down": (hidden, width)}
+
+    def matrix(name: str, shape: tuple[int, int]) -> None:
+        kind = kinds.get(name.split(".")[-2], "Q8_0")
+        writer.add_tensor(name, raw_blocks(rng, kind, *shape), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    matrix("token_embd.weight", (len(tokens), hidden))   # tied: the output layer too
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    for layer in range(layers):
+        for name, shape in shapes.items():
+            matrix(f"blk.{layer}.{name}.weight", shape)
+        for norm, size in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head_dim),
+                           ("attn_k_norm", head_dim)):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, size).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = dict(vocab_size=len(tokens), hidden_size=hidden, intermediate_size=width,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
+                  head_dim=head_dim, max_position_embeddings=256, rope_theta=1e4, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    write_draft(directory / "draft", config, TinySpec(taps=(0, 1)))
+    return directory / "target.gguf", directory / "draft"
+
+
+def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
+    """A target as llama-quantize's Q4_K_M writes one (Q4_K matrices, Q6_K for the tied embedding /
+    output, v and down projections; Q5_K in place of some) builds with ``--weights gguf`` by
+    default: verified against the file's model with its Q6_K rows rounded as the engine holds them,
+    the cost of that rounding in the manifest, every matrix int4 / int8 blocks, and speculative
+    output equal to target-only output."""
+    import json
+
+    from export import __main__ as cli
+
+    from oracles import check_speculative_equals_target_only
+
+    target, draft = _k_quant_pair(tmp_path, {"token_embd": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K",
+                                             "attn_output": "Q5_K", "ffn_up": "Q4_K", "ffn_gate": "Q4_K",
+                                             "attn_q": "Q4_K", "attn_k": "Q4_K"})
+    engine = tmp_path / "engine"
+    cli.main(["build", "--target", str(target), "--draft", str(draft), "--out", str(engine),
+              "--max-batch", "3", "--max-seq-len", "96", "--quiet"])
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["weights"]["target"] == "gguf"
+    quality = manifest["weights"]["quality"]
+    assert quality["tokens"] > 0 and 0.5 < quality["top1_agreement"] <= 1
+    graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
+    types = {i.name: i.data_type for i in graph.initializer}
+    floats = [name for name, t in types.items() if t == TensorProto.FLOAT and name.endswith("proj.weight")]
+    assert not floats
+    assert TensorProto.INT4 in types.values() and TensorProto.INT8 in types.values()
+    check_speculative_equals_target_only(engine)

@@ -19,9 +19,10 @@ from plugins.qmatmul.ort_lowering import DOMAIN, OP
 LIBRARY = build.library()
 needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no compiler or no AVX2: the stock path runs")
 
-# (bits, offsets, K, N): the demo target's layer kinds, a narrow layer, a width not a multiple of 16
+# (bits, offsets, K, N): the demo target's layer kinds, a narrow layer, a width not a multiple of 16,
+# int8 with offsets (GGUF Q5_1 / Q5_K)
 SHAPES = [(4, False, 576, 960), (4, True, 576, 200), (8, False, 1536, 576), (8, False, 64, 17),
-          (4, True, 96, 40)]
+          (4, True, 96, 40), (8, True, 256, 40)]
 
 
 class _Weight(ctypes.Structure):
@@ -168,7 +169,7 @@ def _linear_graph(path, q, scales, offsets, bits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False)])
+@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False), (8, True)])
 def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path, bits, offsets):
     """A linear layer in the engine's form, loaded with the kernel: one ``QMatMul`` node (the
     offsets' block sums folded into it) giving the reference's values for ``[batch, rows, K]``
