@@ -85,14 +85,13 @@ class GgufBlocks:
         self.types = sorted({t.tensor_type.name for t in tensors})   # for messages
         self.rows: dict[bytes, tuple[int, int]] = {}   # row digest -> (tensor, row)
         for index, tensor in enumerate(self.tensors):
-            values = dequantize(tensor.data, tensor.tensor_type)
-            values = values.reshape(-1, values.shape[-1])
-            rounded = tensor.tensor_type.name in ROUNDED
-            for row, value in enumerate(values):
-                self.rows.setdefault(_digest(value), (index, row))
-            if rounded:
-                for row, value in enumerate(_rounded(values)):
-                    self.rows.setdefault(_digest(value), (index, row))
+            raw = tensor.data.reshape(-1, tensor.data.shape[-1])
+            for start in range(0, len(raw), CHUNK):
+                values = dequantize(raw[start:start + CHUNK], tensor.tensor_type)
+                kept = (values, _rounded(values)) if tensor.tensor_type.name in ROUNDED else (values,)
+                for rows in kept:
+                    for row, value in enumerate(rows, start):
+                        self.rows.setdefault(_digest(value), (index, row))
 
     def lookup(self, matrix: np.ndarray) -> Blocks | None:
         """The file's blocks of a float32 weight ``matrix [K, N]``, or None when some output row is
@@ -102,8 +101,11 @@ class GgufBlocks:
         if found is None:
             return None
         blocks = self._decode(*found)
-        if not np.allclose(blocks.values(), matrix, rtol=1e-6, atol=1e-6 * float(np.abs(matrix).max())):
-            raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
+        scale = max(float(matrix.max()), -float(matrix.min()))
+        for columns in _chunks(matrix.shape[1]):
+            if not np.allclose(blocks.columns(columns).values(), matrix[:, columns], rtol=1e-6,
+                               atol=1e-6 * scale):
+                raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
         return blocks
 
     def engine_values(self, matrix: np.ndarray) -> np.ndarray | None:
@@ -116,7 +118,8 @@ class GgufBlocks:
     def _rows(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, str] | None:
         """``(tensor, row, type)`` of each of ``matrix [K, N]``'s columns, all from tensors of one
         type, or None."""
-        found = [self.rows.get(_digest(column)) for column in np.ascontiguousarray(matrix.T)]
+        found = [self.rows.get(_digest(column)) for columns in _chunks(matrix.shape[1])
+                 for column in np.ascontiguousarray(matrix[:, columns].T)]
         if None in found:
             return None
         tensor, row = np.array(found).T
@@ -129,22 +132,25 @@ class GgufBlocks:
         """The blocks of the rows ``row`` of the tensors ``tensor``, as a weight ``[K, N]``."""
         q = scales = offsets = None
         for index in np.unique(tensor):
-            columns = np.flatnonzero(tensor == index)
             raw = self.tensors[index].data
-            part = decode(kind, raw.reshape(-1, raw.shape[-1])[row[columns]])
-            if q is None:
-                q = np.empty((len(row), part[0].shape[1]), np.int8)
-                scales = np.empty((len(row), part[1].shape[1]), np.float32)
-                offsets = None if part[2] is None else np.empty_like(scales)
-            q[columns], scales[columns] = part[:2]
-            if offsets is not None:
-                offsets[columns] = part[2]
+            raw = raw.reshape(-1, raw.shape[-1])
+            chosen = np.flatnonzero(tensor == index)
+            for columns in (chosen[part] for part in _chunks(len(chosen))):
+                part = decode(kind, raw[row[columns]])
+                if q is None:
+                    q = np.empty((len(row), part[0].shape[1]), np.int8)
+                    scales = np.empty((len(row), part[1].shape[1]), np.float32)
+                    offsets = None if part[2] is None else np.empty_like(scales)
+                q[columns], scales[columns] = part[:2]
+                if offsets is not None:
+                    offsets[columns] = part[2]
         q, scales, offsets = (None if part is None else np.ascontiguousarray(part.T)
                               for part in (q, scales, offsets))
         return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets)
 
 
 FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
+CHUNK = 4096   # rows de-quantized, looked up or checked at a time: a vocabulary's temporaries stay small
 # bytes per block of each exact type, and its values per block
 LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
            "Q4_K": (144, 256), "Q5_K": (176, 256)}
@@ -190,6 +196,10 @@ def decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     offsets = middle * scales - _half(b, 2)[..., None] * mn
     return ((q - middle).astype(np.int8).reshape(rows, -1), scales.reshape(rows, -1),
             offsets.reshape(rows, -1))
+
+
+def _chunks(count: int) -> list[slice]:
+    return [slice(start, start + CHUNK) for start in range(0, count, CHUNK)]
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:

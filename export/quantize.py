@@ -133,6 +133,11 @@ class Blocks:
     def block(self) -> int:
         return self.q.shape[0] // self.scales.shape[0]
 
+    def columns(self, which: slice) -> Blocks:
+        """The blocks of some of the weight's columns (views)."""
+        return Blocks(self.q[:, which], self.scales[:, which], self.bits,
+                      None if self.offsets is None else self.offsets[:, which])
+
     def values(self) -> np.ndarray:
         """What the graph computes with, in the scales' dtype: ``DequantizeLinear(q, scales, axis=0,
         block_size=block)``, plus each block's offset."""

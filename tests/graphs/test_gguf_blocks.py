@@ -85,6 +85,25 @@ def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
         assert blocks.engine_values(matrix) is None   # the module keeps the file's values
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_weight_read_in_chunks_gives_the_same_blocks(gguf_file, monkeypatch, kind):
+    """The file is indexed, and a weight looked up, some rows at a time (a vocabulary-sized
+    weight's temporaries stay small): chunks that split the rows give the same blocks."""
+    from export import gguf_blocks
+
+    path, weights = gguf_file
+    whole = gguf_blocks.GgufBlocks(path)
+    matrix = whole.engine_values(weights[kind]) if kind == "Q6_K" else weights[kind]
+    expected = whole.lookup(matrix)
+    monkeypatch.setattr(gguf_blocks, "CHUNK", 7)
+    chunked = gguf_blocks.GgufBlocks(path)
+    if kind == "Q6_K":
+        assert np.array_equal(chunked.engine_values(weights[kind]), matrix)
+    found = chunked.lookup(matrix)
+    for part in ("q", "scales", "offsets"):
+        assert np.array_equal(getattr(found, part), getattr(expected, part)), part
+
+
 def test_a_q6_k_weight_is_rounded_again_to_int8_blocks_of_32(gguf_file):
     """Q6_K's sub-blocks of 16 fit no block of 32: the engine computes with its values rounded to
     int8 (within half a step, 1/254 of a block's largest magnitude), which ``engine_values`` gives
@@ -313,6 +332,7 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     output equal to target-only output."""
     import json
 
+    from common.manifest import describe_weights
     from export import __main__ as cli
 
     from oracles import check_speculative_equals_target_only
@@ -327,6 +347,7 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     assert manifest["weights"]["target"] == "gguf"
     quality = manifest["weights"]["quality"]
     assert quality["tokens"] > 0 and 0.5 < quality["top1_agreement"] <= 1
+    assert "target with its Q6_K blocks rounded again vs the file's values on" in describe_weights(manifest)
     graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
     types = {i.name: i.data_type for i in graph.initializer}
     floats = [name for name, t in types.items() if t == TensorProto.FLOAT and name.endswith("proj.weight")]
