@@ -123,15 +123,16 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
             if bits:
                 phase(f"{name}: quantize")
                 quantized[name], cost = _rounded(module, lambda m: quantize.quantize_linears(
-                    m, bits, weights_block), tokenizer if name == "target" else None)
+                    m, bits, weights_block, embeddings=True), tokenizer if name == "target" else None)
                 quality = cost or quality
                 blocks_of = quantize.rtn_blocks(bits, weights_block)
+                embeddings = quantize.rounded_embedding_blocks
             elif formats[name] == quantize.GGUF:   # every linear layer, from the file
                 phase(f"{name}: read GGUF blocks")
                 linears, stacks = quantize.quantizable(module)
                 quantized[name] = len(linears) + 2 * len(stacks)
                 gguf = GgufBlocks(target_dir)
-                blocks_of = gguf.lookup
+                blocks_of = embeddings = gguf.lookup
                 if set(ROUNDED) & set(gguf.types):   # the module computes with what the engine will
                     phase(f"{name}: round {' / '.join(sorted(set(ROUNDED) & set(gguf.types)))} blocks")
                     _, quality = _rounded(module, lambda m: quantize.round_weights(m, gguf.engine_values),
@@ -161,8 +162,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 phase(f"{name}: {formats[name]} weights into the graph")
                 # a layer the tracer shares may be written twice (the draft's K/V projections), so
                 # the graph may hold more; fewer means a layer was traced in a form left unquantized
-                in_graph = qdq.quantize_graph(path, blocks_of, keep_float,
-                                              embeddings=formats[name] == quantize.GGUF)
+                in_graph = qdq.quantize_graph(path, blocks_of, keep_float, embeddings=embeddings)
                 if in_graph < quantized[name] and formats[name] == quantize.GGUF:
                     raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
                                      f"{quantized[name]} weight matrices (linear layers, experts) are not "

@@ -26,7 +26,8 @@ from plugins.qmatmul.ort_lowering import linear_weight
 
 
 def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
-                   keep: Set[str] = frozenset(), embeddings: bool = False) -> int:
+                   keep: Set[str] = frozenset(),
+                   embeddings: Callable[[np.ndarray], Blocks | None] | None = None) -> int:
     """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
     which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
     ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the input's per-block sums
@@ -36,8 +37,9 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
     with their weights side by side, split after it: one kernel call instead of two or three
     (docs/measurements.md). The weights are read mapped from the old file while
     the new one is written beside it, then the new one takes its place.
-    With ``embeddings`` (blocks that are a file's own, which reproduce its values exactly), a
-    ``Gather`` of a float table's rows is rewritten too (``_quantize_embeddings``); it is not counted."""
+    With ``embeddings`` (the blocks of a table ``[K, V]``, which must give the values the table
+    holds: a file's own, or a rounding the module was given first), a ``Gather`` of a float
+    table's rows is rewritten too (``_quantize_embeddings``); it is not counted."""
     import onnx_ir as ir
 
     model = ir.load(path)
@@ -50,8 +52,8 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
         elif len(group) > 1:   # e.g. one of them is not the GGUF file's: each on its own
             pending[:0] = [[member] for member in group]
     replaced += 2 * _quantize_experts(model, blocks_of)
-    if embeddings:
-        _quantize_embeddings(model.graph, blocks_of)
+    if embeddings is not None:
+        _quantize_embeddings(model.graph, embeddings)
     staging = path.parent / f".{path.name}.quantized"
     staging.mkdir()
     try:

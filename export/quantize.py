@@ -27,20 +27,27 @@ import torch
 from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from export.onnx_check import to_numpy
 
+# columns rounded or de-quantized at a time: a vocabulary-sized weight's float temporaries stay small
+COLUMNS = 4096
+
 
 def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """``matrix [K, N]`` (K a multiple of ``block``) -> ``(q int8 [K, N], scales [K / block, N])``,
     the scales in ``matrix``'s dtype."""
     k, n = matrix.shape
-    blocks = matrix.astype(np.float32).reshape(k // block, block, n)
-    high, low = blocks.max(axis=1), blocks.min(axis=1)
-    if bits == 4:
-        scales = np.where(np.abs(high) > np.abs(low), high, low) / -8
-    else:
-        scales = np.maximum(np.abs(high), np.abs(low)) / 127
-    safe = np.where(scales == 0, 1, scales)[:, None]
-    q = np.clip(np.round(blocks / safe), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1).astype(np.int8)
-    return q.reshape(k, n), scales.astype(matrix.dtype)
+    q, scales = np.empty((k, n), np.int8), np.empty((k // block, n), matrix.dtype)
+    for start in range(0, n, COLUMNS):
+        columns = slice(start, start + COLUMNS)
+        blocks = matrix[:, columns].astype(np.float32).reshape(k // block, block, -1)
+        high, low = blocks.max(axis=1), blocks.min(axis=1)
+        if bits == 4:
+            scale = np.where(np.abs(high) > np.abs(low), high, low) / -8
+        else:
+            scale = np.maximum(np.abs(high), np.abs(low)) / 127
+        safe = np.where(scale == 0, 1, scale)[:, None]
+        rounded = np.clip(np.round(blocks / safe), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        q[:, columns], scales[:, columns] = rounded.reshape(k, -1), scale
+    return q, scales
 
 
 def float_weights(module: torch.nn.Module) -> set[str]:
@@ -63,11 +70,13 @@ def quantizable(module: torch.nn.Module) -> tuple[list[torch.nn.Linear], list[to
     return linears, [m for m in module.modules() if isinstance(m, Experts)]
 
 
-def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
+def quantize_linears(module: torch.nn.Module, bits: int, block: int, embeddings: bool = False) -> int:
     """Replace the weight of every ``nn.Linear`` whose input size is a multiple of ``block`` by
     its de-quantized values, as a new tensor (a tied ``lm_head`` leaves the embedding as it was),
-    except ``float_weights``, and so each MoE layer's two expert matrices. Returns how many
-    matrices were replaced; none is refused, so no engine is labelled quantized that is not."""
+    except ``float_weights``, and so each MoE layer's two expert matrices; with ``embeddings``, give
+    the token embeddings their int8 rows' values too (``round_embeddings``). Returns how many
+    matrices were replaced, the embeddings not counted; none is refused, so no engine is labelled
+    quantized that is not."""
     linears, stacks = quantizable(module)
     replaced = 0
     for linear in linears:
@@ -85,23 +94,27 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int) -> int:
         sizes = sorted({m.in_features for m in linears})
         raise ValueError(f"--weights-block {block}: no linear layer's input size ({sizes}) is a "
                          f"multiple of it; choose a smaller block")
+    if embeddings:
+        round_embeddings(module)
     return replaced
 
 
-def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.ndarray | None]) -> int:
-    """Overwrite, in place, each weight the graph may hold as blocks (``quantizable``'s matrices
-    and the token embeddings) for which ``values_of(weight [K, N])`` gives values, and return how
-    many: a GGUF file's weights where the engine rounds them again (``gguf_blocks.ROUNDED``), so
-    that the reference verifying the graph computes with the graph's weights. In place, so that a
-    tied ``lm_head`` stays the embedding."""
-    linears, stacks = quantizable(module)
-    matrices = [linear.weight for linear in linears] + [m for s in stacks for pair in
-                                                        (s.gate_up_proj, s.down_proj) for m in pair]
+def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.ndarray | None],
+                  matrices: bool = True) -> int:
+    """Overwrite, in place, each weight the graph may hold as blocks (``quantizable``'s matrices,
+    unless not ``matrices``, and the token embeddings) for which ``values_of(weight [K, N])`` gives
+    values, and return how many: a GGUF file's weights where the engine rounds them again
+    (``gguf_blocks.ROUNDED``), or the embeddings' int8 rows (``EMBEDDING_BITS``), so that the
+    reference verifying the graph computes with the graph's weights. In place, so that a tied
+    ``lm_head`` stays the embedding."""
+    linears, stacks = quantizable(module) if matrices else ([], [])
+    weights = [linear.weight for linear in linears] + [m for s in stacks for pair in
+                                                       (s.gate_up_proj, s.down_proj) for m in pair]
     embedding = getattr(module, "embed_tokens", None)
-    matrices += [] if embedding is None else [embedding.weight]
+    weights += [] if embedding is None else [embedding.weight]
     replaced = 0
     with torch.no_grad():
-        for weight in matrices:   # [N, K]
+        for weight in weights:   # [N, K]
             values = values_of(np.ascontiguousarray(to_numpy(weight.T)))
             if values is not None:
                 weight.copy_(torch.from_numpy(np.ascontiguousarray(values.T)))
@@ -141,11 +154,46 @@ class Blocks:
     def values(self) -> np.ndarray:
         """What the graph computes with, in the scales' dtype: ``DequantizeLinear(q, scales, axis=0,
         block_size=block)``, plus each block's offset."""
-        expand = lambda per_block: np.repeat(per_block.astype(np.float32), self.block, axis=0)  # noqa: E731
-        weight = self.q.astype(np.float32) * expand(self.scales)
-        if self.offsets is not None:
-            weight += expand(self.offsets)
-        return weight.astype(self.scales.dtype)
+        weight = np.empty(self.q.shape, self.scales.dtype)
+        for start in range(0, weight.shape[1], COLUMNS):
+            columns = slice(start, start + COLUMNS)
+            expand = lambda per_block: np.repeat(per_block[:, columns].astype(np.float32),  # noqa: E731
+                                                 self.block, axis=0)
+            part = self.q[:, columns].astype(np.float32) * expand(self.scales)
+            if self.offsets is not None:
+                part += expand(self.offsets)
+            weight[:, columns] = part
+        return weight
+
+
+# a quantized engine's token embeddings: int8 rows in blocks of 32, gathered and de-quantized row
+# by row (``qdq._quantize_embeddings``), a quarter of their float32 bytes (the 0.6b preset's 622 MB
+# table, in its draft engine too, 165 MB)
+EMBEDDING_BITS, EMBEDDING_BLOCK = 8, 32
+
+
+def round_embeddings(module: torch.nn.Module) -> int:
+    """Give ``module``'s token embeddings their int8 rows' values (``EMBEDDING_BITS``), in place."""
+    blocks_of = rtn_blocks(EMBEDDING_BITS, EMBEDDING_BLOCK)
+
+    def values_of(matrix: np.ndarray) -> np.ndarray | None:
+        blocks = blocks_of(matrix)
+        return None if blocks is None else blocks.values().astype(np.float32)
+    return round_weights(module, values_of, matrices=False)
+
+
+def rounded_embedding_blocks(table: np.ndarray) -> Blocks | None:
+    """``qdq.quantize_graph``'s ``embeddings`` for ``round_embeddings``: a table's int8 rows where
+    they give the values it holds (a table the module rounded), else None (it stays float)."""
+    blocks = rtn_blocks(EMBEDDING_BITS, EMBEDDING_BLOCK)(table)
+    if blocks is None:
+        return None
+    scale = max(float(table.max()), -float(table.min()))
+    for start in range(0, table.shape[1], COLUMNS):
+        columns = slice(start, start + COLUMNS)
+        if not np.allclose(blocks.columns(columns).values(), table[:, columns], rtol=1e-6, atol=1e-6 * scale):
+            return None
+    return blocks
 
 
 def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:

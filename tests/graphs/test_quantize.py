@@ -101,6 +101,25 @@ def test_dspark_nodes_and_functions_are_untouched_and_the_files_smaller(engines,
         assert smaller < {"int4": 0.3, "int8": 0.45}[weights]
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_the_token_embeddings_are_int8_rows_the_module_was_given(engines, weights):
+    """A quantized graph gathers its token embeddings' int8 rows and scales (a quarter of the
+    float32 table) rather than the float table; the module computed with the same values, which the
+    build verified (it would have refused otherwise)."""
+    out, traced, _ = engines(weights)
+    for name in _graphs(weights):
+        graph = onnx.load(out / f"{name}.onnx", load_external_data=False).graph
+        stored = {t.name: t for t in graph.initializer}
+        assert "embed_tokens.weight" not in stored
+        rows = stored["embed_tokens.weight_rows_q"]
+        assert rows.data_type == onnx.TensorProto.INT8
+        before = onnx.load(traced / f"{name}.onnx").graph.initializer
+        table = onnx.numpy_helper.to_array(next(t for t in before if t.name == "embed_tokens.weight"))
+        assert list(rows.dims) == list(table.shape)
+        blocks = quantize.rtn_blocks(8, 32)(np.ascontiguousarray(table.T))
+        assert np.allclose(blocks.values().T, table, rtol=1e-6, atol=1e-6 * np.abs(table).max())
+
+
 def test_the_rounding_is_onnx_runtimes():
     """``rtn`` gives the integers and scales of ONNX Runtime's own int4 quantizer."""
     import onnx_ir as ir
