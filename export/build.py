@@ -122,11 +122,14 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
             bits = quantize.BITS.get(formats[name])
             if bits:
                 phase(f"{name}: quantize")
+                # int8 embedding rows on ONNX engines: TensorRT-RTX's builder fails on their gather
+                # (a CUDA runtime call on a machine without a GPU driver)
+                rows = backend == "onnx"
                 quantized[name], cost = _rounded(module, lambda m: quantize.quantize_linears(
-                    m, bits, weights_block, embeddings=True), tokenizer if name == "target" else None)
+                    m, bits, weights_block, embeddings=rows), tokenizer if name == "target" else None)
                 quality = cost or quality
                 blocks_of = quantize.rtn_blocks(bits, weights_block)
-                embeddings = quantize.rounded_embedding_blocks
+                embeddings = quantize.rounded_embedding_blocks if rows else None
             elif formats[name] == quantize.GGUF:   # every linear layer, from the file
                 phase(f"{name}: read GGUF blocks")
                 linears, stacks = quantize.quantizable(module)
