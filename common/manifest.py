@@ -69,9 +69,7 @@ def describe_weights(manifest: dict) -> str:
     quality = weights.get("quality")
     if quality:
         perplexity = quality["perplexity"]
-        compared = ("target with its Q6_K blocks rounded again vs the file's values" if "gguf" in
-                    weight_formats(manifest).values() else "quantized target vs unquantized")
-        text += (f"; {compared} on {quality['tokens']} held-out tokens: top-1 "
+        text += (f"; quantized target vs unquantized on {quality['tokens']} held-out tokens: top-1 "
                  f"agreement {quality['top1_agreement']:.1%}, perplexity {perplexity['quantized']:.3g} "
                  f"vs {perplexity['reference']:.3g}")
     return text

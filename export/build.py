@@ -11,8 +11,8 @@ before it is traced (after the target's teacher-forced predictions on held-out t
 the quality cost), and the written graph is rewritten to hold them quantized (``qdq.py``): the
 graph is then verified against a reference with exactly its weights. ``--weights gguf`` leaves the
 module as ``transformers`` loaded it (the GGUF file's de-quantized values; those of a type the
-engine rounds again, Q6_K, rounded first, the cost measured as ``--weights int4``'s is) and writes the
-file's own blocks into the graph (``gguf_blocks.py``).
+engine rounds again, Q6_K, rounded first) and writes the file's own blocks into the graph
+(``gguf_blocks.py``).
 """
 from __future__ import annotations
 
@@ -138,8 +138,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 blocks_of = embeddings = gguf.lookup
                 if set(ROUNDED) & set(gguf.types):   # the module computes with what the engine will
                     phase(f"{name}: round {' / '.join(sorted(set(ROUNDED) & set(gguf.types)))} blocks")
-                    _, quality = _rounded(module, lambda m: quantize.round_weights(m, gguf.engine_values),
-                                          tokenizer)
+                    quantize.round_weights(module, gguf.engine_values)
             keep_float = quantize.float_weights(module)
             # a hybrid target keeps a recurrent-state slot per verify row: k + 1
             spec = specs[name] = (draft_spec(module, limits) if name == "draft" else

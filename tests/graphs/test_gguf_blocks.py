@@ -328,11 +328,9 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     """A target as llama-quantize's Q4_K_M writes one (Q4_K matrices, Q6_K for the tied embedding /
     output, v and down projections; Q5_K in place of some) builds with ``--weights gguf`` by
     default: verified against the file's model with its Q6_K rows rounded as the engine holds them,
-    the cost of that rounding in the manifest, every matrix int4 / int8 blocks, and speculative
-    output equal to target-only output."""
+    every matrix int4 / int8 blocks, and speculative output equal to target-only output."""
     import json
 
-    from common.manifest import describe_weights
     from export import __main__ as cli
 
     from oracles import check_speculative_equals_target_only
@@ -345,9 +343,7 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
               "--max-batch", "3", "--max-seq-len", "96", "--quiet"])
     manifest = json.loads((engine / "manifest.json").read_text())
     assert manifest["weights"]["target"] == "gguf"
-    quality = manifest["weights"]["quality"]
-    assert quality["tokens"] > 0 and 0.5 < quality["top1_agreement"] <= 1
-    assert "target with its Q6_K blocks rounded again vs the file's values on" in describe_weights(manifest)
+    assert manifest["weights"]["quality"] is None   # the rounding's cost: docs/usage.md states it
     graph = onnx.load(engine / "target.onnx", load_external_data=False).graph
     types = {i.name: i.data_type for i in graph.initializer}
     floats = [name for name, t in types.items() if t == TensorProto.FLOAT and name.endswith("proj.weight")]
