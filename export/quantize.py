@@ -114,10 +114,10 @@ def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.
     weights += [] if embedding is None else [embedding.weight]
     replaced = 0
     with torch.no_grad():
-        for weight in weights:   # [N, K]
-            values = values_of(np.ascontiguousarray(to_numpy(weight.T)))
+        for weight in weights:   # [N, K]; views both ways: a vocabulary-sized table is GBs
+            values = values_of(to_numpy(weight.T))
             if values is not None:
-                weight.copy_(torch.from_numpy(np.ascontiguousarray(values.T)))
+                weight.copy_(torch.from_numpy(values).T)
                 replaced += 1
     return replaced
 
@@ -178,7 +178,7 @@ def round_embeddings(module: torch.nn.Module) -> int:
 
     def values_of(matrix: np.ndarray) -> np.ndarray | None:
         blocks = blocks_of(matrix)
-        return None if blocks is None else blocks.values().astype(np.float32)
+        return None if blocks is None else blocks.values().astype(np.float32, copy=False)
     return round_weights(module, values_of, matrices=False)
 
 

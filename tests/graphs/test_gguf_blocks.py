@@ -228,7 +228,8 @@ def test_an_embedding_gathers_the_files_rows_as_blocks_and_gives_their_values(gg
         model = tmp_path / "embedding.onnx"
         graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(values, "table"))
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), model)
-        assert qdq.quantize_graph(model, GgufBlocks(path).lookup, embeddings=embeddings) == 0
+        lookup = GgufBlocks(path).lookup
+        assert qdq.quantize_graph(model, lookup, embeddings=lookup if embeddings else None) == 0
         stored = {t.name: t.data_type for t in onnx.load(model).graph.initializer}
         kept = not embeddings or values is not table
         assert ("table" in stored) == kept and (stored.get("table_rows_q") == TensorProto.INT8) != kept
