@@ -10,9 +10,10 @@ Peak RSS counts the pages of the weight files a build maps, which the kernel rec
 pressure, so the goal (a build within 1.5x the weights it writes) is measured as a limit, not a
 peak: a cgroup v1 ``memory.limit_in_bytes`` (this machine's; needs root) of ``ratio`` times the
 target's and draft's checkpoint tensors at the build's dtype, which is what an unquantized build
-writes. Afterwards the ONNX weights actually written are summed and the limit is reported against
-them too. A generation's limit is a multiple of its engine's ``*.onnx.data`` files. A benchmark,
-not a test.
+writes (for a ``.gguf`` target: the GGUF file and the draft's safetensors files as they are, the
+bytes the build reads). Afterwards the ONNX weights actually written are summed and the limit is
+reported against them too. A generation's limit is a multiple of its engine's ``*.onnx.data``
+files. A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -83,8 +84,11 @@ def main() -> None:
     else:
         target, draft, out = Path(given["--target"]), Path(given["--draft"]), Path(given["--out"])
         width = BYTES[given.get("--dtype", "fp16")]
-        weights = (checkpoint_bytes(target, ("model.visual.", "mtp."), width)
-                   + checkpoint_bytes(draft, (), width))
+        if target.suffix == ".gguf":   # the files the build reads, as they are on disk
+            weights = target.stat().st_size + sum(f.stat().st_size for f in draft.glob("*.safetensors"))
+        else:
+            weights = (checkpoint_bytes(target, ("model.visual.", "mtp."), width)
+                       + checkpoint_bytes(draft, (), width))
         limit = int(args.ratio * weights)
         run, wall, peak, hits = limited([sys.executable, "-m", "export", "build", *flags], limit)
         written = sum(f.stat().st_size for f in out.glob("*.onnx.data")) if out.is_dir() else 0
