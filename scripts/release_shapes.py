@@ -10,12 +10,12 @@ a projection with a published acceptance (tokens per step, the bonus token count
 Ratios are taken round by round, both sides from the same spell of the machine, then their median.
 
     python scripts/release_shapes.py --preset qwen3-0.6b [--layers N] --work pairs/qwen3-0.6b \
-        [--context 512] [--rounds 3] [--markov-top-k 128]
+        [--quant q4_0|q4_k_m] [--context 512] [--rounds 3] [--markov-top-k 128]
 
 makes what is missing in ``--work``: the pair (``make-tiny --preset``), the target as llama.cpp's
-converter and ``llama-quantize`` write it (Q4_0, its embedding / output Q8_0), the draft as its
-converter writes it, and our engine built from that same file (``build --target T.gguf``, which keeps
-its blocks); ``--engine E --gguf T.gguf --draft-gguf D.gguf`` measures ones made otherwise. Our
+converter and ``llama-quantize`` write it (``--quant``: Q4_0 with its embedding / output Q8_0, or
+Q4_K_M), the draft as its converter writes it, and our engine built from that same file (``build
+--target T.gguf``, which keeps its blocks); ``--engine E --gguf T.gguf --draft-gguf D.gguf`` measures ones made otherwise. Our
 figures come from this process's ONNX Runtime backend, llama.cpp's from ``llama-bench``
 (target-only) and ``llama-server`` (its DSpark, ``bench/llama_cpp_baseline.py``).
 """
@@ -44,6 +44,8 @@ from runtime.decoding.batch import generate  # noqa: E402
 NEW_TOKENS = 48
 PREFILL = 512
 CAPACITY = 4096   # the engines --preset builds: contexts up to 3520 before a prefill chunk
+# --quant: llama-quantize's type and flags
+QUANTS = {"q4_0": ("--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0"), "q4_k_m": ()}
 # DSpark Qwen3-8B, T = 0, GSM8K, K = 7: the chance that drafts 1..i are all accepted (vllm-ascend #11765)
 SURVIVAL = (0.94, 0.87, 0.81, 0.74, 0.69, 0.63, 0.59)
 
@@ -54,6 +56,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="the preset's first N layers (make-tiny --layers)")
     p.add_argument("--work", type=Path, help="the folder the pair, its GGUF files and the engine are made in")
     p.add_argument("--markov-top-k", type=int, default=128, help="the engine's (build --markov-top-k) [128]")
+    p.add_argument("--quant", choices=sorted(QUANTS), default="q4_0",
+                   help="the target file --preset makes with llama-quantize: q4_0 (its embedding / output "
+                        "q8_0) or q4_k_m, what users download [q4_0]")
     p.add_argument("--engine", type=Path, help="or an engine made otherwise, with --gguf and --draft-gguf")
     p.add_argument("--gguf", type=Path, help="the target GGUF file the engine was built from")
     p.add_argument("--draft-gguf", type=Path, help="the draft, converted by llama.cpp's converter")
@@ -111,15 +116,14 @@ def prepare(built, args) -> tuple[Path, Path, Path]:
     from modeling.fixtures.presets import make_preset
 
     work = args.work
-    pair, engine = work / "pair", work / f"engine-top{args.markov_top_k}"
+    pair, engine = work / "pair", work / f"engine-{args.quant}-top{args.markov_top_k}"
     target, draft = pair / "target", pair / "draft"
     if not (draft / "config.json").exists():
         make_preset(pair, args.preset, layers=args.layers)
-    gguf, draft_gguf = work / "target-q4_0.gguf", work / "draft-f16.gguf"
+    gguf, draft_gguf = work / f"target-{args.quant}.gguf", work / "draft-f16.gguf"
     if not gguf.exists():
         f16 = built.convert(target, work / "target-f16.gguf", pre_tokenizer="qwen2")
-        built.quantize_file(f16, gguf, "q4_0", "--token-embedding-type", "q8_0",
-                            "--output-tensor-type", "q8_0")
+        built.quantize_file(f16, gguf, args.quant, *QUANTS[args.quant])
         f16.unlink()
     if not draft_gguf.exists():
         convert_draft(draft, target, draft_gguf, pre_tokenizer="qwen2")
