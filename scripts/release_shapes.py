@@ -15,9 +15,10 @@ Ratios are taken round by round, both sides from the same spell of the machine, 
 makes what is missing in ``--work``: the pair (``make-tiny --preset``), the target as llama.cpp's
 converter and ``llama-quantize`` write it (``--quant``: Q4_0 with its embedding / output Q8_0, or
 Q4_K_M), the draft as its converter writes it, and our engine built from that same file (``build
---target T.gguf``, which keeps its blocks); ``--engine E --gguf T.gguf --draft-gguf D.gguf`` measures ones made otherwise. Our
-figures come from this process's ONNX Runtime backend, llama.cpp's from ``llama-bench``
-(target-only) and ``llama-server`` (its DSpark, ``bench/llama_cpp_baseline.py``).
+--target T.gguf``, which keeps its blocks); ``--engine E --gguf T.gguf --draft-gguf D.gguf``
+measures ones made otherwise. Our figures come from this process's ONNX Runtime backend,
+llama.cpp's from ``llama-bench`` (target-only) and ``llama-server`` (its DSpark,
+``bench/llama_cpp_baseline.py``).
 """
 from __future__ import annotations
 
