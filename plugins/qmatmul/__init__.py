@@ -1,5 +1,5 @@
 """``dspark.cpu::QMatMul``: the CPU kernel for the engines' block-quantized weight products
-(GGUF Q4_0 / Q4_1 / Q8_0 blocks, int4 / int8 RTN), compiled for the machine that runs it.
+(a GGUF file's blocks, int4 / int8 RTN), compiled for the machine that runs it.
 
 ``kernel.cpp`` computes (what llama.cpp's CPU kernels do: int8 activations per block, integer
 dot products, each weight block read once for every row of a call, and each output row in a

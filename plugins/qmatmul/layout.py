@@ -1,9 +1,10 @@
 """A block-quantized weight in ``kernel.cpp``'s layout, and what the kernel computes, in numpy.
 
 The engine keeps a quantized layer as ``export.quantize.Blocks``: ``q [K, N]`` (int4 -8..7 or int8),
-``scales [K / 32, N]`` and, for GGUF Q4_1, ``offsets [K / 32, N]``. The kernel wants the columns
-16 at a time (one SIMD lane each) and, inside a lane, 4 consecutive ``k`` (what one ``vpdpbusd``
-or ``maddubs`` takes), so the layout is, per tile of 16 columns and block of 32 ``k``:
+``scales [K / 32, N]`` and, for GGUF Q4_1 / Q5_1 / Q4_K / Q5_K, ``offsets [K / 32, N]``. The
+kernel wants the columns 16 at a time (one SIMD lane each) and, inside a lane, 4 consecutive
+``k`` (what one ``vpdpbusd`` or ``maddubs`` takes), so the layout is, per tile of 16 columns and
+block of 32 ``k``:
 
 - 4 bits: 4 groups of 64 bytes; group ``g``, lane ``j``, byte ``i`` holds ``q + 8`` of
   ``k = 4g + i`` in its low nibble and of ``k = 16 + 4g + i`` in its high one;

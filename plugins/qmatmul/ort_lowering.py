@@ -1,5 +1,5 @@
 """ONNX Runtime's form of a linear layer with the compiled kernels: each ``DequantizeLinear ->
-MatMul`` that ``export/qdq.py`` writes (plus, for GGUF Q4_1, the input's block sums times
+MatMul`` that ``export/qdq.py`` writes (plus, for GGUF formats with offsets, the input's block sums times
 the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
 constant float32 weight (``MatMul``, ``MatMul`` of its ``Transpose``, ``Gemm`` with ``transB``)
 one ``dspark.cpu::FMatMul`` (an fp16 one ``HMatMul``, its weight kept in fp16), their weights in
@@ -158,8 +158,8 @@ def _quantized_product(node):
 
 
 def _offsets(node):
-    """``(offsets, last node)``: a GGUF Q4_1 layer's ``Add(node, MatMul(block sums, offsets))``
-    gives its constant offsets and the ``Add``; any other layer ``(None, node)``."""
+    """``(offsets, last node)``: a GGUF layer's ``Add(node, MatMul(block sums, offsets))`` (Q4_1,
+    Q5_1, Q4_K, Q5_K) gives its constant offsets and the ``Add``; any other layer ``(None, node)``."""
     uses = node.outputs[0].uses()
     if len(uses) != 1 or uses[0].node.op_type != "Add":
         return None, node
