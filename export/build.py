@@ -21,7 +21,6 @@ import gc
 import platform
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -125,8 +124,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 # int8 embedding rows on ONNX engines: TensorRT-RTX's builder fails on their gather
                 # (a CUDA runtime call on a machine without a GPU driver)
                 rows = backend == "onnx"
-                quantized[name], cost = _rounded(module, lambda m: quantize.quantize_linears(
-                    m, bits, weights_block, embeddings=rows), tokenizer if name == "target" else None)
+                quantized[name], cost = _quantize(module, bits, weights_block, rows,
+                                                  tokenizer if name == "target" else None)
                 quality = cost or quality
                 blocks_of = quantize.rtn_blocks(bits, weights_block)
                 embeddings = quantize.rounded_embedding_blocks if rows else None
@@ -267,16 +266,16 @@ def _describe(module: TargetStep | DraftStep, confidence_threshold: float) -> di
             "precision": {part: DTYPE_NAMES[t] for part, t in module.precision().items()}}
 
 
-def _rounded(module: TargetStep | DraftStep, round_weights: Callable[[torch.nn.Module], int],
-             tokenizer) -> tuple[int, dict | None]:
-    """Round ``module``'s weights (``round_weights(module)``, which says how many it changed); given the
-    target's ``tokenizer``, also measure what that costs, teacher-forced on held-out text before and
-    after (None where that text is not installed, or nothing changed)."""
+def _quantize(module: TargetStep | DraftStep, bits: int, block: int, embeddings: bool,
+              tokenizer) -> tuple[int, dict | None]:
+    """Quantize ``module``'s linear layers (and with ``embeddings`` its embeddings' rows:
+    ``quantize.quantize_linears``); given the target's ``tokenizer``, also measure what that costs,
+    teacher-forced on held-out text before and after (None where that text is not installed)."""
     texts = None if tokenizer is None else held_out_texts(
         tokenizer, min(QUALITY_MAX_TOKENS, module.config.max_position_embeddings))
     reference = teacher_forced(module, texts) if texts else None
-    count = round_weights(module)
-    if reference is None or not count:
+    count = quantize.quantize_linears(module, bits, block, embeddings=embeddings)
+    if reference is None:
         return count, None
     return count, quality_cost(reference, teacher_forced(module, texts))
 

@@ -33,8 +33,7 @@ A MoE target's experts are 3-D tensors in the file (``blk.N.ffn_gate_exps`` / ``
 ``ffn_down_exps``: each expert's matrix, one after another), whose rows are indexed as a 2-D
 tensor's are, so each expert's matrix is found the same way and kept as ``MoeExpertsInt4`` /
 ``Int8``'s blocks (``qdq.py``). Those have no per-block offsets: Q4_1, Q5_1 and K-quant experts
-but Q6_K's are refused. The
-router (``ffn_gate_inp``) stays float, as llama.cpp keeps it.
+but Q6_K's are refused. The router (``ffn_gate_inp``) stays float, as llama.cpp keeps it.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.quantize import Blocks
+from export.quantize import Blocks, chunks, rtn
 
 BLOCK = 32
 EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")   # the file's values, re-blocked
@@ -86,11 +85,11 @@ class GgufBlocks:
         self.rows: dict[bytes, tuple[int, int]] = {}   # row digest -> (tensor, row)
         for index, tensor in enumerate(self.tensors):
             raw = tensor.data.reshape(-1, tensor.data.shape[-1])
-            for start in range(0, len(raw), CHUNK):
-                values = dequantize(raw[start:start + CHUNK], tensor.tensor_type)
+            for part in chunks(len(raw)):
+                values = dequantize(raw[part], tensor.tensor_type)
                 kept = (values, _rounded(values)) if tensor.tensor_type.name in ROUNDED else (values,)
                 for rows in kept:
-                    for row, value in enumerate(rows, start):
+                    for row, value in enumerate(rows, part.start):
                         self.rows.setdefault(_digest(value), (index, row))
 
     def lookup(self, matrix: np.ndarray) -> Blocks | None:
@@ -101,11 +100,8 @@ class GgufBlocks:
         if found is None:
             return None
         blocks = self._decode(*found)
-        scale = max(float(matrix.max()), -float(matrix.min()))
-        for columns in _chunks(matrix.shape[1]):
-            if not np.allclose(blocks.columns(columns).values(), matrix[:, columns], rtol=1e-6,
-                               atol=1e-6 * scale):
-                raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
+        if not blocks.reproduces(matrix):
+            raise ValueError(f"{self.path}: a weight's blocks do not reproduce its values")
         return blocks
 
     def engine_values(self, matrix: np.ndarray) -> np.ndarray | None:
@@ -118,7 +114,7 @@ class GgufBlocks:
     def _rows(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, str] | None:
         """``(tensor, row, type)`` of each of ``matrix [K, N]``'s columns, all from tensors of one
         type, or None."""
-        found = [self.rows.get(_digest(column)) for columns in _chunks(matrix.shape[1])
+        found = [self.rows.get(_digest(column)) for columns in chunks(matrix.shape[1])
                  for column in np.ascontiguousarray(matrix[:, columns].T)]
         if None in found:
             return None
@@ -135,7 +131,7 @@ class GgufBlocks:
             raw = self.tensors[index].data
             raw = raw.reshape(-1, raw.shape[-1])
             chosen = np.flatnonzero(tensor == index)
-            for columns in (chosen[part] for part in _chunks(len(chosen))):
+            for columns in (chosen[part] for part in chunks(len(chosen))):
                 part = decode(kind, raw[row[columns]])
                 if q is None:
                     q = np.empty((len(row), part[0].shape[1]), np.int8)
@@ -150,7 +146,6 @@ class GgufBlocks:
 
 
 FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
-CHUNK = 4096   # rows de-quantized, looked up or checked at a time: a vocabulary's temporaries stay small
 # bytes per block of each exact type, and its values per block
 LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
            "Q4_K": (144, 256), "Q5_K": (176, 256)}
@@ -198,10 +193,6 @@ def decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
             offsets.reshape(rows, -1))
 
 
-def _chunks(count: int) -> list[slice]:
-    return [slice(start, start + CHUNK) for start in range(0, count, CHUNK)]
-
-
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte ``at`` of each block, as float32."""
     return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
@@ -213,8 +204,6 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _rtn8(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from export.quantize import rtn
-
     return rtn(np.ascontiguousarray(matrix, dtype=np.float32), 8, BLOCK)
 
 

@@ -27,8 +27,14 @@ import torch
 from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from export.onnx_check import to_numpy
 
-# columns rounded or de-quantized at a time: a vocabulary-sized weight's float temporaries stay small
+# columns (a GGUF file's rows) rounded, de-quantized or looked up at a time: a vocabulary-sized
+# weight's float temporaries stay small
 COLUMNS = 4096
+
+
+def chunks(count: int) -> list[slice]:
+    """``range(count)`` as slices of ``COLUMNS``."""
+    return [slice(start, start + COLUMNS) for start in range(0, count, COLUMNS)]
 
 
 def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -36,8 +42,7 @@ def rtn(matrix: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarr
     the scales in ``matrix``'s dtype."""
     k, n = matrix.shape
     q, scales = np.empty((k, n), np.int8), np.empty((k // block, n), matrix.dtype)
-    for start in range(0, n, COLUMNS):
-        columns = slice(start, start + COLUMNS)
+    for columns in chunks(n):
         blocks = matrix[:, columns].astype(np.float32).reshape(k // block, block, -1)
         high, low = blocks.max(axis=1), blocks.min(axis=1)
         if bits == 4:
@@ -155,8 +160,7 @@ class Blocks:
         """What the graph computes with, in the scales' dtype: ``DequantizeLinear(q, scales, axis=0,
         block_size=block)``, plus each block's offset."""
         weight = np.empty(self.q.shape, self.scales.dtype)
-        for start in range(0, weight.shape[1], COLUMNS):
-            columns = slice(start, start + COLUMNS)
+        for columns in chunks(weight.shape[1]):
             expand = lambda per_block: np.repeat(per_block[:, columns].astype(np.float32),  # noqa: E731
                                                  self.block, axis=0)
             part = self.q[:, columns].astype(np.float32) * expand(self.scales)
@@ -164,6 +168,13 @@ class Blocks:
                 part += expand(self.offsets)
             weight[:, columns] = part
         return weight
+
+    def reproduces(self, matrix: np.ndarray) -> bool:
+        """Whether these blocks give ``matrix [K, N]``'s values (to float32 rounding of a scale
+        times an integer plus an offset), checked some columns at a time."""
+        scale = max(float(matrix.max()), -float(matrix.min()))
+        return all(np.allclose(self.columns(part).values(), matrix[:, part], rtol=1e-6, atol=1e-6 * scale)
+                   for part in chunks(matrix.shape[1]))
 
 
 # a quantized engine's token embeddings: int8 rows in blocks of 32, gathered and de-quantized row
@@ -186,14 +197,7 @@ def rounded_embedding_blocks(table: np.ndarray) -> Blocks | None:
     """``qdq.quantize_graph``'s ``embeddings`` for ``round_embeddings``: a table's int8 rows where
     they give the values it holds (a table the module rounded), else None (it stays float)."""
     blocks = rtn_blocks(EMBEDDING_BITS, EMBEDDING_BLOCK)(table)
-    if blocks is None:
-        return None
-    scale = max(float(table.max()), -float(table.min()))
-    for start in range(0, table.shape[1], COLUMNS):
-        columns = slice(start, start + COLUMNS)
-        if not np.allclose(blocks.columns(columns).values(), table[:, columns], rtol=1e-6, atol=1e-6 * scale):
-            return None
-    return blocks
+    return blocks if blocks is not None and blocks.reproduces(table) else None
 
 
 def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:

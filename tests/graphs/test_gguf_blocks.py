@@ -89,13 +89,13 @@ def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
 def test_a_weight_read_in_chunks_gives_the_same_blocks(gguf_file, monkeypatch, kind):
     """The file is indexed, and a weight looked up, some rows at a time (a vocabulary-sized
     weight's temporaries stay small): chunks that split the rows give the same blocks."""
-    from export import gguf_blocks
+    from export import gguf_blocks, quantize
 
     path, weights = gguf_file
     whole = gguf_blocks.GgufBlocks(path)
     matrix = whole.engine_values(weights[kind]) if kind == "Q6_K" else weights[kind]
     expected = whole.lookup(matrix)
-    monkeypatch.setattr(gguf_blocks, "CHUNK", 7)
+    monkeypatch.setattr(quantize, "COLUMNS", 7)
     chunked = gguf_blocks.GgufBlocks(path)
     if kind == "Q6_K":
         assert np.array_equal(chunked.engine_values(weights[kind]), matrix)
