@@ -163,7 +163,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 phase(f"{name}: {formats[name]} weights into the graph")
                 # a layer the tracer shares may be written twice (the draft's K/V projections), so
                 # the graph may hold more; fewer means a layer was traced in a form left unquantized
-                in_graph = qdq.quantize_graph(path, blocks_of, keep_float, embeddings=embeddings)
+                in_graph = qdq.quantize_graph(path, blocks_of, keep_float, embeddings=embeddings,
+                                              kquant_scales=backend == "onnx")
                 if in_graph < quantized[name] and formats[name] == quantize.GGUF:
                     raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
                                      f"{quantized[name]} weight matrices (linear layers, experts) are not "

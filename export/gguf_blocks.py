@@ -20,8 +20,10 @@ is written in that form:
   zero point reproducing ``m``, so a layer's output gains the sums of its input over each block times the
   offsets (a matrix 32 times smaller than the weight), the sum llama.cpp's own dot product adds;
 - Q4_K and Q5_K (int8): super-blocks of 256 whose eight sub-blocks of 32 each have a 6-bit scale
-  and minimum, ``d sc * q - dmin m``: a scale ``d sc`` and an offset per block of 32, as Q4_1's.
-  These keep the file's values (to a rounding of the offset's last bit);
+  and minimum, ``d sc * q - dmin m``: a scale ``d sc`` and an offset per block of 32, as Q4_1's,
+  which the graph makes from the file's integers (``layout.KQuantScales``: 4.625 bits a Q4_K
+  weight, where float32 scales and offsets made 6). These keep the file's values (to a rounding of
+  the offset's last bit);
 - Q6_K: sixteen sub-blocks of 16 with a scale each, which no block of 32 holds: its values are
   rounded again to int8 in blocks of 32 (``quantize.rtn``: a step of 1/127 of the block's largest
   magnitude, where Q6_K's own is 1/32 of a sub-block's), the one format the engine does not
@@ -43,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import Blocks, chunks, rtn
+from plugins.qmatmul.layout import KQuantScales
 
 BLOCK = 32
 EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")   # the file's values, re-blocked
@@ -126,71 +129,68 @@ class GgufBlocks:
 
     def _decode(self, tensor: np.ndarray, row: np.ndarray, kind: str) -> Blocks:
         """The blocks of the rows ``row`` of the tensors ``tensor``, as a weight ``[K, N]``."""
-        q = scales = offsets = None
+        parts: dict[str, np.ndarray] = {}   # decode's parts, [N, ...]
         for index in np.unique(tensor):
             raw = self.tensors[index].data
             raw = raw.reshape(-1, raw.shape[-1])
             chosen = np.flatnonzero(tensor == index)
             for columns in (chosen[part] for part in chunks(len(chosen))):
-                part = decode(kind, raw[row[columns]])
-                if q is None:
-                    q = np.empty((len(row), part[0].shape[1]), np.int8)
-                    scales = np.empty((len(row), part[1].shape[1]), np.float32)
-                    offsets = None if part[2] is None else np.empty_like(scales)
-                q[columns], scales[columns] = part[:2]
-                if offsets is not None:
-                    offsets[columns] = part[2]
-        q, scales, offsets = (None if part is None else np.ascontiguousarray(part.T)
-                              for part in (q, scales, offsets))
-        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets)
+                for name, part in decode(kind, raw[row[columns]]).items():
+                    parts.setdefault(name, np.empty((len(row), part.shape[1]), part.dtype))[columns] = part
+        q, scales, offsets, *kquant = (np.ascontiguousarray(parts[name].T) if name in parts else None
+                                       for name in ("q", "scales", "offsets", "sc", "m", "d", "dmin"))
+        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets,
+                      KQuantScales(*kquant, middle=MIDDLE[kind]) if kind in MIDDLE else None)
 
 
 FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
+MIDDLE = {"Q4_K": 8, "Q5_K": 16}   # a K-quant's shift to signed values
 # bytes per block of each exact type, and its values per block
 LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
            "Q4_K": (144, 256), "Q5_K": (176, 256)}
 
 
-def decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Rows of a tensor's raw blocks (``[rows, bytes]``, uint8) -> ``(q int8 [rows, K], scales
-    [rows, K / 32], offsets [rows, K / 32] or None)`` with ``scales * q + offsets`` the values, in
-    blocks of 32."""
+def decode(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows of a tensor's raw blocks (``[rows, bytes]``, uint8) -> ``q`` (int8 ``[rows, K]``),
+    ``scales`` and, where the format has them, ``offsets`` (``[rows, K / 32]``), with
+    ``scales * q + offsets`` the values, in blocks of 32; a K-quant's the integers and fp16 they
+    are made from as well (``KQuantScales``' ``sc``, ``m``, ``d``, ``dmin``, each row's)."""
     if kind in ROUNDED:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         blocks = Blocks(*_rtn8(dequantize(raw, GGMLQuantizationType[kind]).T), bits=8)
-        return blocks.q.T, blocks.scales.T, None
+        return {"q": blocks.q.T, "scales": blocks.scales.T}
     size, values = LAYOUTS[kind]
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, size)
     d = _half(b, 0)
     if kind == "Q8_0":
-        return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), d, None
+        return {"q": np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), "scales": d}
     if kind in ("Q4_0", "Q4_1"):
-        q = _nibbles(b[..., size - 16:]) - 8
-        return q.reshape(rows, -1), d, None if kind == "Q4_0" else _half(b, 2) + 8 * d
+        q = {"q": (_nibbles(b[..., size - 16:]) - 8).reshape(rows, -1), "scales": d}
+        return q if kind == "Q4_0" else q | {"offsets": _half(b, 2) + 8 * d}
     if kind in ("Q5_0", "Q5_1"):   # bit j of the 32-bit qh is value j's fifth bit
         high = np.ascontiguousarray(b[..., size - 20:size - 16]).view("<u4")
         q = (_nibbles(b[..., size - 16:]) | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4)) - 16
-        return q.reshape(rows, -1), d, None if kind == "Q5_0" else _half(b, 2) + 16 * d
+        q = {"q": q.reshape(rows, -1), "scales": d}
+        return q if kind == "Q5_0" else q | {"offsets": _half(b, 2) + 16 * d}
     # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth bits,)
     # 128 bytes of nibbles: byte l of chunk c holds value l of sub-block 2c (low) and 2c + 1 (high)
     from gguf.quants import Q4_K
 
-    sc, mn = (part.reshape(rows, -1, 8).astype(np.float32) for part in
+    sc, mn = (part.reshape(rows, -1) for part in
               Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12)))
     low = b[..., size - 128:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
     q = (low & 0x0F).reshape(rows, -1, 8, 32).astype(np.int16)
-    middle = 8
     if kind == "Q5_K":   # byte l of qh holds value l's fifth bit of sub-block i at bit i
         high = b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         q |= (high & 1).astype(np.int16) << 4
-        middle = 16
-    scales = d[..., None] * sc                       # [rows, super-blocks, 8]
-    offsets = middle * scales - _half(b, 2)[..., None] * mn
-    return ((q - middle).astype(np.int8).reshape(rows, -1), scales.reshape(rows, -1),
-            offsets.reshape(rows, -1))
+    # as KQuantScales' [K / 32, N] are this [rows, K / 32] transposed
+    scales = KQuantScales(sc.T.astype(np.uint8), mn.T.astype(np.uint8), d.T, _half(b, 2).T, MIDDLE[kind])
+    return {"q": (q - scales.middle).astype(np.int8).reshape(rows, -1), "scales": scales.scales().T,
+            "offsets": scales.offsets().T, "sc": scales.sc.T, "m": scales.m.T, "d": scales.d.T,
+            "dmin": scales.dmin.T}
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:

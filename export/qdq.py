@@ -22,12 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import Blocks
+from plugins.qmatmul.layout import SUPER, KQuantScales
 from plugins.qmatmul.ort_lowering import linear_weight
 
 
 def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
                    keep: Set[str] = frozenset(),
-                   embeddings: Callable[[np.ndarray], Blocks | None] | None = None) -> int:
+                   embeddings: Callable[[np.ndarray], Blocks | None] | None = None,
+                   kquant_scales: bool = True) -> int:
     """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
     which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
     ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the input's per-block sums
@@ -39,11 +41,14 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
     the new one is written beside it, then the new one takes its place.
     With ``embeddings`` (the blocks of a table ``[K, V]``, which must give the values the table
     holds: a file's own, or a rounding the module was given first), a ``Gather`` of a float
-    table's rows is rewritten too (``_quantize_embeddings``); it is not counted."""
+    table's rows is rewritten too (``_quantize_embeddings``); it is not counted.
+    A GGUF K-quant's scales and offsets are made in the graph from the file's integers
+    (``_kquant_scales``: the kernel reads those, a Q4_K weight's bytes 0.77x) unless
+    ``kquant_scales`` is False (TensorRT engines, whose weight-only layers take constant scales)."""
     import onnx_ir as ir
 
     model = ir.load(path)
-    rewrite = _Rewrite(model.graph, blocks_of, path.name)
+    rewrite = _Rewrite(model.graph, blocks_of, path.name, kquant_scales)
     pending, replaced = _linear_groups(model.graph, keep), 0
     while pending:
         group = pending.pop(0)
@@ -69,8 +74,9 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
 class _Rewrite:
     """``quantize_graph``'s edits of one graph: a group of linear layers at a time."""
 
-    def __init__(self, graph, blocks_of: Callable[[np.ndarray], Blocks | None], file: str):
-        self.graph, self.blocks_of, self.file = graph, blocks_of, file
+    def __init__(self, graph, blocks_of: Callable[[np.ndarray], Blocks | None], file: str,
+                 kquant_scales: bool):
+        self.graph, self.blocks_of, self.file, self.kquant_scales = graph, blocks_of, file, kquant_scales
         self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, blocks): a shared weight once
         self.readers: Counter[str] = Counter()       # products made so far that read each
         self.block_sums: dict[tuple[str, int], object] = {}   # (input, block) -> its block sums, once
@@ -142,13 +148,16 @@ class _Rewrite:
         stem, blocks = self.dequantized[key]
         reader, self.readers[stem] = self.readers[stem], self.readers[stem] + 1
         stem += f"_{reader}" if reader else ""
-        dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)),
-                                          _initializer(self.graph, f"{stem}_scales", blocks.scales)],
+        if blocks.kquant is not None and self.kquant_scales:
+            scales, offsets = _kquant_scales(self.graph, stem, blocks.kquant, new_nodes)
+        else:
+            scales = _initializer(self.graph, f"{stem}_scales", blocks.scales)
+            offsets = None if blocks.offsets is None else _initializer(self.graph, f"{stem}_offsets",
+                                                                       blocks.offsets)
+        dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)), scales],
                      attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
         new_nodes.append(dq)
-        if blocks.offsets is None:
-            return dq.outputs[0], None
-        return dq.outputs[0], _initializer(self.graph, f"{stem}_offsets", blocks.offsets)
+        return dq.outputs[0], offsets
 
     def _block_sums(self, x, block: int, name: str, new_nodes: list):
         """``x [..., K]`` summed over each block of ``block`` values: ``[..., K / block]``."""
@@ -166,6 +175,29 @@ class _Rewrite:
             new_nodes += [reshape, reduce]
             self.block_sums[(x.name, block)] = reduce.outputs[0]
         return self.block_sums[(x.name, block)]
+
+
+def _kquant_scales(graph, stem: str, kquant: KQuantScales, new_nodes: list) -> tuple:
+    """A K-quant's scales and offsets as the graph's values, made from the file's integers:
+    ``scales = DequantizeLinear(sc, d)`` and ``offsets = middle * scales - DequantizeLinear(m, dmin)``
+    (blocks of 8 along the input axis), each product exact in float32, so the same values as
+    constant tables of them (``KQuantScales``), which ``plugins/qmatmul/ort_lowering.py`` finds."""
+    import onnx_ir as ir
+
+    def dequantize(integers: str, scale: str, values: np.ndarray, per_super: np.ndarray):
+        node = ir.node("DequantizeLinear", [_initializer(graph, f"{stem}_{integers}", values),
+                                            _initializer(graph, f"{stem}_{scale}", per_super)],
+                       attributes={"axis": 0, "block_size": SUPER}, name=f"{stem}_{integers}_dequantize")
+        new_nodes.append(node)
+        return node.outputs[0]
+
+    scales = dequantize("sc", "d", kquant.sc, kquant.d)
+    middle = _initializer(graph, f"{stem}_middle", np.array(kquant.middle, np.float32))
+    shifted = ir.node("Mul", [scales, middle], name=f"{stem}_middle_scales")
+    offsets = ir.node("Sub", [shifted.outputs[0], dequantize("m", "dmin", kquant.m, kquant.dmin)],
+                      name=f"{stem}_offsets")
+    new_nodes += [shifted, offsets]
+    return scales, offsets.outputs[0]
 
 
 def _quantize_embeddings(graph, blocks_of: Callable[[np.ndarray], Blocks | None]) -> None:

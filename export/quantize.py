@@ -26,6 +26,7 @@ import torch
 # the weight formats live where the command line checks them without loading anything
 from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from export.onnx_check import to_numpy
+from plugins.qmatmul.layout import KQuantScales
 
 # columns (a GGUF file's rows) rounded, de-quantized or looked up at a time: a vocabulary-sized
 # weight's float temporaries stay small
@@ -146,6 +147,7 @@ class Blocks:
     scales: np.ndarray                  # [K / block, N]
     bits: int                           # 4 or 8: the ONNX type of q
     offsets: np.ndarray | None = None   # float32 [K / block, N] (GGUF Q4_1), added to a block's values
+    kquant: KQuantScales | None = None  # a GGUF K-quant's: what its scales and offsets are made of
 
     @property
     def block(self) -> int:
@@ -154,7 +156,8 @@ class Blocks:
     def columns(self, which: slice) -> Blocks:
         """The blocks of some of the weight's columns (views)."""
         return Blocks(self.q[:, which], self.scales[:, which], self.bits,
-                      None if self.offsets is None else self.offsets[:, which])
+                      None if self.offsets is None else self.offsets[:, which],
+                      None if self.kquant is None else self.kquant.columns(which))
 
     def values(self) -> np.ndarray:
         """What the graph computes with, in the scales' dtype: ``DequantizeLinear(q, scales, axis=0,

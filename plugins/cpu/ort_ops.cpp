@@ -23,11 +23,13 @@ namespace {
 using namespace dspark_ort;
 
 // ---- QMatMul: x float [..., K]; the weight in the kernel's layout (qmatmul/layout.py): q uint8
-// [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16], offsets float (same, or empty),
-// sums int32 (same for 8 bits, or empty). Attribute `columns`: N. Output: float [..., N].
+// [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16] (empty for a K-quant), offsets
+// float (same, or empty), sums int32 (same for 8 bits, or empty), a K-quant's sub uint8
+// [tiles, K / 32, 32] and super fp16 [tiles, K / 256, 32] (else empty). Attributes `columns`: N;
+// `middle`: a K-quant's shift of its values. Output: float [..., N].
 
-struct Product {   // QMatMul and FMatMul: the output's columns
-    int64_t columns;
+struct Product {   // QMatMul, FMatMul and HMatMul: the output's columns (and QMatMul's middle)
+    int64_t columns, middle;
 };
 
 // y [rows, N] = x @ w on QMatMul's kernel: x's rows quantized once, the tiles over ONNX Runtime's
@@ -53,30 +55,46 @@ OrtStatus* quantized_product(OrtKernelContext* context, const DsparkQWeight& w, 
 OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
     const int64_t columns = static_cast<Product*>(state)->columns;
     const Tensor x = input(context, 0), q = input(context, 1), scales = input(context, 2),
-                 offsets = input(context, 3), sums = input(context, 4);
-    if (x.dims.empty() || q.dims.size() != 3 || scales.dims.size() != 3)
-        return error("QMatMul", "expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16]");
+                 offsets = input(context, 3), sums = input(context, 4), sub = input(context, 5),
+                 super = input(context, 6);
+    if (x.dims.empty() || q.dims.size() != 3 || (scales.size() ? scales : sub).dims.size() != 3)
+        return error("QMatMul", "expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16] "
+                                "(or a K-quant's sub [tiles, K / 32, 32])");
     const int64_t K = x.dims.back(), bits = q.dims[2] / 64;
     if (q.dims[1] * 32 != K || (bits != 4 && bits != 8) || q.dims[0] * 16 < columns)
         return error("QMatMul", "x's K = " + std::to_string(K) + " does not match the weight's blocks (" +
                      std::to_string(q.dims[1]) + " of 32, " + std::to_string(q.dims[2]) + " bytes)");
+    if (sub.size() && (K % 256 || sub.size() != q.dims[0] * q.dims[1] * 32 ||
+                       super.size() != q.dims[0] * (K / 256) * 32))
+        return error("QMatMul", "a K-quant's sub and super do not match its " + std::to_string(q.dims[0]) +
+                     " tiles of " + std::to_string(K) + " k");
     std::vector<int64_t> out_dims = x.dims;
     out_dims.back() = columns;
     void* y = output(context, 0, out_dims);
     const int64_t rows = x.size() / K;
     if (rows == 0) return nullptr;
     const DsparkQWeight weight{int32_t(bits), int32_t(K), int32_t(columns), static_cast<const uint8_t*>(q.data),
-                               static_cast<const float*>(scales.data),
+                               scales.size() ? static_cast<const float*>(scales.data) : nullptr,
                                offsets.size() ? static_cast<const float*>(offsets.data) : nullptr,
-                               sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr};
+                               sums.size() ? static_cast<const int32_t*>(sums.data) : nullptr,
+                               sub.size() ? static_cast<const uint8_t*>(sub.data) : nullptr,
+                               super.size() ? static_cast<const uint16_t*>(super.data) : nullptr,
+                               float(static_cast<Product*>(state)->middle)};
     return quantized_product(context, weight, q.dims[0], static_cast<const float*>(x.data), rows,
                              static_cast<float*>(y));
 }
 
 OrtStatus* create_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-    auto* state = new Product{0};
+    auto* state = new Product{0, 0};
     return created(state, slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "columns", &state->columns),
                    kernel);
+}
+
+OrtStatus* create_quantized_product(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+    auto* state = new Product{0, 0};
+    const auto attribute = slot<GetAttributeInt64>(g_api, KERNEL_INFO_GET_ATTRIBUTE_INT64);
+    OrtStatus* status = attribute(info, "columns", &state->columns);
+    return created(state, status ? status : attribute(info, "middle", &state->middle), kernel);
 }
 
 // ---- FMatMul: x float [..., K]; w float [tiles, K, 32] (qmatmul/layout.py's pack_float).
@@ -382,9 +400,9 @@ OrtStatus* create_sampler(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo
 
 const OrtCustomOp g_ops[] = {
     make_op<Product>(
-        [](const OrtCustomOp*) { return "QMatMul"; }, [](const OrtCustomOp*) -> size_t { return 5; },
-        [](const OrtCustomOp*, size_t i) { return (const int[]){FLOAT, UINT8, FLOAT, FLOAT, INT32}[i]; },
-        [](const OrtCustomOp*) -> size_t { return 1; }, create_product, qmatmul),
+        [](const OrtCustomOp*) { return "QMatMul"; }, [](const OrtCustomOp*) -> size_t { return 7; },
+        [](const OrtCustomOp*, size_t i) { return (const int[]){FLOAT, UINT8, FLOAT, FLOAT, INT32, UINT8, FLOAT16}[i]; },
+        [](const OrtCustomOp*) -> size_t { return 1; }, create_quantized_product, qmatmul),
     make_op<Product>(
         [](const OrtCustomOp*) { return "FMatMul"; }, [](const OrtCustomOp*) -> size_t { return 2; },
         [](const OrtCustomOp*, size_t) { return FLOAT; },

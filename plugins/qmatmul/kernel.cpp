@@ -16,7 +16,8 @@
 // Per block b of 32 k, for row m and column n, with x's block quantized as dx * qx:
 //   y += (dw[n] * dx[m]) * sum_k(q[k, n] * qx[m, k])  +  off[n] * sum_k(x[m, k])
 // q is the signed weight (int4 -8..7 or int8 -127..127); `off` (GGUF Q4_1's offset) is optional
-// and multiplies the block's float sum of x.
+// and multiplies the block's float sum of x. A K-quant's dw and off are made per block from its
+// integers (kernel.h), the same float32 values as a table of them.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -131,6 +132,10 @@ inline void store_floats(float* p, Floats v) { _mm512_storeu_ps(p, v); }
 inline Floats load_floats(const uint16_t* p) {   // 16 fp16 values
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline Floats sub(Floats a, Floats b) { return _mm512_sub_ps(a, b); }
+inline Floats load_floats(const uint8_t* p) {    // 16 unsigned bytes
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -212,6 +217,13 @@ inline Floats load_floats(const uint16_t* p) {   // 16 fp16 values (F16C)
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+inline Floats sub(Floats a, Floats b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Floats load_floats(const uint8_t* p) {    // 16 unsigned bytes
+    const auto eight = [](const uint8_t* b) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    };
+    return {eight(p), eight(p + 8)};
+}
 
 
 #else
@@ -245,27 +257,52 @@ constexpr int ROW_GROUP = 8;
 constexpr int ROW_GROUP = 4;
 #endif
 
+// How a weight's blocks are scaled: a float32 scale each, plus a float32 offset each, or a
+// K-quant's integers (kernel.h).
+enum class Scales { PLAIN, OFFSETS, KQUANT };
+constexpr int SUPER = 8;   // a K-quant's blocks per super-block
+
 // ROWS rows (a template argument, so that their accumulators stay in registers) of one tile.
-template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
+template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), Scales S>
 void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int64_t t) {
+    constexpr bool KQUANT = S == Scales::KQUANT, OFFSETS = S != Scales::PLAIN;
     const int64_t K = w.K, N = w.N, blocks = K / BLOCK, block_bytes = w.bits * 64;
     const uint8_t* wq = w.q + t * blocks * block_bytes;
-    const float* ws = w.scales + t * blocks * TILE;
-    const float* wo = OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
+    const float* ws = KQUANT ? nullptr : w.scales + t * blocks * TILE;
+    const float* wo = S == Scales::OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
+    const uint8_t* sub_ints = KQUANT ? w.sub + t * blocks * 2 * TILE : nullptr;
+    const uint16_t* super_scales = KQUANT ? w.super + t * (blocks / SUPER) * 2 * TILE : nullptr;
     const int32_t* wsum = w.wsums ? w.wsums + t * blocks * TILE : nullptr;
     Floats acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = zero_floats();
+    Floats d = zero_floats(), dmin = zero_floats();
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch(wq + (b + AHEAD) * block_bytes, block_bytes);
-        prefetch(ws + (b + AHEAD) * TILE, TILE * sizeof(float));
-        if (OFFSETS) prefetch(wo + (b + AHEAD) * TILE, TILE * sizeof(float));
+        Floats dw, off = zero_floats();
+        if constexpr (KQUANT) {
+            prefetch(sub_ints + (b + AHEAD) * 2 * TILE, 2 * TILE);
+            if (b % SUPER == 0) {
+                const uint16_t* s = super_scales + (b / SUPER) * 2 * TILE;
+                prefetch(s + (AHEAD / SUPER) * 2 * TILE, 2 * TILE * sizeof(uint16_t));
+                d = load_floats(s);
+                dmin = load_floats(s + TILE);
+            }
+            dw = mul(load_floats(sub_ints + b * 2 * TILE), d);
+            off = sub(mul(broadcast(w.middle), dw), mul(dmin, load_floats(sub_ints + b * 2 * TILE + TILE)));
+        } else {
+            prefetch(ws + (b + AHEAD) * TILE, TILE * sizeof(float));
+            dw = load_floats(ws + b * TILE);
+            if constexpr (OFFSETS) {
+                prefetch(wo + (b + AHEAD) * TILE, TILE * sizeof(float));
+                off = load_floats(wo + b * TILE);
+            }
+        }
         const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
-        const Floats dw = load_floats(ws + b * TILE);
         for (int r = 0; r < ROWS; ++r) {
             const int64_t m = m0 + r, mb = m * blocks + b;
             const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
             acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
-            if (OFFSETS) acc[r] = fma(load_floats(wo + b * TILE), broadcast(x.sum[mb]), acc[r]);
+            if constexpr (OFFSETS) acc[r] = fma(off, broadcast(x.sum[mb]), acc[r]);
         }
     }
     const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
@@ -294,11 +331,18 @@ void in_groups(int64_t M, Rows rows) {
 
 // One tile of 16 columns for all M rows: each block is loaded once per group of 4 rows, and the
 // tile's weights (K / 32 blocks) stay in cache while the row groups pass over them.
-template <typename Block, Block (*load)(const uint8_t*, const int32_t*), bool OFFSETS>
+template <typename Block, Block (*load)(const uint8_t*, const int32_t*), Scales S>
 void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
     in_groups<ROW_GROUP>(M, [&](auto count, int64_t m0) {
-        row_group<decltype(count)::value, Block, load, OFFSETS>(w, x, m0, y, t);
+        row_group<decltype(count)::value, Block, load, S>(w, x, m0, y, t);
     });
+}
+
+template <typename Block, Block (*load)(const uint8_t*, const int32_t*)>
+void tile(const DsparkQWeight& w, const XRows& x, int64_t M, float* y, int64_t t) {
+    if (w.sub) tile<Block, load, Scales::KQUANT>(w, x, M, y, t);
+    else if (w.offsets) tile<Block, load, Scales::OFFSETS>(w, x, M, y, t);
+    else tile<Block, load, Scales::PLAIN>(w, x, M, y, t);
 }
 
 // ROWS rows of one tile of float weights ([tiles, K, 32], float32 or fp16 values W): each of x's
@@ -400,12 +444,8 @@ void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch
 void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
                           int64_t first, int64_t last) {
     const XRows x = x_rows(const_cast<void*>(scratch), M, w->K);
-    for (int64_t t = first; t < last; ++t) {
-        if (w->bits == 4)
-            w->offsets ? tile<Block4, load4, true>(*w, x, M, y, t) : tile<Block4, load4, false>(*w, x, M, y, t);
-        else
-            w->offsets ? tile<Block8, load8, true>(*w, x, M, y, t) : tile<Block8, load8, false>(*w, x, M, y, t);
-    }
+    for (int64_t t = first; t < last; ++t)
+        w->bits == 4 ? tile<Block4, load4>(*w, x, M, y, t) : tile<Block8, load8>(*w, x, M, y, t);
 }
 
 }  // extern "C"

@@ -11,7 +11,10 @@ block of 32 ``k``:
 - 8 bits: 8 groups of 64 bytes; group ``g``, lane ``j``, byte ``i`` holds ``q`` of ``k = 4g + i``,
   and each column's sum of ``q`` over the block (the kernel's unsigned-operand correction);
 
-and the scales and offsets as ``[tiles, blocks, 16]``. The last tile is padded with zero weights.
+and the scales and offsets as ``[tiles, blocks, 16]``. A K-quant (``KQuantScales``) has instead,
+per tile, each block's 16 ``sc`` then 16 ``m`` (uint8 ``[tiles, blocks, 32]``) and each
+super-block's 16 ``d`` then 16 ``dmin`` (fp16 ``[tiles, blocks / 8, 32]``): 4.625 bits a weight
+where float32 scales and offsets made 6. The last tile is padded with zero weights.
 A float32 or fp16 weight (``FMatMul``, ``HMatMul``) is ``[tiles, K, 32]``: each tile's 32 columns
 side by side per ``k``.
 """
@@ -24,15 +27,46 @@ import numpy as np
 BLOCK, TILE = 32, 16
 
 
+SUPER = 8   # a K-quant's blocks per super-block
+
+
+@dataclass
+class KQuantScales:
+    """A GGUF K-quant's (Q4_K, Q5_K) scales as the file holds them, for a weight ``[K, N]``: per
+    block of 32 a 6-bit scale ``sc`` and minimum ``m``, per super-block of 8 blocks an fp16 ``d``
+    and ``dmin``. A block's values are ``d sc (q - middle) + middle d sc - dmin m``, q the file's
+    unsigned integers: its scale ``d sc`` and offset ``middle d sc - dmin m``, each product exact
+    in float32, so the kernel makes them from these as they are read (``scales``, ``offsets``)."""
+    sc: np.ndarray     # uint8 [K / 32, N]
+    m: np.ndarray      # uint8 [K / 32, N]
+    d: np.ndarray      # float32 [K / 256, N], fp16 values
+    dmin: np.ndarray   # float32 [K / 256, N], fp16 values
+    middle: int        # 8 (Q4_K), 16 (Q5_K): what the signed values were shifted by
+
+    def scales(self) -> np.ndarray:
+        return np.repeat(self.d, SUPER, axis=0) * self.sc.astype(np.float32)
+
+    def offsets(self) -> np.ndarray:
+        return (np.float32(self.middle) * self.scales()
+                - np.repeat(self.dmin, SUPER, axis=0) * self.m.astype(np.float32))
+
+    def columns(self, which: slice) -> KQuantScales:
+        return KQuantScales(self.sc[:, which], self.m[:, which], self.d[:, which], self.dmin[:, which],
+                            self.middle)
+
+
 @dataclass
 class Packed:
-    """The arrays ``kernel.cpp``'s ``DsparkQWeight`` points at (offsets and sums empty when absent)."""
+    """The arrays ``kernel.cpp``'s ``DsparkQWeight`` points at (empty when absent)."""
     bits: int
     n: int                 # real columns
     q: np.ndarray          # uint8 [tiles, K / 32, bits * 64]
-    scales: np.ndarray     # float32 [tiles, K / 32, 16]
+    scales: np.ndarray     # float32 [tiles, K / 32, 16], or [0] for a K-quant
     offsets: np.ndarray    # float32 [tiles, K / 32, 16] or [0]
     sums: np.ndarray       # int32 [tiles, K / 32, 16] (8 bits) or [0]
+    sub: np.ndarray        # a K-quant's uint8 [tiles, K / 32, 32] (sc, m), or [0]
+    super: np.ndarray      # a K-quant's float16 [tiles, K / 256, 32] (d, dmin), or [0]
+    middle: int = 0        # a K-quant's
 
 
 def supported(q: np.ndarray, block: int, bits: int) -> bool:
@@ -43,16 +77,18 @@ def supported(q: np.ndarray, block: int, bits: int) -> bool:
             and (bits == 4 or int(q.min()) >= -127))
 
 
-def pack(q: np.ndarray, scales: np.ndarray, bits: int, offsets: np.ndarray | None = None) -> Packed:
-    """``q [K, N]`` (int8 values), ``scales`` and ``offsets`` ``[K / 32, N]`` -> the kernel's layout."""
+def pack(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
+         offsets: np.ndarray | None = None) -> Packed:
+    """``q [K, N]`` (int8 values), ``scales`` and ``offsets`` ``[K / 32, N]`` (or a K-quant's
+    scales, which make both) -> the kernel's layout."""
     k, n = q.shape
     pad = -n % TILE
     tiles, blocks = (n + pad) // TILE, k // BLOCK
     q = np.pad(q, ((0, 0), (0, pad))).astype(np.int16)
 
-    def per_tile(per_block: np.ndarray, dtype) -> np.ndarray:   # [blocks, N] -> [tiles, blocks, 16]
+    def per_tile(per_block: np.ndarray, dtype) -> np.ndarray:   # [rows, N] -> [tiles, rows, 16]
         padded = np.pad(per_block.astype(dtype), ((0, 0), (0, pad)))
-        return np.ascontiguousarray(padded.reshape(blocks, tiles, TILE).transpose(1, 0, 2))
+        return np.ascontiguousarray(padded.reshape(len(padded), tiles, TILE).transpose(1, 0, 2))
 
     if bits == 4:
         # k = 32 b + 16 h + 4 g + i -> [blocks, h, g, i, tiles, j]
@@ -65,8 +101,17 @@ def pack(q: np.ndarray, scales: np.ndarray, bits: int, offsets: np.ndarray | Non
         values = q.astype(np.int8).view(np.uint8).reshape(blocks, 8, 4, tiles, TILE)
         packed = values.transpose(3, 0, 1, 4, 2).reshape(tiles, blocks, 8 * 64)
         sums = per_tile(q.reshape(blocks, BLOCK, -1).sum(axis=1)[:, :n], np.int32)
+    if isinstance(scales, KQuantScales):
+        half = [s.astype(np.float16) for s in (scales.d, scales.dmin)]
+        if not all(np.array_equal(h, s) for h, s in zip(half, (scales.d, scales.dmin))):
+            raise ValueError("a K-quant's d and dmin must be fp16 values")
+        sub = np.concatenate([per_tile(scales.sc, np.uint8), per_tile(scales.m, np.uint8)], axis=-1)
+        super_ = np.concatenate([per_tile(h, np.float16) for h in half], axis=-1)
+        return Packed(bits, n, np.ascontiguousarray(packed), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                      sums, sub, super_, scales.middle)
     return Packed(bits, n, np.ascontiguousarray(packed), per_tile(scales, np.float32),
-                  np.zeros(0, np.float32) if offsets is None else per_tile(offsets, np.float32), sums)
+                  np.zeros(0, np.float32) if offsets is None else per_tile(offsets, np.float32), sums,
+                  np.zeros(0, np.uint8), np.zeros(0, np.float16))
 
 
 FLOAT_TILE = 32

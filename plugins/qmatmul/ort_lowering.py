@@ -1,6 +1,7 @@
 """ONNX Runtime's form of a linear layer with the compiled kernels: each ``DequantizeLinear ->
 MatMul`` that ``export/qdq.py`` writes (plus, for GGUF formats with offsets, the input's block sums times
-the offsets, added after it) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
+the offsets, added after it; for a K-quant, its scales and offsets made from the file's integers,
+which the kernel reads as they are) becomes one ``dspark.cpu::QMatMul`` node, and each product by a
 constant float32 weight (``MatMul``, ``MatMul`` of its ``Transpose``, ``Gemm`` with ``transB``)
 one ``dspark.cpu::FMatMul`` (an fp16 one ``HMatMul``, its weight kept in fp16), their weights in
 the kernels' layouts (``layout.py``).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import pack, pack_float, supported
+from .layout import SUPER, KQuantScales, pack, pack_float, supported
 
 DOMAIN, OP = "dspark.cpu", "QMatMul"
 BITS = {"INT4": 4, "INT8": 8}
@@ -36,17 +37,17 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
             continue
         dq, q, scales, bits, block = found
         weights = q.const_value.numpy().astype(np.int8)
-        if not supported(weights, block, bits):
-            continue
         offsets, last = _offsets(node)
-        packed = pack(weights, scales.const_value.numpy(), bits,
-                      None if offsets is None else offsets.const_value.numpy())
+        made = _scales(scales, offsets)
+        if made is None or not supported(weights, block, bits):
+            continue
+        packed = pack(weights, made[0], bits, made[1])
         stem = q.name.removesuffix("_q")
         arrays = {f"{stem}_qmatmul_{part}": getattr(packed, part)
-                  for part in ("q", "scales", "offsets", "sums")}
+                  for part in ("q", "scales", "offsets", "sums", "sub", "super")}
         inputs = [node.inputs[0]] + [placeholder(graph, name, array, location)
                                      for name, array in arrays.items()]
-        new = ir.node(OP, inputs, domain=DOMAIN, attributes={"columns": packed.n},
+        new = ir.node(OP, inputs, domain=DOMAIN, attributes={"columns": packed.n, "middle": packed.middle},
                       name=f"{node.name}_qmatmul")
         replaced = [node] if last is node else [node, offsets.uses()[0].node, last]
         ir.convenience.replace_nodes_and_values(graph, node, replaced, [new], [last.outputs[0]], new.outputs)
@@ -147,19 +148,63 @@ def _quantized_product(node):
     if len(dq.inputs) > 2 and dq.inputs[2] is not None:
         return None
     q, scales = dq.inputs[0], dq.inputs[1]
-    if not all(v.is_initializer() and v.const_value is not None for v in (q, scales)):
+    if not (q.is_initializer() and q.const_value is not None):
         return None
     attributes = {name: attr.value for name, attr in dq.attributes.items()}
     bits = BITS.get(q.const_value.dtype.name)
-    if (bits is None or scales.const_value.dtype.name != "FLOAT" or len(q.const_value.shape) != 2
-            or attributes.get("axis", 1) != 0 or "block_size" not in attributes):
+    if (bits is None or len(q.const_value.shape) != 2 or attributes.get("axis", 1) != 0
+            or "block_size" not in attributes):
         return None
     return dq, q, scales, bits, attributes["block_size"]
 
 
+def _constant(value, dtype: str, rank: int) -> np.ndarray | None:
+    """``value``'s array when it is a constant of that type and rank, else None."""
+    if value is None or not value.is_initializer() or value.const_value is None:
+        return None
+    array = value.const_value
+    return array.numpy() if array.dtype.name == dtype and len(array.shape) == rank else None
+
+
+def _scales(scales, offsets) -> tuple[np.ndarray | KQuantScales, np.ndarray | None] | None:
+    """A quantized product's scales (float32 constants, or a K-quant's, which make its offsets
+    too: ``export/qdq.py``'s ``_kquant_scales``) and offsets (float32 constants, or None), as
+    ``pack`` takes them; None when they are of another form."""
+    plain, offset_table = _constant(scales, "FLOAT", 2), _constant(offsets, "FLOAT", 2)
+    if plain is not None and (offsets is None or offset_table is not None):
+        return plain, offset_table
+    made = _dequantized_integers(scales)
+    difference = None if offsets is None else offsets.producer()
+    if made is None or difference is None or difference.op_type != "Sub":
+        return None
+    shifted, mins = difference.inputs[0].producer(), _dequantized_integers(difference.inputs[1])
+    if shifted is None or shifted.op_type != "Mul" or list(shifted.inputs)[:1] != [scales] or mins is None:
+        return None
+    middle = _constant(shifted.inputs[1], "FLOAT", 0)
+    if middle is None or float(middle) != int(middle):
+        return None
+    return KQuantScales(made[0], mins[0], made[1], mins[1], int(middle)), None
+
+
+def _dequantized_integers(value) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(integers, scales)`` where ``value`` is a ``DequantizeLinear`` of uint8 constants by float32
+    ones in blocks of ``SUPER`` along axis 0 (a K-quant's scales or minimums), else None."""
+    node = None if value is None else value.producer()
+    if node is None or node.op_type != "DequantizeLinear" or (len(node.inputs) > 2
+                                                              and node.inputs[2] is not None):
+        return None
+    attributes = {name: attr.value for name, attr in node.attributes.items()}
+    integers, scales = _constant(node.inputs[0], "UINT8", 2), _constant(node.inputs[1], "FLOAT", 2)
+    if integers is None or scales is None or attributes.get("axis", 1) != 0 \
+            or attributes.get("block_size") != SUPER:
+        return None
+    return integers, scales
+
+
 def _offsets(node):
     """``(offsets, last node)``: a GGUF layer's ``Add(node, MatMul(block sums, offsets))`` (Q4_1,
-    Q5_1, Q4_K, Q5_K) gives its constant offsets and the ``Add``; any other layer ``(None, node)``."""
+    Q5_1, Q4_K, Q5_K) gives its offsets (constants, or a K-quant's made from its integers) and the
+    ``Add``; any other layer ``(None, node)``."""
     uses = node.outputs[0].uses()
     if len(uses) != 1 or uses[0].node.op_type != "Add":
         return None, node
@@ -168,7 +213,7 @@ def _offsets(node):
     if other is None or other.op_type != "MatMul" or len(other.outputs[0].uses()) != 1:
         return None, node
     offsets = other.inputs[1]
-    if not (offsets.is_initializer() and offsets.const_value is not None and len(offsets.uses()) == 1):
+    if len(offsets.uses()) != 1:
         return None, node
     return offsets, add
 

@@ -350,4 +350,9 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     floats = [name for name, t in types.items() if t == TensorProto.FLOAT and name.endswith("proj.weight")]
     assert not floats
     assert TensorProto.INT4 in types.values() and TensorProto.INT8 in types.values()
+    # the K-quant layers' scales and offsets are the file's integers, not float32 tables: per
+    # layer q, k (Q6_K's v fuses with neither), the output and the fused gate / up
+    kquant = [name for name in types if name.endswith("_sc")]
+    assert len(kquant) == 4 * 3 and all(types[name] == TensorProto.UINT8 for name in kquant)
+    assert not [name for name in types if name.endswith("_offsets")]
     check_speculative_equals_target_only(engine)

@@ -28,7 +28,8 @@ SHAPES = [(4, False, 576, 960), (4, True, 576, 200), (8, False, 1536, 576), (8, 
 class _Weight(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int32), ("K", ctypes.c_int32), ("N", ctypes.c_int32),
                 ("q", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("wsums", ctypes.c_void_p)]
+                ("wsums", ctypes.c_void_p), ("sub", ctypes.c_void_p), ("super", ctypes.c_void_p),
+                ("middle", ctypes.c_float)]
 
 
 def _kernel():
@@ -46,7 +47,8 @@ def _run(lib, x: np.ndarray, packed: layout.Packed, splits=(1,)) -> np.ndarray:
     rows, k = x.shape
     pointer = lambda a: a.ctypes.data if a.size else None   # noqa: E731
     weight = _Weight(packed.bits, k, packed.n, pointer(packed.q), pointer(packed.scales),
-                     pointer(packed.offsets), pointer(packed.sums))
+                     pointer(packed.offsets), pointer(packed.sums), pointer(packed.sub),
+                     pointer(packed.super), packed.middle)
     scratch = np.empty(lib.dspark_qmatmul_scratch(rows, k), np.uint8)
     y = np.full((rows, packed.n), np.nan, np.float32)
     x = np.ascontiguousarray(x, np.float32)
@@ -90,6 +92,38 @@ def test_the_kernel_computes_the_blocks_integer_products_and_a_row_alone_as_in_a
     alone = np.stack([_run(lib, x[i:i + 1], packed)[0] for i in range(len(x))])
     assert np.array_equal(alone, y)
     assert np.array_equal(_run(lib, x[2:7], packed, splits=(1, 3, 2)), y[2:7])
+
+
+def _k_quant(rng, bits, k, n) -> tuple[np.ndarray, layout.KQuantScales]:
+    """A Q4_K (4 bits) or Q5_K (8 bits) weight as ``gguf_blocks.decode`` gives it: the file's
+    unsigned integers shifted by ``middle``, and its 6-bit scales and minimums under fp16 ones."""
+    middle = 8 if bits == 4 else 16
+    q = (rng.integers(0, 2 * middle, (k, n)) - middle).astype(np.int8)
+    half = lambda: (rng.random((k // 256, n)) * 1e-3).astype(np.float16).astype(np.float32)  # noqa: E731
+    six = lambda: rng.integers(0, 64, (k // 32, n)).astype(np.uint8)  # noqa: E731
+    return q, layout.KQuantScales(six(), six(), half(), half(), middle)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, k, n", [(4, 512, 200), (8, 768, 40), (4, 2560, 17)])
+def test_a_k_quant_computes_the_bits_of_its_float_scales_and_offsets(bits, k, n):
+    """A K-quant packed with its 6-bit integers (4.625 bits a weight at 4 bits) gives every row
+    the same bits as with the float32 scales and offsets they make (6 bits a weight), alone and
+    in any call, and its scales and offsets are exactly ``gguf_blocks.decode``'s."""
+    rng = np.random.default_rng(bits + k + n)
+    lib = _kernel()
+    q, kquant = _k_quant(rng, bits, k, n)
+    scales, offsets = kquant.scales(), kquant.offsets()
+    compact, plain = layout.pack(q, kquant, bits), layout.pack(q, scales, bits, offsets)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    y = _run(lib, x, compact)
+    assert np.array_equal(y, _run(lib, x, plain))
+    np.testing.assert_allclose(y, layout.reference(x, q, scales, offsets), rtol=1e-5,
+                               atol=1e-5 * np.abs(y).max())
+    assert np.array_equal(_run(lib, x[4:5], compact)[0], y[4])
+    assert np.array_equal(_run(lib, x[1:8], compact, splits=(2, 1)), y[1:8])
+    size = lambda p: sum(a.nbytes for a in (p.q, p.scales, p.offsets, p.sums, p.sub, p.super))  # noqa: E731
+    assert size(compact) < (0.8 if bits == 4 else 0.9) * size(plain)
 
 
 @needs_kernel
@@ -138,8 +172,11 @@ def test_int8_weights_of_minus_128_are_left_to_the_stock_kernels():
 
 def _linear_graph(path, q, scales, offsets, bits):
     """``y = x @ DequantizeLinear(q, scales) [+ block sums of x @ offsets]`` as ``export/qdq.py``
-    writes it, x ``[batch, rows, K]``, saved at ``path``."""
+    writes it (a K-quant's scales and offsets made by its ``_kquant_scales``), x ``[batch, rows,
+    K]``, saved at ``path``."""
     import ml_dtypes
+
+    from export.qdq import _kquant_scales
 
     k, n = q.shape
     x = ir.Value(name="x", shape=ir.Shape(["batch", "rows", k]), type=ir.TensorType(ir.DataType.FLOAT))
@@ -150,16 +187,21 @@ def _linear_graph(path, q, scales, offsets, bits):
         graph.register_initializer(value)
         return value
 
-    dq = ir.node("DequantizeLinear", [constant("w_q", q.astype(ml_dtypes.int4) if bits == 4 else q),
-                                      constant("w_scales", scales)],
+    nodes = []
+    if isinstance(scales, layout.KQuantScales):
+        scales, offsets = _kquant_scales(graph, "w", scales, nodes)
+    else:
+        scales = constant("w_scales", scales)
+        offsets = None if offsets is None else constant("w_offsets", offsets)
+    dq = ir.node("DequantizeLinear", [constant("w_q", q.astype(ml_dtypes.int4) if bits == 4 else q), scales],
                  attributes={"axis": 0, "block_size": 32})
     matmul = ir.node("MatMul", [x, dq.outputs[0]])
-    nodes, y = [dq, matmul], matmul.outputs[0]
+    nodes, y = nodes + [dq, matmul], matmul.outputs[0]
     if offsets is not None:
         blocks = ir.node("Reshape", [x, constant("shape", np.array([0, 0, -1, 32], np.int64))])
         sums = ir.node("ReduceSum", [blocks.outputs[0], constant("axis", np.array([-1], np.int64))],
                        attributes={"keepdims": 0})
-        offset = ir.node("MatMul", [sums.outputs[0], constant("w_offsets", offsets)])
+        offset = ir.node("MatMul", [sums.outputs[0], offsets])
         add = ir.node("Add", [y, offset.outputs[0]])
         nodes, y = nodes + [blocks, sums, offset, add], add.outputs[0]
     graph.extend(nodes)
@@ -169,26 +211,36 @@ def _linear_graph(path, q, scales, offsets, bits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False), (8, True), (4, "K"), (8, "K")])
 def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path, bits, offsets):
     """A linear layer in the engine's form, loaded with the kernel: one ``QMatMul`` node (the
-    offsets' block sums folded into it) giving the reference's values for ``[batch, rows, K]``
-    input, and the stock session (ONNX Runtime's ``MatMulNBits``) within int8 activations' error."""
-    rng = np.random.default_rng(bits + offsets)
-    q, scales, offs = _weight(rng, bits, offsets, 96, 40)
+    offsets' block sums folded into it; a K-quant's scales and offsets read as the integers they
+    are made of) giving the reference's values for ``[batch, rows, K]`` input, and the stock
+    session (ONNX Runtime's own kernels) within int8 activations' error."""
+    rng = np.random.default_rng(bits + len(str(offsets)))
+    k = 512 if offsets == "K" else 96
+    if offsets == "K":
+        q, kquant = _k_quant(rng, bits, k, 40)
+        scales, offs, written = kquant.scales(), kquant.offsets(), kquant
+    else:
+        q, scales, offs = _weight(rng, bits, offsets, k, 40)
+        written = scales
     path = tmp_path / "linear.onnx"
-    _linear_graph(path, q, scales, offs, bits)
-    x = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    _linear_graph(path, q, written, offs, bits)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
     session = lowered_session(path, ort.SessionOptions(), kernel=LIBRARY)
     y = session.run(None, {"x": x})[0]
-    reference = layout.reference(x.reshape(6, 96), q, scales, offs).reshape(2, 3, 40)
+    reference = layout.reference(x.reshape(6, k), q, scales, offs).reshape(2, 3, 40)
     np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
     stock = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.abs(y - stock).max() < 0.02 * np.abs(stock).max()
     model = ir.load(path)
     from plugins.qmatmul.ort_lowering import lower
     packed = lower(model, path.name)
-    assert [(n.domain, n.op_type) for n in model.graph] == [(DOMAIN, OP)] and len(packed) == 4
+    assert [(n.domain, n.op_type) for n in model.graph] == [(DOMAIN, OP)]
+    scaled_by = ["sub", "super"] if offsets == "K" else ["scales"] + ["offsets"] * bool(offsets)
+    assert {name.rsplit("_", 1)[1] for name, array in packed.items() if array.size} == {
+        "q", *scaled_by, *["sums"] * (bits == 8)}
 
 
 def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, tmp_path):
