@@ -10,8 +10,8 @@ With ``--weights int4|int8`` the module's linear weights are replaced by their d
 before it is traced (after the target's teacher-forced predictions on held-out text are taken, for
 the quality cost), and the written graph is rewritten to hold them quantized (``qdq.py``): the
 graph is then verified against a reference with exactly its weights. ``--weights gguf`` leaves the
-module as ``transformers`` loaded it (the GGUF file's de-quantized values; those of a type the
-engine rounds again, Q6_K, rounded first) and writes the file's own blocks into the graph
+module as ``transformers`` loaded it (the GGUF file's de-quantized values; Q6_K experts, which
+the engine rounds again, rounded first) and writes the file's own blocks into the graph
 (``gguf_blocks.py``).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from common import manifest as manifest_file
 from export import build_checks, qdq, quantize
-from export.gguf_blocks import ROUNDED, SUPPORTED, GgufBlocks, unsupported_matrices
+from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from export.onnx_check import VerificationError, check_model, compare_with_reference
 from export.onnx_export import (
     DTYPE_NAMES,
@@ -135,8 +135,8 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                 quantized[name] = len(linears) + 2 * len(stacks)
                 gguf = GgufBlocks(target_dir)
                 blocks_of = embeddings = gguf.lookup
-                if set(ROUNDED) & set(gguf.types):   # the module computes with what the engine will
-                    phase(f"{name}: round {' / '.join(sorted(set(ROUNDED) & set(gguf.types)))} blocks")
+                if gguf.rounds:   # the module computes with what the engine will
+                    phase(f"{name}: round Q6_K experts")
                     quantize.round_weights(module, gguf.engine_values)
             keep_float = quantize.float_weights(module)
             # a hybrid target keeps a recurrent-state slot per verify row: k + 1

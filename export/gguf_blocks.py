@@ -24,18 +24,19 @@ is written in that form:
   which the graph makes from the file's integers (``layout.KQuantScales``: 4.625 bits a Q4_K
   weight, where float32 scales and offsets made 6). These keep the file's values (to a rounding of
   the offset's last bit);
-- Q6_K: sixteen sub-blocks of 16 with a scale each, which no block of 32 holds: its values are
-  rounded again to int8 in blocks of 32 (``quantize.rtn``: a step of 1/127 of the block's largest
-  magnitude, where Q6_K's own is 1/32 of a sub-block's), the one format the engine does not
-  compute with exactly as the file does. The build gives the PyTorch module those values first
-  (``engine_values``), so that the graph is still verified against a reference with exactly its
-  weights.
+- Q6_K: sixteen sub-blocks of 16 with an int8 scale each under an fp16 one, ``d sc * q`` with q
+  -32..31: int8 values in blocks of 16 whose scales the graph makes from the file's integers too;
+  the kernel packs them as 6 bits (6.5625 bits a weight, the file's own).
 
 A MoE target's experts are 3-D tensors in the file (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` /
 ``ffn_down_exps``: each expert's matrix, one after another), whose rows are indexed as a 2-D
 tensor's are, so each expert's matrix is found the same way and kept as ``MoeExpertsInt4`` /
-``Int8``'s blocks (``qdq.py``). Those have no per-block offsets: Q4_1, Q5_1 and K-quant experts
-but Q6_K's are refused. The router (``ffn_gate_inp``) stays float, as llama.cpp keeps it.
+``Int8``'s blocks (``qdq.py``). Those take blocks of 32 and no offsets: Q4_1, Q5_1, Q4_K and Q5_K
+experts are refused, and Q6_K's rounded again to int8 in blocks of 32 (``quantize.rtn``: a step of
+1/127 of the block's largest magnitude, where Q6_K's own is 1/32 of a sub-block's), which the
+build gives the PyTorch module first (``engine_values``), so that the graph is still verified
+against a reference with exactly its weights. The router (``ffn_gate_inp``) stays float, as
+llama.cpp keeps it.
 """
 from __future__ import annotations
 
@@ -48,10 +49,9 @@ from export.quantize import Blocks, chunks, rtn
 from plugins.qmatmul.layout import KQuantScales
 
 BLOCK = 32
-EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")   # the file's values, re-blocked
-ROUNDED = ("Q6_K",)                                                  # rounded again to int8
-SUPPORTED = EXACT + ROUNDED
-EXPERTS_SUPPORTED = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")   # MoeExpertsInt{4,8}'s blocks have no offsets
+SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")   # the file's values
+# MoeExpertsInt{4,8}'s blocks: of 32, without offsets; Q6_K's rounded again (``rounded``)
+EXPERTS_SUPPORTED = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
 ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")   # kept float by the engine
 
 
@@ -72,9 +72,14 @@ def unsupported_matrices(path: Path) -> list[str]:
             and (t.name != "token_embd.weight" or tied) and not t.name.endswith(ROUTERS)]
 
 
+def rounded(tensor) -> bool:
+    """Whether the engine computes with a tensor's values rounded again: a Q6_K stack of experts."""
+    return tensor.tensor_type.name == "Q6_K" and len(tensor.shape) == 3
+
+
 class GgufBlocks:
     """The supported tensors of a GGUF file, indexed by their rows' de-quantized values (an
-    expert stack's rows expert after expert) and, for a ``ROUNDED`` type, by the values the engine
+    expert stack's rows expert after expert) and, for a ``rounded`` one, by the values the engine
     computes with as well."""
 
     def __init__(self, path: Path):
@@ -85,12 +90,13 @@ class GgufBlocks:
         tensors = GGUFReader(path).tensors
         self.tensors = [t for t in tensors if t.tensor_type.name in SUPPORTED]
         self.types = sorted({t.tensor_type.name for t in tensors})   # for messages
+        self.rounds = any(rounded(t) for t in self.tensors)   # the module is to be given engine_values
         self.rows: dict[bytes, tuple[int, int]] = {}   # row digest -> (tensor, row)
         for index, tensor in enumerate(self.tensors):
             raw = tensor.data.reshape(-1, tensor.data.shape[-1])
             for part in chunks(len(raw)):
                 values = dequantize(raw[part], tensor.tensor_type)
-                kept = (values, _rounded(values)) if tensor.tensor_type.name in ROUNDED else (values,)
+                kept = (values, _rounded(values)) if rounded(tensor) else (values,)
                 for rows in kept:
                     for row, value in enumerate(rows, part.start):
                         self.rows.setdefault(_digest(value), (index, row))
@@ -98,7 +104,7 @@ class GgufBlocks:
     def lookup(self, matrix: np.ndarray) -> Blocks | None:
         """The file's blocks of a float32 weight ``matrix [K, N]``, or None when some output row is
         not a row of a supported tensor (another tensor type, or values not the file's). A
-        ``ROUNDED`` type's rows must hold the values the engine computes with (``engine_values``)."""
+        ``rounded`` tensor's rows must hold the values the engine computes with (``engine_values``)."""
         found = self._rows(matrix)
         if found is None:
             return None
@@ -108,26 +114,27 @@ class GgufBlocks:
         return blocks
 
     def engine_values(self, matrix: np.ndarray) -> np.ndarray | None:
-        """What the engine computes with for ``matrix [K, N]`` where its rows are a ``ROUNDED``
-        type's (the file's values rounded again), else None: the build gives these values to the
+        """What the engine computes with for ``matrix [K, N]`` where its rows are a ``rounded``
+        tensor's (the file's values rounded again), else None: the build gives these values to the
         PyTorch module before tracing it."""
         found = self._rows(matrix)
-        return None if found is None or found[2] not in ROUNDED else self._decode(*found).values()
+        return None if found is None or not found[3] else self._decode(*found).values()
 
-    def _rows(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, str] | None:
-        """``(tensor, row, type)`` of each of ``matrix [K, N]``'s columns, all from tensors of one
-        type, or None."""
+    def _rows(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, str, bool] | None:
+        """``(tensor, row, type, rounded)`` of each of ``matrix [K, N]``'s columns, all from
+        tensors of one type, or None."""
         found = [self.rows.get(_digest(column)) for columns in chunks(matrix.shape[1])
                  for column in np.ascontiguousarray(matrix[:, columns].T)]
         if None in found:
             return None
         tensor, row = np.array(found).T
-        kinds = {self.tensors[index].tensor_type.name for index in np.unique(tensor)}
-        if len(kinds) > 1:   # rows from tensors of two types: not one of the file's layers
+        tensors = [self.tensors[index] for index in np.unique(tensor)]
+        kinds = {(t.tensor_type.name, rounded(t)) for t in tensors}
+        if len(kinds) > 1:   # rows from tensors of two kinds: not one of the file's layers
             return None
-        return tensor, row, kinds.pop()
+        return tensor, row, *kinds.pop()
 
-    def _decode(self, tensor: np.ndarray, row: np.ndarray, kind: str) -> Blocks:
+    def _decode(self, tensor: np.ndarray, row: np.ndarray, kind: str, rounds: bool) -> Blocks:
         """The blocks of the rows ``row`` of the tensors ``tensor``, as a weight ``[K, N]``."""
         parts: dict[str, np.ndarray] = {}   # decode's parts, [N, ...]
         for index in np.unique(tensor):
@@ -135,27 +142,28 @@ class GgufBlocks:
             raw = raw.reshape(-1, raw.shape[-1])
             chosen = np.flatnonzero(tensor == index)
             for columns in (chosen[part] for part in chunks(len(chosen))):
-                for name, part in decode(kind, raw[row[columns]]).items():
+                for name, part in decode(kind, raw[row[columns]], rounds).items():
                     parts.setdefault(name, np.empty((len(row), part.shape[1]), part.dtype))[columns] = part
         q, scales, offsets, *kquant = (np.ascontiguousarray(parts[name].T) if name in parts else None
                                        for name in ("q", "scales", "offsets", "sc", "m", "d", "dmin"))
-        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets,
-                      KQuantScales(*kquant, middle=MIDDLE[kind]) if kind in MIDDLE else None)
+        kquant = KQuantScales(*kquant, middle=MIDDLE[kind]) if kind in MIDDLE and not rounds else None
+        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets, kquant)
 
 
 FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
-MIDDLE = {"Q4_K": 8, "Q5_K": 16}   # a K-quant's shift to signed values
-# bytes per block of each exact type, and its values per block
+MIDDLE = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32}   # a K-quant's shift to signed values
+# bytes per block of each type, and its values per block
 LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
-           "Q4_K": (144, 256), "Q5_K": (176, 256)}
+           "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
-def decode(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
+def decode(kind: str, raw: np.ndarray, rounds: bool = False) -> dict[str, np.ndarray]:
     """Rows of a tensor's raw blocks (``[rows, bytes]``, uint8) -> ``q`` (int8 ``[rows, K]``),
-    ``scales`` and, where the format has them, ``offsets`` (``[rows, K / 32]``), with
-    ``scales * q + offsets`` the values, in blocks of 32; a K-quant's the integers and fp16 they
-    are made from as well (``KQuantScales``' ``sc``, ``m``, ``d``, ``dmin``, each row's)."""
-    if kind in ROUNDED:
+    ``scales`` and, where the format has them, ``offsets`` (``[rows, K / 32]``; Q6_K's scales
+    ``[rows, K / 16]``), with ``scales * q + offsets`` the values; a K-quant's the integers and
+    fp16 they are made from as well (``KQuantScales``' ``sc``, ``m``, ``d``, ``dmin``, each
+    row's). ``rounds``: Q6_K's values rounded again to int8 blocks of 32 (``rounded``)."""
+    if rounds:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -167,6 +175,17 @@ def decode(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
     d = _half(b, 0)
     if kind == "Q8_0":
         return {"q": np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1), "scales": d}
+    if kind == "Q6_K":   # 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
+        # chunk n of 128 values: value 32 s + l is nibble s // 2 of byte l + 32 (s % 2) of the
+        # chunk's 64, and bits 2s, 2s + 1 of its byte l of 32
+        low = b[..., :128].reshape(rows, -1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(2, 1, 1)
+        high = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (low & 0x0F).reshape(rows, -1, 2, 4, 32) | ((high & 3) << 4)
+        d = _half(b, 208)
+        scales = KQuantScales(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(rows, -1).T, None,
+                              d.T, None, MIDDLE[kind])
+        return {"q": (q.astype(np.int16) - scales.middle).astype(np.int8).reshape(rows, -1),
+                "scales": scales.scales().T, "sc": scales.sc.T, "d": scales.d.T}
     if kind in ("Q4_0", "Q4_1"):
         q = {"q": (_nibbles(b[..., size - 16:]) - 8).reshape(rows, -1), "scales": d}
         return q if kind == "Q4_0" else q | {"offsets": _half(b, 2) + 8 * d}

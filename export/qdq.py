@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import Blocks
-from plugins.qmatmul.layout import SUPER, KQuantScales
+from plugins.qmatmul.layout import KQuantScales
 from plugins.qmatmul.ort_lowering import linear_weight
 
 
@@ -179,19 +179,23 @@ class _Rewrite:
 
 def _kquant_scales(graph, stem: str, kquant: KQuantScales, new_nodes: list) -> tuple:
     """A K-quant's scales and offsets as the graph's values, made from the file's integers:
-    ``scales = DequantizeLinear(sc, d)`` and ``offsets = middle * scales - DequantizeLinear(m, dmin)``
-    (blocks of 8 along the input axis), each product exact in float32, so the same values as
-    constant tables of them (``KQuantScales``), which ``plugins/qmatmul/ort_lowering.py`` finds."""
+    ``scales = DequantizeLinear(sc, d)`` and (Q4_K / Q5_K) ``offsets = middle * scales -
+    DequantizeLinear(m, dmin)``, in blocks of a super-block's sub-blocks along the input axis, each
+    product exact in float32, so the same values as constant tables of them (``KQuantScales``),
+    which ``plugins/qmatmul/ort_lowering.py`` finds."""
     import onnx_ir as ir
 
     def dequantize(integers: str, scale: str, values: np.ndarray, per_super: np.ndarray):
         node = ir.node("DequantizeLinear", [_initializer(graph, f"{stem}_{integers}", values),
                                             _initializer(graph, f"{stem}_{scale}", per_super)],
-                       attributes={"axis": 0, "block_size": SUPER}, name=f"{stem}_{integers}_dequantize")
+                       attributes={"axis": 0, "block_size": len(values) // len(per_super)},
+                       name=f"{stem}_{integers}_dequantize")
         new_nodes.append(node)
         return node.outputs[0]
 
     scales = dequantize("sc", "d", kquant.sc, kquant.d)
+    if kquant.m is None:   # Q6_K
+        return scales, None
     middle = _initializer(graph, f"{stem}_middle", np.array(kquant.middle, np.float32))
     shifted = ir.node("Mul", [scales, middle], name=f"{stem}_middle_scales")
     offsets = ir.node("Sub", [shifted.outputs[0], dequantize("m", "dmin", kquant.m, kquant.dmin)],

@@ -110,7 +110,7 @@ def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.
     """Overwrite, in place, each weight the graph may hold as blocks (``quantizable``'s matrices,
     unless not ``matrices``, and the token embeddings) for which ``values_of(weight [K, N])`` gives
     values, and return how many: a GGUF file's weights where the engine rounds them again
-    (``gguf_blocks.ROUNDED``), or the embeddings' int8 rows (``EMBEDDING_BITS``), so that the
+    (``gguf_blocks.rounded``), or the embeddings' int8 rows (``EMBEDDING_BITS``), so that the
     reference verifying the graph computes with the graph's weights. In place, so that a tied
     ``lm_head`` stays the embedding."""
     linears, stacks = quantizable(module) if matrices else ([], [])

@@ -25,7 +25,8 @@ using namespace dspark_ort;
 // ---- QMatMul: x float [..., K]; the weight in the kernel's layout (qmatmul/layout.py): q uint8
 // [tiles, K / 32, bits * 64], scales float [tiles, K / 32, 16] (empty for a K-quant), offsets
 // float (same, or empty), sums int32 (same for 8 bits, or empty), a K-quant's sub uint8
-// [tiles, K / 32, 32] and super fp16 [tiles, K / 256, 32] (else empty). Attributes `columns`: N;
+// [tiles, K / 32, 32] and super fp16 [tiles, K / 256, 32] (Q6_K, 6 bits: [tiles, K / 256, 16]),
+// else empty. Attributes `columns`: N;
 // `middle`: a K-quant's shift of its values. Output: float [..., N].
 
 struct Product {   // QMatMul, FMatMul and HMatMul: the output's columns (and QMatMul's middle)
@@ -61,11 +62,12 @@ OrtStatus* qmatmul(void* state, OrtKernelContext* context) {
         return error("QMatMul", "expected x [..., K], q [tiles, K / 32, bytes] and scales [tiles, K / 32, 16] "
                                 "(or a K-quant's sub [tiles, K / 32, 32])");
     const int64_t K = x.dims.back(), bits = q.dims[2] / 64;
-    if (q.dims[1] * 32 != K || (bits != 4 && bits != 8) || q.dims[0] * 16 < columns)
+    if (q.dims[1] * 32 != K || (bits != 4 && bits != 6 && bits != 8) || (bits == 6 && !sub.size()) ||
+        q.dims[0] * 16 < columns)
         return error("QMatMul", "x's K = " + std::to_string(K) + " does not match the weight's blocks (" +
                      std::to_string(q.dims[1]) + " of 32, " + std::to_string(q.dims[2]) + " bytes)");
     if (sub.size() && (K % 256 || sub.size() != q.dims[0] * q.dims[1] * 32 ||
-                       super.size() != q.dims[0] * (K / 256) * 32))
+                       super.size() != q.dims[0] * (K / 256) * (bits == 6 ? 16 : 32)))
         return error("QMatMul", "a K-quant's sub and super do not match its " + std::to_string(q.dims[0]) +
                      " tiles of " + std::to_string(K) + " k");
     std::vector<int64_t> out_dims = x.dims;

@@ -29,6 +29,7 @@
 namespace {
 
 constexpr int BLOCK = 32;
+constexpr int HALF = 16;       // a Q6_K sub-block: half a block, with a scale of its own
 constexpr int TILE = 16;       // columns per interleaved tile
 // Blocks ahead whose weights are asked for while a block is computed (the next tile's once past
 // this one's: tiles lie one after the other), so that memory streams them in while the rows are
@@ -41,7 +42,7 @@ inline void prefetch(const void* p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
-void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum, float* sum) {
+void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum, int32_t* halves, float* sum) {
     for (int b = 0; b < K / BLOCK; ++b) {
         const float* xb = x + b * BLOCK;
         float amax = 0.f, s = 0.f;
@@ -51,14 +52,16 @@ void quantize_row(const float* x, int K, int8_t* q, float* scale, int32_t* qsum,
         }
         const float d = amax / 127.f;
         const float inv = d != 0.f ? 1.f / d : 0.f;
-        int32_t total = 0;
+        int32_t half[2] = {0, 0};
         for (int i = 0; i < BLOCK; ++i) {
             const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
             q[b * BLOCK + i] = static_cast<int8_t>(v);
-            total += v;
+            half[i / HALF] += v;
         }
         scale[b] = d;
-        qsum[b] = total;
+        qsum[b] = half[0] + half[1];
+        halves[2 * b] = half[0];
+        halves[2 * b + 1] = half[1];
         sum[b] = s;
     }
 }
@@ -91,6 +94,23 @@ inline Block8 load8(const uint8_t* w, const int32_t* wsum) {
     return b;
 }
 
+// 6 bits (Q6_K): Block4's nibbles, each given its fifth and sixth bits from groups 4 and 5
+// (layout.py): q + 32, unsigned.
+struct Block6 { __m512i v[8]; };
+inline Block6 load6(const uint8_t* w, const int32_t*) {
+    const Block4 low = load4(w, nullptr);
+    const __m512i two = _mm512_set1_epi8(0x30);
+    Block6 b;
+    for (int h = 0; h < 2; ++h) {
+        const __m512i high = _mm512_loadu_si512(w + 256 + 64 * h);
+        const __m512i bits[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
+                                 _mm512_srli_epi16(high, 2)};
+        for (int c = 0; c < 4; ++c)
+            b.v[4 * h + c] = _mm512_or_si512(low.v[4 * h + c], _mm512_and_si512(bits[c], two));
+    }
+    return b;
+}
+
 // Four partial sums, so that the vpdpbusd of a block do not wait on each other (integer sums:
 // their order changes nothing).
 inline Ints sum4(const __m512i acc[4]) {
@@ -107,6 +127,24 @@ inline Ints dot(const Block4& b, const int8_t* xb, int32_t qsum) {
     }
     // sum((q + 8) * x) - 8 * sum(x) = sum(q * x)
     return _mm512_sub_epi32(sum4(acc), _mm512_set1_epi32(8 * qsum));
+}
+
+// Q6_K: each half's sum((q + 32) * x) - 32 * sum(x) = sum(q * x), times the half's scale.
+inline Ints dot(const Block6& b, const int8_t* xb, const int32_t halves[2], Ints first, Ints second) {
+    __m512i acc[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
+                         {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+    for (int g = 0; g < 8; ++g) {
+        int32_t a;
+        std::memcpy(&a, xb + 4 * g, 4);
+        acc[g / 4][g % 2] = _mm512_dpbusd_epi32(acc[g / 4][g % 2], b.v[g], _mm512_set1_epi32(a));
+    }
+    const __m512i one = _mm512_sub_epi32(_mm512_add_epi32(acc[0][0], acc[0][1]), _mm512_set1_epi32(32 * halves[0]));
+    const __m512i two = _mm512_sub_epi32(_mm512_add_epi32(acc[1][0], acc[1][1]), _mm512_set1_epi32(32 * halves[1]));
+    return _mm512_add_epi32(_mm512_mullo_epi32(one, first), _mm512_mullo_epi32(two, second));
+}
+
+inline Ints load_ints(const int8_t* p) {   // 16 signed bytes
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline Ints dot(const Block8& b, const int8_t* xb, int32_t) {
@@ -166,6 +204,26 @@ inline Block4 load4(const uint8_t* w, const int32_t*) {
 }
 inline Block8 load8(const uint8_t* w, const int32_t*) { return {w}; }
 
+// 6 bits (Q6_K): Block4's nibbles in L1, each given its fifth and sixth bits from groups 4 and 5
+// (layout.py): q + 32, unsigned.
+struct Block6 : Block4 {};
+inline Block6 load6(const uint8_t* w, const int32_t*) {
+    Block6 b;
+    static_cast<Block4&>(b) = load4(w, nullptr);
+    const __m256i two = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h)          // the block's first or second 16 k: low or high nibbles
+        for (int half = 0; half < 2; ++half) {   // the tile's columns 0-7 or 8-15
+            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256 + 64 * h + 32 * half));
+            const __m256i bits[4] = {_mm256_slli_epi16(high, 4), _mm256_slli_epi16(high, 2), high,
+                                     _mm256_srli_epi16(high, 2)};
+            for (int c = 0; c < 4; ++c) {
+                auto* v = reinterpret_cast<__m256i*>(b.nibbles[c][half][h]);
+                _mm256_store_si256(v, _mm256_or_si256(_mm256_load_si256(v), _mm256_and_si256(bits[c], two)));
+            }
+        }
+    return b;
+}
+
 inline Ints dot(const Block4& block, const int8_t* xb, int32_t qsum) {
     // (q + 8) <= 15 and |x| <= 127: a pair's sum is at most 3810, and the block's 8 pairs a lane
     // at most 30480, so they are summed in int16 and widened once (what llama.cpp's Q4 dot does)
@@ -185,6 +243,35 @@ inline Ints dot(const Block4& block, const int8_t* xb, int32_t qsum) {
     const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi32(8 * qsum);
     return {_mm256_sub_epi32(_mm256_madd_epi16(pairs[0], ones), bias),
             _mm256_sub_epi32(_mm256_madd_epi16(pairs[1], ones), bias)};
+}
+
+// Q6_K: each half's sum((q + 32) * x) - 32 * sum(x) = sum(q * x), times the half's scale. A
+// pair's sum is at most 2 * 63 * 127 = 16002, so each maddubs is widened at once.
+inline Ints dot(const Block6& block, const int8_t* xb, const int32_t halves[2], Ints first, Ints second) {
+    __m256i acc[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                         {_mm256_setzero_si256(), _mm256_setzero_si256()}};   // [k half][columns]
+    for (int g = 0; g < 4; ++g) {
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * g, 4);
+        std::memcpy(&c, xb + 16 + 4 * g, 4);
+        const __m256i x[2] = {_mm256_set1_epi32(a), _mm256_set1_epi32(c)};
+        for (int h = 0; h < 2; ++h)
+            for (int half = 0; half < 2; ++half) {
+                const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(block.nibbles[g][half][h]));
+                acc[h][half] = _mm256_add_epi32(acc[h][half], dot_u8s8(q, x[h]));
+            }
+    }
+    const __m256i bias[2] = {_mm256_set1_epi32(32 * halves[0]), _mm256_set1_epi32(32 * halves[1])};
+    const auto scaled = [&](int half, __m256i s0, __m256i s1) {
+        return _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(acc[0][half], bias[0]), s0),
+                                _mm256_mullo_epi32(_mm256_sub_epi32(acc[1][half], bias[1]), s1));
+    };
+    return {scaled(0, first.lo, second.lo), scaled(1, first.hi, second.hi)};
+}
+
+inline Ints load_ints(const int8_t* p) {   // 16 signed bytes
+    return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 
 inline Ints dot(const Block8& block, const int8_t* xb, int32_t) {
@@ -231,12 +318,13 @@ inline Floats load_floats(const uint8_t* p) {    // 16 unsigned bytes
 #endif
 
 // x's rows quantized, in the scratch: int8 values, and per block the scale, the sum of the int8
-// values and the sum of the float ones.
+// values (and of each half's) and the sum of the float ones.
 struct XRows {
-    int8_t* q;       // [M, K]
-    float* scale;    // [M, K / 32]
-    int32_t* qsum;   // [M, K / 32]
-    float* sum;      // [M, K / 32]
+    int8_t* q;         // [M, K]
+    float* scale;      // [M, K / 32]
+    int32_t* qsum;     // [M, K / 32]
+    float* sum;        // [M, K / 32]
+    int32_t* halves;   // [M, K / 16]
 };
 
 XRows x_rows(void* scratch, int64_t M, int64_t K) {
@@ -244,7 +332,8 @@ XRows x_rows(void* scratch, int64_t M, int64_t K) {
     const int64_t blocks = K / BLOCK;
     return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + M * K),
             reinterpret_cast<int32_t*>(base + M * K + 4 * M * blocks),
-            reinterpret_cast<float*>(base + M * K + 8 * M * blocks)};
+            reinterpret_cast<float*>(base + M * K + 8 * M * blocks),
+            reinterpret_cast<int32_t*>(base + M * K + 12 * M * blocks)};
 }
 
 // Rows sharing one unpacked tile block in registers: as many as the registers hold beside the
@@ -257,29 +346,44 @@ constexpr int ROW_GROUP = 8;
 constexpr int ROW_GROUP = 4;
 #endif
 
-// How a weight's blocks are scaled: a float32 scale each, plus a float32 offset each, or a
-// K-quant's integers (kernel.h).
-enum class Scales { PLAIN, OFFSETS, KQUANT };
+// How a weight's blocks are scaled: a float32 scale each, plus a float32 offset each, a K-quant's
+// integers (kernel.h), or Q6_K's int8 scale per half block under an fp16 one per super-block.
+enum class Scales { PLAIN, OFFSETS, KQUANT, HALVES };
 constexpr int SUPER = 8;   // a K-quant's blocks per super-block
 
 // ROWS rows (a template argument, so that their accumulators stay in registers) of one tile.
 template <int ROWS, typename Block, Block (*load)(const uint8_t*, const int32_t*), Scales S>
 void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int64_t t) {
-    constexpr bool KQUANT = S == Scales::KQUANT, OFFSETS = S != Scales::PLAIN;
+    constexpr bool KQUANT = S == Scales::KQUANT, HALVES = S == Scales::HALVES,
+                   OFFSETS = S == Scales::OFFSETS || KQUANT;
     const int64_t K = w.K, N = w.N, blocks = K / BLOCK, block_bytes = w.bits * 64;
     const uint8_t* wq = w.q + t * blocks * block_bytes;
-    const float* ws = KQUANT ? nullptr : w.scales + t * blocks * TILE;
+    const float* ws = KQUANT || HALVES ? nullptr : w.scales + t * blocks * TILE;
     const float* wo = S == Scales::OFFSETS ? w.offsets + t * blocks * TILE : nullptr;
-    const uint8_t* sub_ints = KQUANT ? w.sub + t * blocks * 2 * TILE : nullptr;
-    const uint16_t* super_scales = KQUANT ? w.super + t * (blocks / SUPER) * 2 * TILE : nullptr;
+    const uint8_t* sub_ints = KQUANT || HALVES ? w.sub + t * blocks * 2 * TILE : nullptr;
+    // per super-block: a K-quant's d and dmin, Q6_K's d
+    const int64_t per_super = KQUANT ? 2 * TILE : TILE;
+    const uint16_t* super_scales = KQUANT || HALVES ? w.super + t * (blocks / SUPER) * per_super : nullptr;
     const int32_t* wsum = w.wsums ? w.wsums + t * blocks * TILE : nullptr;
     Floats acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = zero_floats();
     Floats d = zero_floats(), dmin = zero_floats();
+    Ints first{}, second{};   // Q6_K: the block's halves' scales
     for (int64_t b = 0; b < blocks; ++b) {
         prefetch(wq + (b + AHEAD) * block_bytes, block_bytes);
         Floats dw, off = zero_floats();
-        if constexpr (KQUANT) {
+        if constexpr (HALVES) {
+            const int8_t* halves = reinterpret_cast<const int8_t*>(sub_ints) + b * 2 * TILE;
+            prefetch(halves + AHEAD * 2 * TILE, 2 * TILE);
+            if (b % SUPER == 0) {
+                const uint16_t* s = super_scales + (b / SUPER) * TILE;
+                prefetch(s + (AHEAD / SUPER) * TILE, TILE * sizeof(uint16_t));
+                d = load_floats(s);
+            }
+            dw = d;
+            first = load_ints(halves);
+            second = load_ints(halves + TILE);
+        } else if constexpr (KQUANT) {
             prefetch(sub_ints + (b + AHEAD) * 2 * TILE, 2 * TILE);
             if (b % SUPER == 0) {
                 const uint16_t* s = super_scales + (b / SUPER) * 2 * TILE;
@@ -300,7 +404,9 @@ void row_group(const DsparkQWeight& w, const XRows& x, int64_t m0, float* y, int
         const Block block = load(wq + b * block_bytes, wsum ? wsum + b * TILE : nullptr);
         for (int r = 0; r < ROWS; ++r) {
             const int64_t m = m0 + r, mb = m * blocks + b;
-            const Ints dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
+            Ints dots;
+            if constexpr (HALVES) dots = dot(block, x.q + m * K + b * BLOCK, x.halves + 2 * mb, first, second);
+            else dots = dot(block, x.q + m * K + b * BLOCK, x.qsum[mb]);
             acc[r] = fma(to_floats(dots), mul(dw, broadcast(x.scale[mb])), acc[r]);
             if constexpr (OFFSETS) acc[r] = fma(off, broadcast(x.sum[mb]), acc[r]);
         }
@@ -430,7 +536,7 @@ void dspark_float_to_half(const float* f, int64_t n, uint16_t* h) {
 
 
 int64_t dspark_qmatmul_scratch(int64_t M, int64_t K) {
-    return M * K + 3 * M * (K / BLOCK) * 4;
+    return M * K + 5 * M * (K / BLOCK) * 4;
 }
 
 void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
@@ -438,14 +544,17 @@ void dspark_qmatmul_quantize(const float* x, int64_t M, int64_t K, void* scratch
     const int64_t blocks = K / BLOCK;
     for (int64_t m = 0; m < M; ++m)
         quantize_row(x + m * K, int(K), q.q + m * K, q.scale + m * blocks, q.qsum + m * blocks,
-                     q.sum + m * blocks);
+                     q.halves + 2 * m * blocks, q.sum + m * blocks);
 }
 
 void dspark_qmatmul_tiles(const DsparkQWeight* w, const void* scratch, int64_t M, float* y,
                           int64_t first, int64_t last) {
     const XRows x = x_rows(const_cast<void*>(scratch), M, w->K);
-    for (int64_t t = first; t < last; ++t)
-        w->bits == 4 ? tile<Block4, load4>(*w, x, M, y, t) : tile<Block8, load8>(*w, x, M, y, t);
+    for (int64_t t = first; t < last; ++t) {
+        if (w->bits == 6) tile<Block6, load6, Scales::HALVES>(*w, x, M, y, t);
+        else if (w->bits == 4) tile<Block4, load4>(*w, x, M, y, t);
+        else tile<Block8, load8>(*w, x, M, y, t);
+    }
 }
 
 }  // extern "C"

@@ -10,20 +10,22 @@ extern "C" {
 
 // A weight in the kernel's layout (layout.py): for each tile of 16 columns and each block of 32 k,
 // `bits` * 64 bytes of integers; per tile and block, 16 scales, 16 offsets (or none) and, for
-// 8 bits, 16 integer column sums. A K-quant weight (GGUF Q4_K / Q5_K) has no float scales or
+// 8 bits, 16 integer column sums (6 bits: Q6_K, below). A K-quant weight (GGUF Q4_K / Q5_K) has no float scales or
 // offsets: its blocks' are made as the file holds them, from 6-bit integers per block and two
 // fp16 per super-block of 8 blocks: scale d * sc, offset middle * (d * sc) - dmin * m (each product
 // exact in float32, so the same bits as the float32 tables they replace, in under a third of
 // their bytes).
 struct DsparkQWeight {
-    int32_t bits;           // 4 or 8
+    int32_t bits;           // 4, 8, or 6 (Q6_K: `sub` holds each half block's int8 scale, `super` d)
     int32_t K, N;           // N: the real columns (the last tile is padded with zero weights)
     const uint8_t* q;       // [tiles, K / 32, bits * 64]
     const float* scales;    // [tiles, K / 32, 16], or null for a K-quant
     const float* offsets;   // [tiles, K / 32, 16] or null
     const int32_t* wsums;   // [tiles, K / 32, 16] for 8 bits, else null
-    const uint8_t* sub;     // K-quant: [tiles, K / 32, 32], each block's 16 sc then 16 m; else null
+    const uint8_t* sub;     // K-quant: [tiles, K / 32, 32], each block's 16 sc then 16 m (Q6_K: int8
+                            // sc of its first 16 k, then of its second); else null
     const uint16_t* super;  // K-quant: fp16 [tiles, K / 256, 32], each super-block's 16 d then 16 dmin
+                            // (Q6_K: [tiles, K / 256, 16], d)
     float middle;           // K-quant: the integer the stored values were shifted by (8, Q5_K 16)
 };
 

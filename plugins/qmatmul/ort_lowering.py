@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import SUPER, KQuantScales, pack, pack_float, supported
+from .layout import BLOCK, SUPER, KQuantScales, pack, pack_float, supported
 
 DOMAIN, OP = "dspark.cpu", "QMatMul"
 BITS = {"INT4": 4, "INT8": 8}
@@ -41,6 +41,10 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
         made = _scales(scales, offsets)
         if made is None or not supported(weights, block, bits):
             continue
+        if block != BLOCK:   # Q6_K's half blocks: packed as 6 bits, with the file's scales only
+            if not isinstance(made[0], KQuantScales) or made[0].m is not None:
+                continue
+            bits = 6
         packed = pack(weights, made[0], bits, made[1])
         stem = q.name.removesuffix("_q")
         arrays = {f"{stem}_qmatmul_{part}": getattr(packed, part)
@@ -174,11 +178,16 @@ def _scales(scales, offsets) -> tuple[np.ndarray | KQuantScales, np.ndarray | No
     if plain is not None and (offsets is None or offset_table is not None):
         return plain, offset_table
     made = _dequantized_integers(scales)
+    if made is not None and offsets is None and made[0].dtype == np.int8 and made[2] == 2 * SUPER:
+        return KQuantScales(made[0], None, made[1], None, 32), None   # Q6_K
+    if made is None or made[2] != SUPER:
+        return None
     difference = None if offsets is None else offsets.producer()
     if made is None or difference is None or difference.op_type != "Sub":
         return None
     shifted, mins = difference.inputs[0].producer(), _dequantized_integers(difference.inputs[1])
-    if shifted is None or shifted.op_type != "Mul" or list(shifted.inputs)[:1] != [scales] or mins is None:
+    if (shifted is None or shifted.op_type != "Mul" or list(shifted.inputs)[:1] != [scales] or mins is None
+            or mins[2] != SUPER):
         return None
     middle = _constant(shifted.inputs[1], "FLOAT", 0)
     if middle is None or float(middle) != int(middle):
@@ -186,19 +195,20 @@ def _scales(scales, offsets) -> tuple[np.ndarray | KQuantScales, np.ndarray | No
     return KQuantScales(made[0], mins[0], made[1], mins[1], int(middle)), None
 
 
-def _dequantized_integers(value) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(integers, scales)`` where ``value`` is a ``DequantizeLinear`` of uint8 constants by float32
-    ones in blocks of ``SUPER`` along axis 0 (a K-quant's scales or minimums), else None."""
+def _dequantized_integers(value) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """``(integers, scales, block)`` where ``value`` is a ``DequantizeLinear`` of uint8 or int8
+    constants by float32 ones in blocks along axis 0 (a K-quant's scales or minimums), else None."""
     node = None if value is None else value.producer()
     if node is None or node.op_type != "DequantizeLinear" or (len(node.inputs) > 2
                                                               and node.inputs[2] is not None):
         return None
     attributes = {name: attr.value for name, attr in node.attributes.items()}
-    integers, scales = _constant(node.inputs[0], "UINT8", 2), _constant(node.inputs[1], "FLOAT", 2)
-    if integers is None or scales is None or attributes.get("axis", 1) != 0 \
-            or attributes.get("block_size") != SUPER:
+    integers = _constant(node.inputs[0], "UINT8", 2)
+    integers = _constant(node.inputs[0], "INT8", 2) if integers is None else integers
+    scales = _constant(node.inputs[1], "FLOAT", 2)
+    if integers is None or scales is None or attributes.get("axis", 1) != 0 or "block_size" not in attributes:
         return None
-    return integers, scales
+    return integers, scales, attributes["block_size"]
 
 
 def _offsets(node):

@@ -1,5 +1,5 @@
 """``build --weights gguf``: a GGUF file's own blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K
-as they are, Q6_K rounded again to int8), found by a weight's values and written as
+/ Q6_K as they are, Q6_K experts rounded again to int8), found by a weight's values and written as
 ``DequantizeLinear -> MatMul`` (plus Q4_1's per-block offsets), which ONNX Runtime
 runs as ``MatMulNBits`` computing with exactly the file's weights; a row's result does not depend on
 how many rows share the call. The demo build with these weights: ``tests/graphs/test_gguf.py``."""
@@ -55,6 +55,10 @@ def gguf_file(tmp_path_factory):
         raw = raw_blocks(rng, kind, N, K)
         writer.add_tensor(kind, raw, raw_dtype=qtype)
         weights[kind] = np.ascontiguousarray(dequantize(raw, qtype).T)
+    qtype = gguf.GGMLQuantizationType.Q6_K   # a stack of 3 experts' [N, K] weights
+    raw = raw_blocks(rng, "Q6_K", 3 * N, K)
+    writer.add_tensor("Q6_K_experts", raw.reshape(3, N, -1), raw_dtype=qtype)
+    weights["Q6_K_experts"] = np.ascontiguousarray(dequantize(raw, qtype).reshape(3, N, K).transpose(0, 2, 1))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -62,10 +66,11 @@ def gguf_file(tmp_path_factory):
     return path, weights
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
-    """Each exact type's blocks give the file's values (those with offsets to the last bit of the
-    offset's rounding), in blocks of 32 of int4 (Q4_*) or int8 that the kernel takes."""
+    """Each type's blocks give the file's values (those with offsets to the last bit of the
+    offset's rounding), in blocks of 32 of int4 (Q4_*) or int8 (Q6_K: of 16) that the kernel
+    takes, a K-quant's with the integers its scales are made of."""
     from export.gguf_blocks import GgufBlocks
     from plugins.qmatmul.layout import supported
 
@@ -74,7 +79,9 @@ def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
     order = np.random.default_rng(1).permutation(N)   # transformers permutes q / k projections' rows
     for matrix in (weights[kind], np.ascontiguousarray(weights[kind][:, order])):
         found = blocks.lookup(matrix)
-        assert found.bits == (4 if kind.startswith("Q4") else 8) and found.block == 32
+        assert found.bits == (4 if kind.startswith("Q4") else 8)
+        assert found.block == (16 if kind == "Q6_K" else 32)
+        assert (found.kquant is not None) == kind.endswith("_K")
         assert (found.offsets is not None) == (kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
         assert supported(found.q, found.block, found.bits)
         assert -2 ** (found.bits - 1) <= found.q.min() and found.q.max() < 2 ** (found.bits - 1)
@@ -85,7 +92,7 @@ def test_a_weight_is_found_by_its_values_in_any_row_order(gguf_file, kind):
         assert blocks.engine_values(matrix) is None   # the module keeps the file's values
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q6_K_experts"])
 def test_a_weight_read_in_chunks_gives_the_same_blocks(gguf_file, monkeypatch, kind):
     """The file is indexed, and a weight looked up, some rows at a time (a vocabulary-sized
     weight's temporaries stay small): chunks that split the rows give the same blocks."""
@@ -93,25 +100,30 @@ def test_a_weight_read_in_chunks_gives_the_same_blocks(gguf_file, monkeypatch, k
 
     path, weights = gguf_file
     whole = gguf_blocks.GgufBlocks(path)
-    matrix = whole.engine_values(weights[kind]) if kind == "Q6_K" else weights[kind]
+    matrix = weights[kind][1] if kind == "Q6_K_experts" else weights[kind]
+    matrix = whole.engine_values(matrix) if kind == "Q6_K_experts" else matrix
     expected = whole.lookup(matrix)
     monkeypatch.setattr(quantize, "COLUMNS", 7)
     chunked = gguf_blocks.GgufBlocks(path)
-    if kind == "Q6_K":
-        assert np.array_equal(chunked.engine_values(weights[kind]), matrix)
+    if kind == "Q6_K_experts":
+        assert np.array_equal(chunked.engine_values(weights[kind][1]), matrix)
     found = chunked.lookup(matrix)
     for part in ("q", "scales", "offsets"):
         assert np.array_equal(getattr(found, part), getattr(expected, part)), part
+    if kind != "Q6_K_experts":
+        assert np.array_equal(found.kquant.sc, expected.kquant.sc)
 
 
-def test_a_q6_k_weight_is_rounded_again_to_int8_blocks_of_32(gguf_file):
-    """Q6_K's sub-blocks of 16 fit no block of 32: the engine computes with its values rounded to
-    int8 (within half a step, 1/254 of a block's largest magnitude), which ``engine_values`` gives
-    the module first; those values are then found, and their blocks give them exactly."""
+def test_q6_k_experts_are_rounded_again_to_int8_blocks_of_32(gguf_file):
+    """An expert's Q6_K sub-blocks of 16 fit no block of 32 of ``MoeExpertsInt8``: the engine
+    computes with its values rounded to int8 (within half a step, 1/254 of a block's largest
+    magnitude), which ``engine_values`` gives the module first; those values are then found, and
+    their blocks give them exactly. A 2-D Q6_K weight keeps the file's values."""
     from export.gguf_blocks import GgufBlocks
 
     path, weights = gguf_file
-    blocks, matrix = GgufBlocks(path), weights["Q6_K"]
+    blocks, matrix = GgufBlocks(path), weights["Q6_K_experts"][2]
+    assert blocks.engine_values(weights["Q6_K"]) is None
     rounded = blocks.engine_values(matrix)
     largest = np.repeat(np.abs(matrix).reshape(K // 32, 32, N).max(axis=1), 32, axis=0)
     assert 0 < np.abs(rounded - matrix).max() and np.all(np.abs(rounded - matrix) <= largest / 254 * 1.0001)
@@ -328,8 +340,8 @@ def _k_quant_pair(directory, kinds: dict[str, str]):
 def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     """A target as llama-quantize's Q4_K_M writes one (Q4_K matrices, Q6_K for the tied embedding /
     output, v and down projections; Q5_K in place of some) builds with ``--weights gguf`` by
-    default: verified against the file's model with its Q6_K rows rounded as the engine holds them,
-    every matrix int4 / int8 blocks, and speculative output equal to target-only output."""
+    default: verified against the file's own model, every matrix int4 / int8 blocks with the file's
+    integer scales, and speculative output equal to target-only output."""
     import json
 
     from export import __main__ as cli
@@ -350,9 +362,11 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     floats = [name for name, t in types.items() if t == TensorProto.FLOAT and name.endswith("proj.weight")]
     assert not floats
     assert TensorProto.INT4 in types.values() and TensorProto.INT8 in types.values()
-    # the K-quant layers' scales and offsets are the file's integers, not float32 tables: per
-    # layer q, k (Q6_K's v fuses with neither), the output and the fused gate / up
+    # every layer's scales and offsets are the file's integers, not float32 tables: per layer q, k
+    # (Q6_K's v fuses with neither), v, the output, the fused gate / up and the down projection,
+    # and the lm_head (the tied Q6_K embedding); Q4_K's and Q5_K's uint8, Q6_K's int8
     kquant = [name for name in types if name.endswith("_sc")]
-    assert len(kquant) == 4 * 3 and all(types[name] == TensorProto.UINT8 for name in kquant)
+    assert len(kquant) == 6 * 3 + 1
+    assert sorted(types[name] for name in kquant) == [TensorProto.UINT8] * 12 + [TensorProto.INT8] * 7
     assert not [name for name in types if name.endswith("_offsets")]
     check_speculative_equals_target_only(engine)

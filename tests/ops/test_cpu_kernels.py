@@ -126,6 +126,38 @@ def test_a_k_quant_computes_the_bits_of_its_float_scales_and_offsets(bits, k, n)
     assert size(compact) < (0.8 if bits == 4 else 0.9) * size(plain)
 
 
+def _q6_k(rng, k, n) -> tuple[np.ndarray, layout.KQuantScales]:
+    """A Q6_K weight as ``gguf_blocks.decode`` gives it: values -32..31, an int8 scale per 16 under
+    an fp16 one per 256."""
+    q = rng.integers(-32, 32, (k, n)).astype(np.int8)
+    sc = rng.integers(-128, 128, (k // 16, n)).astype(np.int8)
+    d = (rng.random((k // 256, n)) * 1e-3).astype(np.float16).astype(np.float32)
+    return q, layout.KQuantScales(sc, None, d, None, 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k, n", [(512, 200), (2560, 17)])
+def test_a_q6_k_weight_is_six_bits_with_a_scale_per_half_block(k, n):
+    """Q6_K packed as 6 bits and its own scales (6.5625 bits a weight): each half block's exact
+    integer product times its scale, against ``layout.reference`` within float32 rounding, and
+    each row the same bits alone and in any call."""
+    rng = np.random.default_rng(k + n)
+    lib = _kernel()
+    q, kquant = _q6_k(rng, k, n)
+    packed = layout.pack(q, kquant, 6)
+    assert packed.q.shape[-1] == 6 * 64 and layout.supported(q, 16, 8)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    x[5] = 0
+    y = _run(lib, x, packed)
+    reference = layout.reference(x, q, kquant.scales())
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    exact = x @ (q.astype(np.float32) * np.repeat(kquant.scales(), 16, 0))
+    assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+    alone = np.stack([_run(lib, x[i:i + 1], packed)[0] for i in range(len(x))])
+    assert np.array_equal(alone, y)
+    assert np.array_equal(_run(lib, x[2:9], packed, splits=(1, 2)), y[2:9])
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("k, n", [(576, 960), (63, 17)])
@@ -187,14 +219,15 @@ def _linear_graph(path, q, scales, offsets, bits):
         graph.register_initializer(value)
         return value
 
-    nodes = []
+    nodes, block = [], 32
     if isinstance(scales, layout.KQuantScales):
+        block = k // len(scales.sc) if scales.m is None else 32   # Q6_K's half blocks
         scales, offsets = _kquant_scales(graph, "w", scales, nodes)
     else:
         scales = constant("w_scales", scales)
         offsets = None if offsets is None else constant("w_offsets", offsets)
     dq = ir.node("DequantizeLinear", [constant("w_q", q.astype(ml_dtypes.int4) if bits == 4 else q), scales],
-                 attributes={"axis": 0, "block_size": 32})
+                 attributes={"axis": 0, "block_size": block})
     matmul = ir.node("MatMul", [x, dq.outputs[0]])
     nodes, y = nodes + [dq, matmul], matmul.outputs[0]
     if offsets is not None:
@@ -211,16 +244,17 @@ def _linear_graph(path, q, scales, offsets, bits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False), (8, True), (4, "K"), (8, "K")])
+@pytest.mark.parametrize("bits, offsets", [(4, False), (4, True), (8, False), (8, True), (4, "K"), (8, "K"),
+                                          (8, "Q6_K")])
 def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path, bits, offsets):
     """A linear layer in the engine's form, loaded with the kernel: one ``QMatMul`` node (the
     offsets' block sums folded into it; a K-quant's scales and offsets read as the integers they
-    are made of) giving the reference's values for ``[batch, rows, K]`` input, and the stock
+    are made of, Q6_K's values as 6 bits) giving the reference's values for ``[batch, rows, K]`` input, and the stock
     session (ONNX Runtime's own kernels) within int8 activations' error."""
     rng = np.random.default_rng(bits + len(str(offsets)))
-    k = 512 if offsets == "K" else 96
-    if offsets == "K":
-        q, kquant = _k_quant(rng, bits, k, 40)
+    k = 96 if offsets in (False, True) else 512
+    if offsets in ("K", "Q6_K"):
+        q, kquant = _k_quant(rng, bits, k, 40) if offsets == "K" else _q6_k(rng, k, 40)
         scales, offs, written = kquant.scales(), kquant.offsets(), kquant
     else:
         q, scales, offs = _weight(rng, bits, offsets, k, 40)
@@ -238,9 +272,10 @@ def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path,
     from plugins.qmatmul.ort_lowering import lower
     packed = lower(model, path.name)
     assert [(n.domain, n.op_type) for n in model.graph] == [(DOMAIN, OP)]
-    scaled_by = ["sub", "super"] if offsets == "K" else ["scales"] + ["offsets"] * bool(offsets)
+    kquant = offsets in ("K", "Q6_K")
+    scaled_by = ["sub", "super"] if kquant else ["scales"] + ["offsets"] * bool(offsets)
     assert {name.rsplit("_", 1)[1] for name, array in packed.items() if array.size} == {
-        "q", *scaled_by, *["sums"] * (bits == 8)}
+        "q", *scaled_by, *["sums"] * (bits == 8 and offsets != "Q6_K")}
 
 
 def test_without_a_compiler_the_build_says_so_in_one_line(monkeypatch, capsys, tmp_path):
