@@ -249,8 +249,8 @@ def _linear_graph(path, q, scales, offsets, bits):
 def test_onnx_runtime_runs_the_lowered_layer_as_the_kernel_computes_it(tmp_path, bits, offsets):
     """A linear layer in the engine's form, loaded with the kernel: one ``QMatMul`` node (the
     offsets' block sums folded into it; a K-quant's scales and offsets read as the integers they
-    are made of, Q6_K's values as 6 bits) giving the reference's values for ``[batch, rows, K]`` input, and the stock
-    session (ONNX Runtime's own kernels) within int8 activations' error."""
+    are made of, Q6_K's values as 6 bits) giving the reference's values for ``[batch, rows, K]``
+    input, and the stock session (ONNX Runtime's own kernels) within int8 activations' error."""
     rng = np.random.default_rng(bits + len(str(offsets)))
     k = 96 if offsets in (False, True) else 512
     if offsets in ("K", "Q6_K"):
