@@ -206,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
                         "(lm_head included), weight-only, symmetric, blockwise round-to-nearest, as "
                         "DequantizeLinear -> MatMul (the build verifies it and states its quality "
                         "cost); gguf: keep a .gguf target's own blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / "
-                        "Q4_K / Q5_K; Q6_K rounded again to int8), the weights llama.cpp computes "
+                        "Q4_K / Q5_K / Q6_K), the weights llama.cpp computes "
                         "with [float; a .gguf target: gguf]")
     b.add_argument("--weights-block", type=int, default=32, metavar="N",
                    help="weights per quantization scale, along the input axis (a power of two >= 16) [32]")
