@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from runtime.backends import GPU_BACKENDS
-from runtime.serving.server_flags import add_server_flags, check_finite
+from runtime.serving.server_flags import add_server_flags, check_finite, check_port
 
 # the named actor through which the driver stops the replicas, in a namespace of its own (a replica
 # runs in Ray Serve's)
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.replicas < 1:
             raise ValueError(f"--replicas {args.replicas}: expected at least 1")
+        check_port("--port", args.port)
         check_finite("--grace-period", args.grace_period)
         app = application(args.engine, args.replicas, args.backend, args.threads, args.max_queue,
                           args.draft_schedule, args.model)

@@ -26,6 +26,12 @@ def add_server_flags(p: argparse.ArgumentParser, *, backend: str, threads: str, 
                         "with 503 [10]")
 
 
+def check_port(flag: str, value: int) -> None:
+    """Refuse ``value`` in one line unless it is a TCP port (0: any free one)."""
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{flag} {value}: expected a port number, 0 .. 65535")
+
+
 def check_finite(flag: str, value: float) -> None:
     """Refuse ``value`` in one line unless it is a finite number, at least 0."""
     if not 0 <= value < float("inf"):

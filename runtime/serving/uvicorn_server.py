@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.decoding.draft_schedule import DraftSchedule
 from runtime.decoding.generator import Generator
 from runtime.serving.openai_server import Server
-from runtime.serving.server_flags import add_server_flags, check_finite, model_name
+from runtime.serving.server_flags import add_server_flags, check_finite, check_port, model_name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     from common import manifest as manifest_file
 
     try:   # what can be checked before listening gets one line and status 1 now
+        check_port("--port", args.port)
         check_finite("--max-body", args.max_body)
         check_finite("--grace-period", args.grace_period)
         k = manifest_file.read(Path(args.engine))["draft"]["k"]

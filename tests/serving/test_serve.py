@@ -393,16 +393,20 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
         thread.join(30)
 
 
-def test_a_bad_draft_schedule_is_one_line_before_loading(engine_dir):
+@pytest.mark.parametrize("flag", ["--draft-schedule", "--port"])
+def test_a_bad_flag_is_one_line_before_loading(engine_dir, flag):
+    """A bad schedule, and a port out of range (it printed that address, then listened on another)."""
     engine = engine_dir(LIMITS, arch="qwen3")
-    done = subprocess.run([sys.executable, "-m", "runtime.serve", "--engine", str(engine),
-                           "--draft-schedule", "1:3,1:0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    value = {"--draft-schedule": "1:3,1:0", "--port": "99999"}[flag]
+    done = subprocess.run([sys.executable, "-m", "runtime.serve", "--engine", str(engine), flag, value],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith(f"error: --draft-schedule '1:3,1:0': expected adaptive, or BUSY:DRAFTS pairs "
-                           f"with BUSY rising from 1 and DRAFTS 0 .. {k} (the engine's k)"), line
+    assert line.startswith({
+        "--draft-schedule": f"error: --draft-schedule '1:3,1:0': expected adaptive, or BUSY:DRAFTS pairs "
+                            f"with BUSY rising from 1 and DRAFTS 0 .. {k} (the engine's k)",
+        "--port": "error: --port 99999: expected a port number, 0 .. 65535"}[flag]), line
 
 
 def test_a_huge_body_is_refused_at_once_and_a_big_one_stalls_no_one(server):
