@@ -1,8 +1,8 @@
 """``python -m runtime.chat``: a conversation with an engine, as llama.cpp's ``llama-cli`` has one.
 Each line typed is a user turn; the answer streams as drafts are accepted, and the conversation so
 far is the next turn's prompt (its caches are kept between turns: a turn prefills only what the
-conversation added). ``/reset`` starts over; an empty line or end of input ends it. Ctrl-C stops the answer
-being generated, a second one the chat.
+conversation added). ``/reset`` starts over, ``/help`` lists the commands; ``/quit``, an empty line or
+end of input ends it. Ctrl-C stops the answer being generated, a second one the chat.
 """
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from runtime.generate import (
     system_messages,
     verification,
 )
+
+HELP = ("/reset starts the conversation over; /quit, an empty line or end of input ends it; "
+        "/help shows this")
 
 
 def parser():
@@ -59,15 +62,24 @@ def main(argv: list[str] | None = None) -> None:
     system = system_messages(args)
     messages, decoding = list(system), None
     interactive = sys.stdin.isatty()
-    while True:
+    sys.stdin.reconfigure(errors="surrogateescape")   # a line that is not UTF-8 is refused alone
+    for number in range(1, sys.maxsize):
         try:
             line = input("> " if interactive else "")
         except (EOFError, KeyboardInterrupt):
             break
-        if not line.strip():
+        command = line.strip()
+        if command in ("", "/quit"):
             break
-        if line.strip() == "/reset":
-            messages, decoding = list(system), None
+        if command in ("/help", "/reset"):
+            if command == "/reset":
+                messages, decoding = list(system), None
+            said = HELP if command == "/help" else "[the conversation starts over]"
+            print(said, file=sys.stderr, flush=True)
+            continue
+        if (byte := _escaped_byte(line)) is not None:
+            print(f"error: standard input line {number}: not UTF-8 text (byte {byte:#04x}); it was not "
+                  f"sent", file=sys.stderr, flush=True)
             continue
         messages.append({"role": "user", "content": line})
         try:
@@ -88,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
             s = answer.stats
             print(f"[{sum(map(len, answer.token_ids))} tokens, {answer.tokens_per_second:.1f} tokens/s"
                   + (f", tau {s.tau:.2f}" if s.k else "") + "]", file=sys.stderr, flush=True)
+
+
+def _escaped_byte(line: str) -> int | None:
+    """The first byte of ``line`` that was not UTF-8 (read with ``surrogateescape``), or None."""
+    return next((ord(c) - 0xDC00 for c in line if 0xDC80 <= ord(c) <= 0xDCFF), None)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ EXPECTED = {
     "threads": (lambda v: v >= 1, "at least 1"),
     "batch_size": (lambda v: v >= 1, "at least 1"),
     "max_new_tokens": (lambda v: v >= 1, "at least 1"),
-    "temperature": (lambda v: 0 <= v < math.inf, "a finite number, at least 0 (0 is greedy)"),
+    "temperature": (lambda v: 0 <= v <= 2, "0 .. 2 (0 is greedy), as the server's"),
     "top_p": (lambda v: 0 < v <= 1, "more than 0 and at most 1"),
     "top_k": (lambda v: v >= 0, "at least 0 (0: every token)"),
     "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number above 0 (1: off)"),

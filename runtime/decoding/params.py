@@ -36,9 +36,8 @@ class Params:
     def check(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens}: expected at least 1")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature {self.temperature}: expected a finite number, at least 0 "
-                             f"(0 is greedy)")
+        if not 0 <= self.temperature <= 2:   # OpenAI's range, the server's and every command's
+            raise ValueError(f"temperature {self.temperature}: expected 0 .. 2 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p {self.top_p}: expected more than 0 and at most 1")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):

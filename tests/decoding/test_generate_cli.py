@@ -271,12 +271,17 @@ def test_cli_system_message_stop_and_top_k(engine, generator, capsys):
 def test_chat_streams_each_answer_and_keeps_the_conversation(engine, generator):
     """``python -m runtime.chat`` with its turns on standard input: each answer is the engine's
     greedy answer to the conversation so far, which includes the earlier answers; ``/reset``
-    forgets them."""
-    turns = ["hi", "the cat sat", "/reset", "the cat sat"]
+    forgets them, ``/help`` lists the commands and ``/quit`` ends the chat, none of them sent to the
+    model; a line that is not UTF-8 is refused in one line and the chat goes on."""
+    turns = [b"hi", b"/help", b"caf\xe9", b"the cat sat", b"/reset", b"the cat sat", b"/quit", b"more"]
     done = subprocess.run([sys.executable, "-m", "runtime.chat", "--engine", str(engine),
-                           "--max-new-tokens", "12"], input="\n".join(turns) + "\n", cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                           "--max-new-tokens", "12"], input=b"\n".join(turns) + b"\n", cwd=ROOT,
+                          capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    done.stdout, stderr = done.stdout.decode(), done.stderr.decode().splitlines()
+    assert stderr[0].startswith("/reset ") and "/quit" in stderr[0] and "/help" in stderr[0]
+    assert stderr[1:] == ["error: standard input line 3: not UTF-8 text (byte 0xe9); it was not sent",
+                          "[the conversation starts over]"]
     messages, answers = [], []
     for turn in ("hi", "the cat sat"):
         messages.append({"role": "user", "content": turn})

@@ -145,6 +145,7 @@ def test_api_checks_every_batch_before_the_first(generator, backend_starts):
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"),
+                                         ("--temperature", "2.5"),
                                          ("--top-p", "nan"), ("--top-p", "inf"),
                                          ("--temperature", "-1.0"), ("--top-p", "0.0"),
                                          ("--max-new-tokens", "0"), ("--confidence-threshold", "1.5"),
@@ -183,7 +184,7 @@ def test_bench_refuses_bad_numbers_before_loading(engine, prompts_file, tmp_path
 
 
 @pytest.mark.parametrize("option, value", [("temperature", math.nan), ("temperature", math.inf),
-                                           ("top_p", math.nan), ("top_p", math.inf)])
+                                           ("temperature", 3.5), ("top_p", math.nan), ("top_p", math.inf)])
 def test_api_refuses_non_finite_sampling_options(generator, backend_starts, option, value):
     with pytest.raises(ValueError, match=f"{option} {value}: expected"):
         Decoding(generator.backend, [[5, 6, 7]], **{option: value})
