@@ -19,6 +19,29 @@ from runtime.serving.request_error import RequestError
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
+def refuse_what_is_not_served(body: dict) -> None:
+    """Refuse a request for tool calling, which this server has not (rather than answer as if the
+    tools were not there), and a string holding a lone surrogate (JSON may escape one, ``\\ud800``,
+    but no text is one: nothing encodes it), naming its field."""
+    if body.get("tools") or body.get("functions"):
+        name = "tools" if body.get("tools") else "functions"
+        raise RequestError(400, f"'{name}': this server has no tool calling", name)
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, str):
+            lone = next((c for c in value if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if lone is not None:
+                raise RequestError(400, f"'{where}': holds a lone surrogate ({ascii(lone)}), which is not "
+                                        f"text; expected UTF-8 text", where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}" if where else str(key))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{where}.[{index}]")
+    walk(body, "")
+
+
 def body_field(body: dict, name: str, kind, default, check=None, expected: str = ""):
     """``body[name]`` of type ``kind`` (``default`` when absent or null), refused in one line."""
     value = body.get(name, default)

@@ -21,6 +21,7 @@ from runtime.serving.openai_request import (
     body_field,
     chat_prompt,
     completion_prompts,
+    refuse_what_is_not_served,
     request_params,
 )
 from runtime.serving.request_error import RequestError
@@ -90,6 +91,7 @@ class Server:
             raise RequestError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
+        refuse_what_is_not_served(body)
         if body.get("model") not in (None, self.model):
             raise RequestError(404, f"model {body['model']!r} does not exist; this server serves "
                                     f"{self.model!r}", "model", kind="not_found_error")

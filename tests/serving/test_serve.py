@@ -146,6 +146,34 @@ def test_a_bad_message_is_named(client, messages, param, message):
     assert message in err.value.body["message"], err.value.body
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi \ud800 there"}]}',
+     "messages.[0].content"),
+    ("/v1/completions", r'{"prompt": "hi \udfff"}', "prompt"),
+    ("/v1/completions", r'{"prompt": "hi", "stop": ["\ud800"]}', "stop.[0]"),
+])
+def test_a_lone_surrogate_is_a_400_naming_its_field(server, path, raw, param):
+    """JSON may escape a lone surrogate, which is no text (nothing encodes it as UTF-8): a 400 error
+    object naming the field, where it was a plain-text 500 and a traceback; the server goes on."""
+    request = urllib.request.Request(f"{server[0]}{path}", data=raw.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400
+    body = json.loads(err.value.read())["error"]
+    assert body["param"] == param and "lone surrogate" in body["message"], body
+    assert urllib.request.urlopen(f"{server[0]}/health", timeout=10).status == 200
+
+
+def test_tools_are_refused_not_ignored(client):
+    """There is no tool calling: a request asking for it is a 400, not a reply that ignores it."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, tools=[tool])
+    assert err.value.body["param"] == "tools" and "no tool calling" in err.value.body["message"]
+
+
 def test_content_parts_and_developer_messages_read_as_strings_and_system(client):
     """OpenAI's list of text parts is the string of its texts joined by newlines (vLLM's reading),
     and a ``developer`` message is a ``system`` one."""
