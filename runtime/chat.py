@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.stats:
             s = answer.stats
             print(f"[{sum(map(len, answer.token_ids))} tokens, {answer.tokens_per_second:.1f} tokens/s"
-                  + (f", tau {s.tau:.2f}" if s.k else "") + "]", file=sys.stderr, flush=True)
+                  + (f", tau {s.tau:.2f}" if s.k and s.steps else "") + "]", file=sys.stderr, flush=True)
 
 
 def _escaped_byte(line: str) -> int | None:

@@ -294,12 +294,14 @@ def _report(result, args) -> None:
         lines = [f"tokens {tokens} in {t.total:.3f}s: {result.tokens_per_second:.1f} tokens/s"]
         if s.k and s.steps:
             per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
-            lines += [f"verify steps {s.steps}, tau {s.tau:.3f} tokens per step",
-                      f"acceptance per position: {per_position}",
-                      f"drafts verified per step: {s.verified_per_step:.2f} "
-                      f"({s.idle_steps} steps verified none)"]
+            lines += [f"{s.steps} steps verified drafts, tau {s.tau:.3f} tokens per such step",
+                      f"acceptance per draft position: {per_position}"]
+            if s.idle_steps:   # adaptive verification judged no draft worth verifying in these
+                lines.append(f"{s.idle_steps} more steps decoded one token without verifying a draft "
+                             f"(--draft-schedule); {s.verified_per_step:.2f} drafts verified per step in all")
         elif s.k:   # adaptive verification found no draft worth verifying
-            lines.append(f"decode steps {s.idle_steps}, none verified a draft (--draft-schedule)")
+            lines.append(f"{s.idle_steps} steps decoded one token each, none verifying a draft "
+                         f"(--draft-schedule)")
         else:   # target-only decoding: a token per step, nothing drafted
             lines.append(f"decode steps {s.steps} (target only, no drafts)")
         lines.append("time: " + ", ".join(

@@ -43,9 +43,10 @@ class SpecStats:
             self.offered_at[i] += 1
 
     @property
-    def tau(self) -> float:
-        """Mean tokens per verify step, the correction / bonus token counted (1.0 .. k + 1)."""
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+    def tau(self) -> float | None:
+        """Mean tokens per verify step, the correction / bonus token counted (1.0 .. k + 1); None
+        with no verify step (a mean of nothing, not 0)."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else None
 
     @property
     def acceptance_per_position(self) -> list[float]:

@@ -73,13 +73,16 @@ class Reply:
 
     def speculative(self, choices: list[Choice] | None = None) -> dict:
         """The reply's extra field: its speculation statistics (no verify steps without
-        speculation: its steps decoded one token each)."""
+        speculation: its steps decoded one token each). With no verify step, tau and the
+        acceptance per position are null: nothing was measured."""
         requests = [c.job.request for c in choices or self.choices]
         stats = SpecStats(k=requests[0].stats.k)
         for request in requests:
             stats.merge(request.stats)
-        return {"tau": stats.tau, "accepted_per_position": stats.acceptance_per_position,
-                "verify_steps": stats.steps if stats.k else 0}
+        steps = stats.steps if stats.k else 0
+        return {"tau": stats.tau if steps else None,
+                "accepted_per_position": stats.acceptance_per_position if steps else None,
+                "verify_steps": steps}
 
     # the whole reply
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from runtime.backends import GPU_BACKENDS
-from runtime.serving.server_flags import add_server_flags, check_finite, check_port
+from runtime.serving.server_flags import add_server_flags, check_finite, check_port, stopping_line
 
 # the named actor through which the driver stops the replicas, in a namespace of its own (a replica
 # runs in Ray Serve's)
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.append(True))
     while not stop:
         signal.pause()
+    print(stopping_line(args.grace_period), flush=True)
     stopping.stop.remote(args.grace_period)
     deadline = time.monotonic() + args.grace_period + 15
     while ray.get(stopping.count.remote()) < args.replicas and time.monotonic() < deadline:

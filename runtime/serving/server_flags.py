@@ -26,6 +26,12 @@ def add_server_flags(p: argparse.ArgumentParser, *, backend: str, threads: str, 
                         "with 503 [10]")
 
 
+def stopping_line(grace: float) -> str:
+    """What a server says when SIGINT / SIGTERM starts its stop, which may take the grace period."""
+    return (f"stopping: running requests have {grace:g} s (--grace-period) to finish, then end with "
+            f"503; no new ones are taken")
+
+
 def check_port(flag: str, value: int) -> None:
     """Refuse ``value`` in one line unless it is a TCP port (0: any free one)."""
     if not 0 <= value <= 65535:

@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.decoding.draft_schedule import DraftSchedule
 from runtime.decoding.generator import Generator
 from runtime.serving.openai_server import Server
-from runtime.serving.server_flags import add_server_flags, check_finite, check_port, model_name
+from runtime.serving.server_flags import add_server_flags, check_finite, check_port, model_name, stopping_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,6 +93,7 @@ def _clean_exit_class():
                 print(self.listening, file=sys.stderr, flush=True)
 
         async def shutdown(self, sockets=None):
+            print(stopping_line(self.grace), file=sys.stderr, flush=True)
             deadline = asyncio.get_running_loop().call_later(self.grace, self.server.stop)
             try:
                 await super().shutdown(sockets)

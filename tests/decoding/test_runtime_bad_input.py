@@ -284,7 +284,7 @@ def test_stream_prints_stats_and_writes_the_trace(engine, generator, tmp_path, c
     expected = generator.generate(["the cat sat", "why?"], max_new_tokens=16)
     assert f"### the cat sat\n{expected.texts[0]}" in out and f"### why?\n{expected.texts[1]}" in out
     tokens = sum(map(len, expected.token_ids))
-    assert f"tokens {tokens} in" in err and f"verify steps {expected.stats.steps}, tau" in err
+    assert f"tokens {tokens} in" in err and f"{expected.stats.steps} steps verified drafts, tau" in err
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     for b, ids in enumerate(expected.token_ids):
         assert [t for r in records if r["sequence"] == b for t in r["emitted"]] == ids

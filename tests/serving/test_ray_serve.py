@@ -56,7 +56,7 @@ def cluster(engine_dir):
         process.kill()
         pytest.fail("Ray Serve did not start:\n" + "".join(output))
     url = f"http://127.0.0.1:{port}"
-    yield url, engine, process
+    yield url, engine, process, output
     process.send_signal(signal.SIGTERM)    # a second time after the stop test: nothing left to do
     assert process.wait(timeout=120) == 0
 
@@ -74,7 +74,7 @@ def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False):
 def test_requests_reach_both_replicas_and_get_their_single_request_output(cluster):
     from runtime import Generator
 
-    url, engine, _ = cluster
+    url, engine, *_ = cluster
     expected = Generator.from_engine(engine).generate(PROMPTS, chat_template=False, max_new_tokens=24).texts
 
     def ask(prompt):
@@ -99,7 +99,7 @@ def test_beyond_the_slots_and_the_queue_ray_answers_503_and_serves_the_queue(clu
     """With both replicas' 8 slots held by long streams, 9 more requests: the queue takes
     ``MAX_QUEUE`` of them and refuses the last with 503 at once; when the streams go, the queued
     ones are served."""
-    url, _, _ = cluster
+    url, *_ = cluster
     streams = _long_streams(url, 2 * LIMITS.max_batch)
 
     def status(prompt) -> int:
@@ -126,7 +126,7 @@ def _replica_pid(header: str) -> int:
 def test_a_killed_replica_is_replaced_and_only_its_requests_fail(cluster):
     """Eight long streams over both replicas; once each has its first chunk, one replica is killed:
     its streams break off, the other's run to their end."""
-    url, _, _ = cluster
+    url, *_ = cluster
     streams = _long_streams(url, len(PROMPTS))
     replicas = [stream.headers["x-replica"] for stream in streams]
     assert len(set(replicas)) == 2
@@ -164,7 +164,7 @@ def test_a_stop_ends_every_replicas_streams_well_formed_and_exits_0(cluster):
     ends well-formed before Ray Serve shuts down, those still running with finish reason ``abort``,
     a 503 error event and ``[DONE]`` (one that reached its end in the grace period as usual), and
     the command exits 0. Last in this file: the cluster is gone after it."""
-    url, _, process = cluster
+    url, _, process, output = cluster
     streams = _long_streams(url, 2 * LIMITS.max_batch)
     assert len({stream.headers["x-replica"] for stream in streams}) == 2
     process.send_signal(signal.SIGTERM)
@@ -180,3 +180,8 @@ def test_a_stop_ends_every_replicas_streams_well_formed_and_exits_0(cluster):
             aborted += 1
     assert aborted >= 1
     assert process.wait(timeout=120) == 0
+    said = "stopping: running requests have 0 s"
+    deadline = time.monotonic() + 10   # the reader thread may not have read the last lines yet
+    while not any(line.startswith(said) for line in output) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(line.startswith(said) for line in output), output

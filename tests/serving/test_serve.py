@@ -79,6 +79,23 @@ def test_concurrent_requests_get_their_single_request_output(client, generator):
     assert all((steps > 0) == (i % 2 == 0) for i, (_, steps) in enumerate(together))
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_with_no_verify_step_tau_and_the_acceptance_are_null(client, server, speculative):
+    """tau is tokens per verify step: with none (speculation off, or one token), null, not 0, and
+    the acceptance per position null too (it was [] off and k zeros on); with verify steps, a
+    number and k fractions."""
+    def spec(max_tokens, on):
+        reply = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=max_tokens,
+                                          temperature=0, extra_body={"speculative": on})
+        return reply.model_extra["speculative"]
+    assert spec(1, speculative) == {"tau": None, "accepted_per_position": None, "verify_steps": 0}
+    if speculative:
+        measured = spec(20, True)
+        assert measured["verify_steps"] > 0 and measured["tau"] >= 1
+        k = json.loads((Path(server[1]) / "manifest.json").read_text())["draft"]["k"]
+        assert len(measured["accepted_per_position"]) == k
+
+
 def test_a_seeded_sampled_request_is_reproducible(client):
     def ask(seed):
         return client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=25, temperature=1.0,
@@ -491,7 +508,8 @@ def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
     """SIGINT with 8 long requests in flight, half streamed, and a grace period of 0: every client
     gets a well-formed end (a whole reply, a 503 error object, or a stream whose open choice ends
     with finish reason ``abort``, an error event and ``[DONE]``) and the server exits 0 without a
-    traceback; it said where it listened, and logged each request (``--access-log``)."""
+    traceback; it said where it listened, that it was stopping, and logged each request
+    (``--access-log``)."""
     engine = engine_dir(LIMITS, arch="qwen3")
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--engine", str(engine), "--port",
@@ -517,6 +535,7 @@ def test_a_stop_under_load_ends_every_request_well_and_exits_0(engine_dir):
         client.join(60)
     assert process.returncode == 0 and "Traceback" not in output, output
     assert f"on http://127.0.0.1:{port}" in output and '"POST /v1/completions HTTP/1.1"' in output
+    assert "stopping: running requests have 0 s (--grace-period) to finish, then end with 503" in output
     cut = 0
     for streamed, status, body in outcomes:
         if status == 503:
