@@ -61,6 +61,7 @@ def parser():
                    help="also run transformers with prompt_lookup_num_tokens=N")
     p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON result [bench.json]")
     p.add_argument("--plot", type=Path, default=Path("bench.png"), help="PNG plot [bench.png]")
+    p.add_argument("--force", action="store_true", help="replace an existing --out / --plot")
     return p
 
 
@@ -87,8 +88,8 @@ def checked_run(args) -> dict:
 
     try:
         check_flags(args)
-        writable_file(args.out, "--out")
-        writable_file(args.plot, "--plot")
+        writable_file(args.out, "--out", args.force)
+        writable_file(args.plot, "--plot", args.force)
         if args.llama_cpp or args.llama_cpp_draft:
             from bench import llama_cpp_baseline
 

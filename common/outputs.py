@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Iterator
 
 
-def writable_file(path: Path, flag: str) -> Path:
-    """``path`` if a file can be written there (its folder exists and is writable); checked before
-    the work whose result it will hold, so the result is never lost at the end."""
+def writable_file(path: Path, flag: str, force: bool = True) -> Path:
+    """``path`` if a file can be written there (its folder exists and is writable; unless
+    ``force``, no file is there yet); checked before the work whose result it will hold, so the
+    result is never lost at the end."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; expected a file name")
+    if path.exists() and not force:
+        raise ValueError(f"{flag} {path} exists; pass --force to replace it")
     folder = path.parent
     if not folder.is_dir():
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it first")

@@ -20,7 +20,7 @@ for temperature in 0 1; do
         read -r name skip <<< "$set"
         .venv/bin/python -m bench --engine "$ENGINE" --prompts-file "$PROMPTS/$name.jsonl" \
             --skip "$skip" --limit 6 --max-new-tokens 128 --temperature "$temperature" \
-            --prompt-lookup 4 --out "docs/bench/$name-t$temperature.json" \
+            --prompt-lookup 4 --force --out "docs/bench/$name-t$temperature.json" \
             --plot "docs/bench/$name-t$temperature.png" "$@"
     done
 done

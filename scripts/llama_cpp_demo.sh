@@ -22,7 +22,7 @@ for set in "gsm8k 180" "mt-bench 60"; do
     read -r name skip <<< "$set"
     $PY -m bench --engine "$ENGINE" --prompts-file "data/prompts/$name.jsonl" --skip "$skip" --limit 6 \
         --max-new-tokens 128 --no-transformers --threads 2 --llama-cpp "$TARGET" --llama-cpp-draft "$DRAFT" \
-        --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
+        --force --out "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
 done
 $PY scripts/serve_bench.py --engine "$ENGINE" --skip 180 --limit 16 --max-tokens 96 --threads 2 \
     --clients 1,4 --repeat 2 --llama-cpp "$TARGET" --out "$OUT/serve.json" --plot "$OUT/serve.png"

@@ -105,9 +105,23 @@ def test_bench_output_in_a_missing_folder_is_refused_before_work(engine, prompts
         path.write_text("an earlier run")
     outputs[flag] = tmp_path / "missing" / "x"
     message = refused(bench.main, ["--engine", engine, "--prompts-file", prompts, "--no-transformers",
-                                   *(a for f, p in outputs.items() for a in (f, p))],
+                                   "--force", *(a for f, p in outputs.items() for a in (f, p))],
                       capsys, engine, prompts, tmp_path)
     assert f"{flag} {outputs[flag]}: the folder {tmp_path / 'missing'} does not exist" in message
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_bench_keeps_an_earlier_result_without_force(engine, prompts_file, tmp_path, capsys, no_engine_load,
+                                                     flag):
+    """An existing ``--out`` or ``--plot`` is not replaced unless ``--force`` says so (``build``'s
+    rule): it was overwritten silently."""
+    prompts = prompts_file("the cat")
+    outputs = {"--out": tmp_path / "bench.json", "--plot": tmp_path / "bench.png"}
+    outputs[flag].write_text("an earlier run")
+    message = refused(bench.main, ["--engine", engine, "--prompts-file", prompts, "--no-transformers",
+                                   *(a for f, p in outputs.items() for a in (f, p))],
+                      capsys, engine, prompts, tmp_path)
+    assert message == f"error: {flag} {outputs[flag]} exists; pass --force to replace it"
 
 
 def test_generate_trace_in_a_missing_folder_is_refused_before_work(engine, capsys, tmp_path,
