@@ -5,5 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Triton Inference Server for tests/serving/test_triton.py (which skips without it)
 bash scripts/setup_triton.sh
+# lint first: a second, and a red CI names the line
+.venv/bin/ruff check .
 # the slowest tests' times in the log: what to look at when the suite nears CI's time budget
 .venv/bin/python -m pytest -q --durations=25 "$@"
