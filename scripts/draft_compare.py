@@ -57,7 +57,8 @@ def main() -> None:
             for engine in args.engine:
                 spec = statistics.median(speeds[engine])
                 rows.append({"set": name, "temperature": temperature, "engine": engine,
-                             "tau": statistics.mean(taus[engine]), "speculative": spec, "target": target,
+                             "tau": statistics.mean(t for t in taus[engine] if t is not None),
+                             "speculative": spec, "target": target,
                              "ratio": spec / target})
                 print(f"{name:10s} T={temperature:g} {engine:40s} tau {rows[-1]['tau']:.2f}  "
                       f"{spec:6.1f} tok/s  target {target:6.1f}  {spec / target:.2f}x", flush=True)
