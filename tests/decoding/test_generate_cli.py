@@ -71,7 +71,7 @@ def test_cli_prints_text_stats_and_a_consistent_trace(engine, generator, tmp_pat
     expected = generator.generate(PROMPTS[:2], max_new_tokens=24)
     for prompt, text in zip(PROMPTS, expected.texts):
         assert f"### {prompt}\n{text}\n" in out
-    assert "tau" in err and "acceptance per position" in err and "host" in err
+    assert "tau" in err and "acceptance per draft position" in err and "host" in err
     assert err.startswith(f"loading {engine} (ort backend) ...\n")
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     for b, ids in enumerate(expected.token_ids):
