@@ -99,14 +99,14 @@ inline Block8 load8(const uint8_t* w, const int32_t* wsum) {
 struct Block6 { __m512i v[8]; };
 inline Block6 load6(const uint8_t* w, const int32_t*) {
     const Block4 low = load4(w, nullptr);
-    const __m512i two = _mm512_set1_epi8(0x30);
+    const __m512i fifth_sixth = _mm512_set1_epi8(0x30);
     Block6 b;
     for (int h = 0; h < 2; ++h) {
         const __m512i high = _mm512_loadu_si512(w + 256 + 64 * h);
         const __m512i bits[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
                                  _mm512_srli_epi16(high, 2)};
         for (int c = 0; c < 4; ++c)
-            b.v[4 * h + c] = _mm512_or_si512(low.v[4 * h + c], _mm512_and_si512(bits[c], two));
+            b.v[4 * h + c] = _mm512_or_si512(low.v[4 * h + c], _mm512_and_si512(bits[c], fifth_sixth));
     }
     return b;
 }
@@ -138,9 +138,10 @@ inline Ints dot(const Block6& b, const int8_t* xb, const int32_t halves[2], Ints
         std::memcpy(&a, xb + 4 * g, 4);
         acc[g / 4][g % 2] = _mm512_dpbusd_epi32(acc[g / 4][g % 2], b.v[g], _mm512_set1_epi32(a));
     }
-    const __m512i one = _mm512_sub_epi32(_mm512_add_epi32(acc[0][0], acc[0][1]), _mm512_set1_epi32(32 * halves[0]));
-    const __m512i two = _mm512_sub_epi32(_mm512_add_epi32(acc[1][0], acc[1][1]), _mm512_set1_epi32(32 * halves[1]));
-    return _mm512_add_epi32(_mm512_mullo_epi32(one, first), _mm512_mullo_epi32(two, second));
+    const auto product = [&](int h) {   // half h's sum(q * x)
+        return _mm512_sub_epi32(_mm512_add_epi32(acc[h][0], acc[h][1]), _mm512_set1_epi32(32 * halves[h]));
+    };
+    return _mm512_add_epi32(_mm512_mullo_epi32(product(0), first), _mm512_mullo_epi32(product(1), second));
 }
 
 inline Ints load_ints(const int8_t* p) {   // 16 signed bytes
@@ -210,7 +211,7 @@ struct Block6 : Block4 {};
 inline Block6 load6(const uint8_t* w, const int32_t*) {
     Block6 b;
     static_cast<Block4&>(b) = load4(w, nullptr);
-    const __m256i two = _mm256_set1_epi8(0x30);
+    const __m256i fifth_sixth = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h)          // the block's first or second 16 k: low or high nibbles
         for (int half = 0; half < 2; ++half) {   // the tile's columns 0-7 or 8-15
             const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256 + 64 * h + 32 * half));
@@ -218,7 +219,7 @@ inline Block6 load6(const uint8_t* w, const int32_t*) {
                                      _mm256_srli_epi16(high, 2)};
             for (int c = 0; c < 4; ++c) {
                 auto* v = reinterpret_cast<__m256i*>(b.nibbles[c][half][h]);
-                _mm256_store_si256(v, _mm256_or_si256(_mm256_load_si256(v), _mm256_and_si256(bits[c], two)));
+                _mm256_store_si256(v, _mm256_or_si256(_mm256_load_si256(v), _mm256_and_si256(bits[c], fifth_sixth)));
             }
         }
     return b;
