@@ -144,10 +144,13 @@ class GgufBlocks:
             for columns in (chosen[part] for part in chunks(len(chosen))):
                 for name, part in decode(kind, raw[row[columns]], rounds).items():
                     parts.setdefault(name, np.empty((len(row), part.shape[1]), part.dtype))[columns] = part
-        q, scales, offsets, *kquant = (np.ascontiguousarray(parts[name].T) if name in parts else None
-                                       for name in ("q", "scales", "offsets", "sc", "m", "d", "dmin"))
-        kquant = KQuantScales(*kquant, middle=MIDDLE[kind]) if kind in MIDDLE and not rounds else None
-        return Blocks(q, scales, 4 if kind in FOUR_BITS else 8, offsets, kquant)
+        q, scales, offsets, *integers = (np.ascontiguousarray(parts[name].T) if name in parts else None
+                                         for name in ("q", "scales", "offsets", "sc", "m", "d", "dmin"))
+        bits = 4 if kind in FOUR_BITS else 8
+        if "sc" not in parts:
+            return Blocks(q, scales, bits, offsets)
+        kquant = KQuantScales(*integers, middle=MIDDLE[kind])
+        return Blocks(q, kquant.scales(), bits, kquant.offsets(), kquant)
 
 
 FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
@@ -159,10 +162,10 @@ LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32
 
 def decode(kind: str, raw: np.ndarray, rounds: bool = False) -> dict[str, np.ndarray]:
     """Rows of a tensor's raw blocks (``[rows, bytes]``, uint8) -> ``q`` (int8 ``[rows, K]``),
-    ``scales`` and, where the format has them, ``offsets`` (``[rows, K / 32]``; Q6_K's scales
-    ``[rows, K / 16]``), with ``scales * q + offsets`` the values; a K-quant's the integers and
-    fp16 they are made from as well (``KQuantScales``' ``sc``, ``m``, ``d``, ``dmin``, each
-    row's). ``rounds``: Q6_K's values rounded again to int8 blocks of 32 (``rounded``)."""
+    ``scales`` and, where the format has them, ``offsets`` (``[rows, K / 32]``), with ``scales *
+    q + offsets`` the values; a K-quant's the integers and fp16 its scales and offsets are made of
+    instead (``KQuantScales``' ``sc``, ``m``, ``d``, ``dmin``, each row's; Q6_K's ``sc`` one per
+    16). ``rounds``: Q6_K's values rounded again to int8 blocks of 32 (``rounded``)."""
     if rounds:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -181,11 +184,9 @@ def decode(kind: str, raw: np.ndarray, rounds: bool = False) -> dict[str, np.nda
         low = b[..., :128].reshape(rows, -1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(2, 1, 1)
         high = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
         q = (low & 0x0F).reshape(rows, -1, 2, 4, 32) | ((high & 3) << 4)
-        d = _half(b, 208)
-        scales = KQuantScales(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(rows, -1).T, None,
-                              d.T, None, MIDDLE[kind])
-        return {"q": (q.astype(np.int16) - scales.middle).astype(np.int8).reshape(rows, -1),
-                "scales": scales.scales().T, "sc": scales.sc.T, "d": scales.d.T}
+        return {"q": (q.astype(np.int16) - MIDDLE[kind]).astype(np.int8).reshape(rows, -1),
+                "sc": np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(rows, -1),
+                "d": _half(b, 208)}
     if kind in ("Q4_0", "Q4_1"):
         q = {"q": (_nibbles(b[..., size - 16:]) - 8).reshape(rows, -1), "scales": d}
         return q if kind == "Q4_0" else q | {"offsets": _half(b, 2) + 8 * d}
@@ -205,11 +206,8 @@ def decode(kind: str, raw: np.ndarray, rounds: bool = False) -> dict[str, np.nda
     if kind == "Q5_K":   # byte l of qh holds value l's fifth bit of sub-block i at bit i
         high = b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         q |= (high & 1).astype(np.int16) << 4
-    # as KQuantScales' [K / 32, N] are this [rows, K / 32] transposed
-    scales = KQuantScales(sc.T.astype(np.uint8), mn.T.astype(np.uint8), d.T, _half(b, 2).T, MIDDLE[kind])
-    return {"q": (q - scales.middle).astype(np.int8).reshape(rows, -1), "scales": scales.scales().T,
-            "offsets": scales.offsets().T, "sc": scales.sc.T, "m": scales.m.T, "d": scales.d.T,
-            "dmin": scales.dmin.T}
+    return {"q": (q - MIDDLE[kind]).astype(np.int8).reshape(rows, -1), "sc": sc.astype(np.uint8),
+            "m": mn.astype(np.uint8), "d": d, "dmin": _half(b, 2)}
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:

@@ -71,11 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         command = line.strip()
         if command in ("", "/quit"):
             break
-        if command in ("/help", "/reset"):
-            if command == "/reset":
-                messages, decoding = list(system), None
-            said = HELP if command == "/help" else "[the conversation starts over]"
-            print(said, file=sys.stderr, flush=True)
+        if command == "/reset":
+            messages, decoding = list(system), None
+            print("[the conversation starts over]", file=sys.stderr, flush=True)
+            continue
+        if command == "/help":
+            print(HELP, file=sys.stderr, flush=True)
             continue
         if (byte := _escaped_byte(line)) is not None:
             print(f"error: standard input line {number}: not UTF-8 text (byte {byte:#04x}); it was not "

@@ -42,7 +42,7 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
         if made is None or not supported(weights, block, bits):
             continue
         if block != BLOCK:   # Q6_K's half blocks: packed as 6 bits, with the file's scales only
-            if not isinstance(made[0], KQuantScales) or made[0].m is not None:
+            if not isinstance(made[0], KQuantScales):
                 continue
             bits = 6
         packed = pack(weights, made[0], bits, made[1])
@@ -183,7 +183,7 @@ def _scales(scales, offsets) -> tuple[np.ndarray | KQuantScales, np.ndarray | No
     if made is None or made[2] != SUPER:
         return None
     difference = None if offsets is None else offsets.producer()
-    if made is None or difference is None or difference.op_type != "Sub":
+    if difference is None or difference.op_type != "Sub":
         return None
     shifted, mins = difference.inputs[0].producer(), _dequantized_integers(difference.inputs[1])
     if (shifted is None or shifted.op_type != "Mul" or list(shifted.inputs)[:1] != [scales] or mins is None
