@@ -11,7 +11,8 @@ import json
 import math
 from pathlib import Path
 
-SCHEMA_VERSION = 2   # 2: the target graph takes logit_rows; the draft records its precision
+SCHEMA_VERSION = 3   # 2: the target graph takes logit_rows; the draft records its precision; 3: the
+# draft's noise is over the target's ids (a position's noise is the target's and the draft's)
 FILENAME = "manifest.json"
 SCHEMA = Path(__file__).with_name("manifest.schema.json")  # of SCHEMA_VERSION; shipped as package data
 HASHED_SUFFIXES = (".json", ".safetensors", ".gguf", ".model", ".jinja", ".txt")

@@ -86,7 +86,6 @@ def target_spec(target: TargetStep, limits: Limits, slots: int = 1) -> GraphSpec
 
 
 def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
-    c = draft.config
     dtype = DTYPE_NAMES[draft.lm_head.weight.dtype]
     caches, outputs = _caches(draft, limits)
     return GraphSpec("draft.onnx", inputs=(
@@ -95,7 +94,7 @@ def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
         TensorSpec("ctx_count", "int64", ("batch",)),
         TensorSpec("anchor", "int64", ("batch",)),
         TensorSpec("temperature", "float32", ("batch",)),
-        TensorSpec("noise", "float32", ("batch", draft.k, c.draft_vocab_size)),
+        TensorSpec("noise", "float32", ("batch", draft.k, draft.target_vocab_size)),
         *caches,
     ), outputs=(
         TensorSpec("tokens", "int64", ("batch", draft.k)),

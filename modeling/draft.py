@@ -46,8 +46,10 @@ class DraftStep(CachedStep, nn.Module):
     - ``ctx_count [B]``: how many of the ``Sc`` rows are real; the anchor sits at
       ``p_anchor = ctx_start + ctx_count``,
     - ``anchor [B]``: the target's last emitted token (at ``p_anchor``),
-    - ``temperature [B]`` (> 0) and ``noise [B, k, V_d]``: drafts are
-      ``argmax(z / temperature + noise)``; zero noise gives greedy drafts, Gumbel noise samples,
+    - ``temperature [B]`` (> 0) and ``noise [B, k, V_target]``: drafts are
+      ``argmax(z / temperature + noise)``, each draft id taking the noise of its target id; zero
+      noise gives greedy drafts, Gumbel noise samples (the target's own noise of the positions
+      drafted: ``runtime/decoding/noise.py``),
     - per-layer caches ``k_0, v_0, k_1, ...`` each ``[B, Hkv, C, D]``.
 
     Outputs: ``tokens [B, k]`` (target ids), ``q [B, k, V_target]`` (the distribution each draft
@@ -127,7 +129,8 @@ class DraftStep(CachedStep, nn.Module):
     def sample(self, base, anchor, temperature, noise):
         """The Markov sampler, unrolled: row ``i`` adds the bias of its predecessor (the anchor,
         then the target id emitted at row ``i - 1``), is scaled by the temperature, and draws
-        ``argmax(z + noise)``; ``d2t`` maps the choice to a target id that feeds the next row.
+        ``argmax(z + noise)`` (the noise of each draft id's target id); ``d2t`` maps the choice to
+        a target id that feeds the next row.
 
         With ``markov_top_k`` K, row ``i``'s candidates are the K largest of its base logits (taken
         once for every row, ties to the lower id, as ONNX's TopK), and only they get the bias and
@@ -137,7 +140,10 @@ class DraftStep(CachedStep, nn.Module):
         w1 = self.markov_head.markov_w1.weight
         w2 = self.markov_head.markov_w2.weight
         batch = base.shape[0]
-        target_columns = (torch.arange(w2.shape[0], device=w2.device) + self.d2t).expand(batch, -1)
+        target_ids = torch.arange(w2.shape[0], device=w2.device) + self.d2t
+        target_columns = target_ids.expand(batch, -1)
+        if w2.shape[0] != self.target_vocab_size:   # a reduced vocabulary: its ids' noise
+            noise = noise[..., target_ids]
         row = w1[anchor]
         if self.markov_top_k:
             values, candidates = torch.topk(base, self.markov_top_k, dim=-1)   # [B, k, K]

@@ -114,7 +114,7 @@ def timed_steps(backend: OrtBackend, rows: list[int], batches: list[int], contex
     def draft_step(batch: int):
         """A draft step after a one-row verify, the same in each of ``batch`` slots."""
         feeds = (aux[:, -1:], torch.tensor([context - 1]), torch.tensor([1]), prompt[:, -1], torch.ones(1),
-                 torch.zeros(1, draft["k"], draft["draft_vocab_size"]))
+                 torch.zeros(1, draft["k"], draft["target_vocab_size"]))
         feeds = [feed.repeat(batch, *[1] * (feed.dim() - 1)) for feed in feeds]
         return lambda: backend.draft_step(*feeds, slots=list(range(batch)))
 

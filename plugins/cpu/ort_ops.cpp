@@ -358,7 +358,7 @@ OrtStatus* create_attention(const OrtCustomOp*, const OrtApi*, const OrtKernelIn
                    kernel);
 }
 
-// ---- MarkovSampler: base [B, R, Vd], anchor [B] int64, temperature [B], noise [B, k, Vd], d2t [Vd]
+// ---- MarkovSampler: base [B, R, Vd], anchor [B] int64, temperature [B], noise [B, k, V], d2t [Vd]
 // int64, markov_w1 [V, r], and markov_w2 transposed [r, Vd] (top_k 0) or as it is [Vd, r] (top_k K).
 // Attributes `first`: the block row of the first draft; `top_k`: each draft over its K largest base
 // logits, or 0. Outputs: tokens [B, k] int64 and q [B, k, V] (plugins/d2t_gather/ort_cpu.py).
@@ -373,10 +373,10 @@ OrtStatus* markov_sampler(void* state, OrtKernelContext* context) {
     const Sampler& s = *static_cast<Sampler*>(state);
     const size_t rank_axis = s.top_k ? 1 : 0;   // markov_w2 [Vd, r] with top_k, transposed [r, Vd] without
     if (base.dims.size() != 3 || noise.dims.size() != 3 || w1.dims.size() != 2 || w2.dims.size() != 2
-            || noise.dims[0] != base.dims[0] || noise.dims[2] != base.dims[2] || anchor.size() != base.dims[0]
+            || noise.dims[0] != base.dims[0] || noise.dims[2] != w1.dims[0] || anchor.size() != base.dims[0]
             || temperature.size() != base.dims[0] || d2t.size() != base.dims[2]
             || w2.dims[1 - rank_axis] != base.dims[2] || w2.dims[rank_axis] != w1.dims[1])
-        return error("MarkovSampler", "expected base [B, R, Vd], anchor and temperature [B], noise [B, k, Vd], "
+        return error("MarkovSampler", "expected base [B, R, Vd], anchor and temperature [B], noise [B, k, V], "
                      "d2t [Vd], markov_w1 [V, r] and markov_w2 [Vd, r] (top_k) or transposed [r, Vd]");
     const int64_t B = base.dims[0], k = noise.dims[1], V = w1.dims[0];
     const auto* weight = static_cast<const float*>(w2.data);

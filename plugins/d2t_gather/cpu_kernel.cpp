@@ -4,7 +4,8 @@
 // Draft i of a sequence: z = (base[first + i] + w1[prev] @ w2^T) / temperature over the draft
 // vocabulary, prev the anchor for i = 0 and the previous draft's target id after; q_i =
 // softmax(z) written at the target ids j + d2t[j] (zero elsewhere), and the draft is
-// argmax(z + noise_i) (the first of equal maxima, as ONNX's ArgMax), mapped to its target id,
+// argmax(z + noise_i) (the first of equal maxima, as ONNX's ArgMax; noise_i is over the target's
+// ids, draft id j taking that of j + d2t[j]), mapped to its target id,
 // whose w1 row conditions the next draft. Each sequence is one task, in one fixed order, so its
 // drafts do not depend on the others in the call.
 //
@@ -26,8 +27,10 @@ using namespace dspark_vec;
 const char* dspark_markov_check(const DsparkMarkov* m) {
     if (m->first < 0 || m->first + m->k > m->R) return "the drafts' rows run past the block";
     if (m->top_k < 0 || m->top_k > m->Vd) return "top_k outside 0 .. the draft vocabulary";
-    for (int64_t j = 0; j < m->Vd; ++j)
+    for (int64_t j = 0; j < m->Vd; ++j) {
         if (j + m->d2t[j] < 0 || j + m->d2t[j] >= m->V) return "d2t maps a draft id outside the target vocabulary";
+        if (m->Vd == m->V && m->d2t[j]) return "d2t moves an id of a draft over the whole target vocabulary";
+    }
     for (int64_t b = 0; b < m->B; ++b)
         if (m->anchor[b] < 0 || m->anchor[b] >= m->V) return "an anchor outside the target vocabulary";
     return nullptr;
@@ -104,7 +107,7 @@ int64_t draw_candidates(const DsparkMarkov* m, const float* base, const float* n
         float bias = 0.f;
         for (int64_t r = 0; r < m->rank; ++r) bias += row[r] * w2[r];
         z[c] = (top[c].value + bias) / temperature;
-        const float score = z[c] + noise[top[c].id];
+        const float score = z[c] + noise[top[c].id + m->d2t[top[c].id]];
         if (choice < 0 || score > best || (score == best && top[c].id < choice)) best = score, choice = top[c].id;
     }
     for (int64_t c = K; c < padded(K); ++c) z[c] = -INFINITY;
@@ -118,7 +121,7 @@ int64_t draw_candidates(const DsparkMarkov* m, const float* base, const float* n
 
 int64_t dspark_markov_scratch(const DsparkMarkov* m) {
     if (m->top_k) return m->top_k * int64_t(sizeof(Candidate)) + padded(m->top_k) * int64_t(sizeof(float));
-    return 2 * padded(m->Vd) * int64_t(sizeof(float));
+    return 3 * padded(m->Vd) * int64_t(sizeof(float));
 }
 
 void dspark_markov_row(const DsparkMarkov* m, int64_t b, float* scratch) {
@@ -128,7 +131,7 @@ void dspark_markov_row(const DsparkMarkov* m, int64_t b, float* scratch) {
         const float* row = m->w1 + m->anchor[b] * m->rank;
         for (int64_t i = 0; i < m->k; ++i) {
             const int64_t choice = draw_candidates(
-                m, m->base + (b * m->R + m->first + i) * m->Vd, m->noise + (b * m->k + i) * m->Vd, row,
+                m, m->base + (b * m->R + m->first + i) * m->Vd, m->noise + (b * m->k + i) * m->V, row,
                 m->temperature[b], top, z, m->q + (b * m->k + i) * m->V);
             const int64_t token = choice + m->d2t[choice];
             m->tokens[b * m->k + i] = token;
@@ -139,10 +142,15 @@ void dspark_markov_row(const DsparkMarkov* m, int64_t b, float* scratch) {
     const int64_t Vd = m->Vd, width = padded(Vd);
     float* z = scratch;            // the draft's logits, then their exponentials
     float* scores = scratch + width;
+    float* picked = scratch + 2 * width;   // a reduced vocabulary's noise, by draft id
     const float* row = m->w1 + m->anchor[b] * m->rank;
     for (int64_t i = 0; i < m->k; ++i) {
-        logits(m, m->base + (b * m->R + m->first + i) * Vd, m->noise + (b * m->k + i) * Vd, row,
-               m->temperature[b], z, scores);
+        const float* noise = m->noise + (b * m->k + i) * m->V;
+        if (Vd != m->V) {
+            for (int64_t j = 0; j < Vd; ++j) picked[j] = noise[j + m->d2t[j]];
+            noise = picked;
+        }
+        logits(m, m->base + (b * m->R + m->first + i) * Vd, noise, row, m->temperature[b], z, scores);
         const float best = highest(scores, width);
         int64_t choice = 0;
         while (choice < Vd - 1 && !(scores[choice] == best)) ++choice;   // the first maximum

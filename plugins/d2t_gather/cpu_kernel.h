@@ -15,7 +15,7 @@ struct DsparkMarkov {
     const float* base;         // [B, R, Vd]: the block's rows; draft i reads row first + i
     const int64_t* anchor;     // [B] target ids: the first draft's predecessor
     const float* temperature;  // [B], > 0
-    const float* noise;        // [B, k, Vd]: Gumbel noise, or zeros (greedy)
+    const float* noise;        // [B, k, V]: Gumbel noise by target id, or zeros (greedy)
     const int64_t* d2t;        // [Vd]: draft id j is target id j + d2t[j]
     const float* w1;           // [V, rank]: markov_w1, by target id
     const float* w2t;          // [rank, Vd]: markov_w2 transposed (top_k 0), else null

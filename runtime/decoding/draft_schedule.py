@@ -220,7 +220,7 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[DraftSchedule, Cos
         ctx = aux[:, :2].clone()
         start = torch.full((batch,), position, device=device)
         count = torch.full((batch,), 2, device=device)
-        noise = torch.zeros(batch, k, limits.draft_vocab_size, device=device)
+        noise = torch.zeros(batch, k, limits.vocab_size, device=device)
         return lambda: backend.draft_step(ctx, start, count, start * 0, torch.ones(batch, device=device),
                                           noise, **at)
 

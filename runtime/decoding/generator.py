@@ -82,7 +82,8 @@ class Generator:
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``speculative``,
-        ``confidence_threshold``, ``draft_schedule`` (``verification``);
+        ``confidence_threshold``, ``draft_schedule`` (``verification``: adaptive by default, as
+        the CLI and the servers verify);
         ``system`` is a system message before each prompt, and a sequence ends at the first of the
         ``stop`` strings, its text before it
         (``Decoding``'s)."""
@@ -94,20 +95,35 @@ class Generator:
         ids = [self.encode(p, chat_template, system) for p in prompts]
         names = [f"prompt {i + 1} ({p if len(p) <= 40 else p[:37] + '...'!r})"
                  for i, p in enumerate(prompts)]
-        options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
-        return [Decoding(self.backend, ids[begin:begin + size], names=names[begin:begin + size],
-                         stop=self._stop_strings(stop), **options)
-                for begin in range(0, len(ids), size)]
+        return self._made(lambda chosen: [Decoding(self.backend, ids[begin:begin + size],
+                                                   names=names[begin:begin + size],
+                                                   stop=self._stop_strings(stop), **chosen)
+                                          for begin in range(0, len(ids), size)], options)
 
     def conversation(self, messages: list[dict[str, str]], stop: list[str] | tuple[str, ...] = (),
                      after: Decoding | None = None, **options) -> Decoding:
         """A ``Decoding`` of the assistant's next turn in ``messages`` (``{"role", "content"}``,
         through the chat template), not started; options as ``decodings``. ``after``: the previous
         turn's, whose caches this one reuses (it prefills only what the conversation added)."""
-        options.setdefault("eos_token_ids", self.backend.limits.eos_token_ids)
+        if after is not None and options.get("draft_schedule") is None:
+            options["draft_schedule"] = after.scheduler.schedule   # measuring would overwrite its caches
         ids = encode_conversation(self.tokenizer, messages)
-        return Decoding(self.backend, [ids], names=["the conversation"],
-                        stop=self._stop_strings(stop), after=after, **options)
+        return self._made(lambda chosen: Decoding(self.backend, [ids], names=["the conversation"],
+                                                  stop=self._stop_strings(stop), after=after, **chosen),
+                          options)
+
+    def _made(self, make, options: dict):
+        """``make(options)``, the options given the engine's EOS ids and, with speculation, adaptive
+        verification unless they name a ``draft_schedule`` (what the CLI and the servers run): its
+        costs measured (``verification``) once a first ``make`` has checked every prompt, so that
+        a prompt that does not fit is refused at once."""
+        options = {"eos_token_ids": self.backend.limits.eos_token_ids, **options}
+        limits = self.backend.limits
+        if options.get("speculative", True) and limits.k and options.get("draft_schedule") is None:
+            if self._adaptive is None:
+                make({**options, "draft_schedule": DraftSchedule.constant(limits.k)})
+            options["draft_schedule"] = self.verification()
+        return make(options)
 
     def _stop_strings(self, stop) -> StopStrings | None:
         return StopStrings(list(stop), self.decode) if stop else None

@@ -69,5 +69,5 @@ def insert_context(backend: Backend, aux, start, count, next_tokens, slots: list
     into the draft's caches, the token after them ``next_tokens [B]``; its proposals are discarded."""
     batch, limits = next_tokens.shape[0], backend.limits
     backend.draft_step(aux, start, count, next_tokens, torch.ones(batch, device=next_tokens.device),
-                       torch.zeros(batch, limits.k, limits.draft_vocab_size, device=next_tokens.device),
+                       torch.zeros(batch, limits.k, limits.vocab_size, device=next_tokens.device),
                        **({} if slots is None else {"slots": slots}))

@@ -9,6 +9,7 @@ import torch
 
 from runtime.decoding.acceptance import Acceptance
 from runtime.decoding.logprobs import TokenLogprob
+from runtime.decoding.noise import Noise
 from runtime.decoding.params import Params
 from runtime.decoding.penalties import Penalties
 from runtime.decoding.stats import SpecStats
@@ -64,7 +65,7 @@ class Request:
     anchor_pos: int = 0
     context: DraftContext | None = None     # with speculation, once prefilled
     state_slot: int = 0           # a hybrid target's state slot holding the state after the anchor
-    generator: torch.Generator | None = None
+    noise: Noise | None = None    # a sampled request's, by position
     penalty: Penalties | None = None
     prefill: "Prefill | None" = None
     # with ``params.logprobs`` / ``prompt_logprobs``: one per generated token / prompt token after the first

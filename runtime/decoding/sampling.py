@@ -1,4 +1,4 @@
-"""Turning target logits into a distribution, drawing from it, and the draft's Gumbel noise."""
+"""Turning target logits into a distribution, and the token that a Gumbel vector picks from it."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,23 +27,6 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return probs
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One sample per row of ``probs [..., V]`` (unnormalized is fine), from ``generator``."""
-    uniform = torch.rand(probs.shape[:-1], generator=generator, device=generator.device)
-    return pick(probs, uniform)
-
-
-def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """The sample of each row of ``probs [..., V]`` (unnormalized is fine) that ``uniform [...]``
-    (U(0, 1)) selects, by inverting the CDF: the first id whose cumulative mass exceeds
-    ``u * total``, so zero-mass ids are never drawn. On a CPU this is ~20x faster than
-    ``torch.multinomial`` over a large vocabulary."""
-    cdf = probs.reshape(-1, probs.shape[-1]).double().cumsum(-1)
-    u = uniform.reshape(-1, 1).double()
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)   # u < 1: always below total
-    return ids.reshape(probs.shape[:-1])
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equal ones, as ``torch.argmax``). On a
     CPU, numpy's: torch's CPU ``argmax`` over a 49k vocabulary takes ~10x as long (210 us for a
@@ -53,15 +36,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float,
-               generator: torch.Generator, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """Greedy (``temperature == 0``) or sampled next token of each row of ``logits [..., V]``."""
+def scores(logits: torch.Tensor, noise: torch.Tensor, temperature: float, top_p: float = 1.0,
+           top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """``log p + noise`` up to a constant per row, ``-inf`` where ``p`` (``probabilities``) is 0:
+    its argmax is the sample of ``p`` that the Gumbel ``noise [..., V]`` picks (``noise.py``)."""
+    probs = probabilities(logits, temperature, top_p, top_k, min_p)
+    return torch.where(probs > 0, logits.float() / temperature, -torch.inf) + noise
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, noise: torch.Tensor | None,
+               top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Greedy (``temperature == 0``) or sampled next token of each row of ``logits [..., V]``,
+    the sample that the Gumbel ``noise [..., V]`` picks."""
     if temperature == 0:
         return argmax(logits)
-    return draw(probabilities(logits, temperature, top_p, top_k, min_p), generator)
-
-
-def gumbel_noise(shape, generator: torch.Generator) -> torch.Tensor:
-    """``-log(-log(U))``: ``argmax(z / T + noise)`` is then a sample of ``softmax(z / T)``."""
-    uniform = torch.rand(shape, generator=generator, device=generator.device).clamp_(1e-20, 1.0 - 1e-7)
-    return -torch.log(-torch.log(uniform))
+    return argmax(scores(logits, noise, temperature, top_p, top_k, min_p))

@@ -7,8 +7,8 @@ requests for long), samples its first token and joins the decoding requests at t
 finished or cancelled request frees its slot at once and leaves its caches there: the next request
 goes to the free slot that holds the longest beginning of its prompt and prefills only the rest
 (``prefix_cache.py``), else to the free slot left longest ago, cleared. Each request has its own
-``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its own
-``torch.Generator``), stop strings, log-probabilities and speculation on or off. How many drafts a
+``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its noise by position,
+``noise.py``), stop strings, log-probabilities and speculation on or off. How many drafts a
 step verifies is the verification policy's cap, below the confidence cut: a fixed one by the
 number of busy slots (``draft_schedule.py``), or the one that the requests' own acceptance and the
 measured call costs say pays best (``adaptive.py``).
@@ -22,9 +22,10 @@ requests admitted together are prefilled together, on a block of consecutive slo
 ``batch.Decoding`` (a batch of prompts started together) is this loop with a pool of the
 batch's size.
 
-Greedy output is the target's own greedy output whatever else runs. A seeded request draws the
-same numbers as alone while the schedule gives it the same cap: on a backend whose rows do not
-depend on their neighbours (ONNX Runtime) its sampled output is then the same too.
+Greedy output is the target's own greedy output whatever else runs, and a sampled request's is the
+target's own sample for its seed: the noise of each position is the seed's, whatever the cap, the
+drafts and the other requests (on a backend whose rows do not depend on their neighbours, as ONNX
+Runtime's, the same tokens, load or no load).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from runtime.backends.base import Backend, capacity_needed, torch_threads
 from runtime.decoding.adaptive import AdaptiveVerification
 from runtime.decoding.draft_schedule import DraftSchedule
 from runtime.decoding.logprobs import token_logprobs
+from runtime.decoding.noise import Noise
 from runtime.decoding.params import Params
 from runtime.decoding.penalties import Penalties
 from runtime.decoding.prefill import insert_context, prefill_chunks
@@ -94,7 +96,8 @@ class Scheduler:
         request = Request(next(self.ids), list(prompt), replace(params, speculative=speculative),
                           stats=SpecStats(k=self.limits.k if speculative else 0),
                           acceptance=self.schedule.estimate() if speculative else None,
-                          generator=torch.Generator(self.device).manual_seed(params.seed))
+                          noise=Noise(params.seed, self.limits.vocab_size, self.device)
+                          if params.temperature > 0 else None)
         if params.penalized:
             request.penalty = Penalties(params.repetition_penalty, params.presence_penalty,
                                         params.frequency_penalty, prompt, self.limits.vocab_size, self.device)
@@ -229,7 +232,8 @@ class Scheduler:
             p, logits = request.params, last_logits[b]
             if request.penalty is not None:
                 logits = request.penalty(logits[None])[0]
-            tokens.append(next_token(logits, p.temperature, p.top_p, request.generator, p.top_k, p.min_p))
+            noise = request.noise.rows(0, 1)[0] if request.noise is not None else None
+            tokens.append(next_token(logits, p.temperature, p.top_p, noise, p.top_k, p.min_p))
         starts, counts, tokens = ctx_start.tolist(), ctx_count.tolist(), torch.stack(tokens).tolist()
         changed = []
         for b, request in enumerate(group):
@@ -319,6 +323,8 @@ class Scheduler:
             self._release(request)
         else:
             request.anchor = request.token_ids[-1]
+            if request.noise is not None:
+                request.noise.forget(below=len(request.token_ids))
 
     def _release(self, request: Request) -> None:
         """Free ``request``'s slot, unless requests prefilled with it still write theirs, and

@@ -16,9 +16,9 @@ import torch
 
 from runtime.backends.base import Backend
 from runtime.decoding.request import Request
-from runtime.decoding.sampling import gumbel_noise, probabilities
+from runtime.decoding.sampling import scores
 from runtime.decoding.stats import PhaseTimes
-from runtime.decoding.verify import greedy_verify, rejection_verify
+from runtime.decoding.verify import accept
 
 
 @dataclass
@@ -47,7 +47,6 @@ class Call:
 @dataclass
 class Proposal:
     drafts: torch.Tensor          # [B, k]
-    q: torch.Tensor | None        # [B, k, V] the distributions they were drawn from
     limit: torch.Tensor           # [B] how many of them each row verifies
 
 
@@ -74,7 +73,7 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
     if call.drafting:
         proposal = propose(backend, call, threshold, times)
     else:
-        proposal = Proposal(torch.zeros(batch, k, dtype=torch.long, device=device), None,
+        proposal = Proposal(torch.zeros(batch, k, dtype=torch.long, device=device),
                             torch.zeros(batch, dtype=torch.long, device=device))
     width = int(proposal.limit.max())
     block = torch.cat([call.anchor[:, None], proposal.drafts[:, :width]], 1)
@@ -85,7 +84,7 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
     with times.measure("verify"):
         logits, taps = backend.target_step(block, call.anchor_pos, positions, call.state_slot, state_rows,
                                            **call.slots)
-    accepted, emitted = verify(call, proposal, logits, k)
+    accepted, emitted = verify(call, proposal, logits)
     # the step's one device -> host copy
     verdicts = [Verdict(a, n, emitted_row[:a + 1], drafts_row[:n]) for (a,), (n,), emitted_row, drafts_row
                 in to_host(accepted[:, None], proposal.limit[:, None], emitted, proposal.drafts[:, :width])]
@@ -93,18 +92,17 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
 
 
 def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -> Proposal:
-    """The drafters' ``k`` drafts (their own noise: none when greedy, or when no draft is
-    verified) and how many each verifies: at most the cap, none from the first below the
-    confidence ``threshold`` on, and none for another row (which inserts no context: a count of 0
-    at its ``context_start``)."""
+    """The drafters' ``k`` drafts (a sampled request's with the noise of the positions they
+    propose, ``noise.py``; none when no draft is verified) and how many each verifies: at most the
+    cap, none from the first below the confidence ``threshold`` on, and none for another row
+    (which inserts no context: a count of 0 at its ``context_start``)."""
     device, limits, batch = backend.device, backend.limits, len(call.requests)
     drafters = call.drafters
     contexts = {b: call.requests[b].context for b in drafters}
     first = contexts[drafters[0]].rows
     aux = first.new_zeros(batch, max(c.count for c in contexts.values()), first.shape[-1])
     start, count = list(call.context_start), [0] * batch
-    shape = (limits.k, limits.draft_vocab_size)
-    noise = torch.zeros(batch, *shape, device=device)
+    noise = torch.zeros(batch, limits.k, limits.vocab_size, device=device)
     temperatures = torch.ones(batch, device=device)
     for b, context in contexts.items():
         request = call.requests[b]
@@ -112,7 +110,7 @@ def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -
         if request.params.temperature > 0:
             temperatures[b] = request.params.temperature
             if call.cap > 0:
-                noise[b] = gumbel_noise(shape, request.generator)
+                noise[b] = request.noise.rows(len(request.token_ids), limits.k)
     with times.measure("draft"):
         drafts, q = backend.draft_step(aux, torch.tensor(start, device=device),
                                        torch.tensor(count, device=device), call.anchor, temperatures, noise,
@@ -120,37 +118,25 @@ def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -
     limit = torch.tensor([call.cap if b in contexts else 0 for b in range(batch)], device=device)
     if threshold > 0 and call.cap > 0:   # the cut past the cap changes nothing: not read
         limit = torch.minimum(limit, confident_drafts(q[:, :call.cap], threshold))
-    return Proposal(drafts, q, limit)
+    return Proposal(drafts, limit)
 
 
-def verify(call: Call, proposal: Proposal, logits: torch.Tensor, k: int):
-    """``accepted [B]`` and ``emitted [B, w + 1]``: the greedy rows by the target's argmax, the
-    sampled ones by rejection sampling (one token from ``p`` where a row verifies no draft), each
-    with ``k + 1`` numbers from its own generator whatever the call's width."""
+def verify(call: Call, proposal: Proposal, logits: torch.Tensor):
+    """``accepted [B]`` and ``emitted [B, w + 1]``: the drafts equal to the target's tokens, which
+    are its argmax on greedy rows and on sampled ones the argmax of its scores with the noise of
+    the positions they predict (``noise.py``): the target's own sample, whatever was drafted."""
     width, drafts, requests = logits.shape[1] - 1, proposal.drafts, call.requests
-    penalized = [b for b in call.live if requests[b].penalty is not None]
-    if penalized:
-        logits = logits.clone()
-        for b in penalized:
-            logits[b] = requests[b].penalty(logits[b], drafts[b])
-    accepted, emitted = greedy_verify(drafts[:, :width], logits, proposal.limit)
-    sampled = [b for b in call.live if requests[b].params.temperature > 0]
-    if not sampled:
-        return accepted, emitted
-    index = torch.tensor(sampled, device=logits.device)
-    uniform = torch.stack([torch.rand(k + 1, generator=requests[b].generator, device=logits.device)
-                           for b in sampled])
-    by_options: dict[tuple, list[int]] = {}
-    for i, b in enumerate(sampled):
-        p = requests[b].params
-        by_options.setdefault((p.temperature, p.top_p, p.top_k, p.min_p), []).append(i)
-    probs = torch.empty(len(sampled), width + 1, logits.shape[-1], device=logits.device)
-    for options, members in by_options.items():
-        probs[members] = probabilities(logits[index[members]], *options)
-    q_rows = proposal.q[index, :width] if proposal.q is not None else probs[:, :0]
-    accepted[index], emitted[index] = rejection_verify(drafts[index, :width], q_rows, probs, uniform,
-                                                       proposal.limit[index])
-    return accepted, emitted
+    live = call.live
+    if any(requests[b].penalty is not None or requests[b].params.temperature > 0 for b in live):
+        logits = logits.to(torch.float32, copy=True)    # the scores are float32
+    for b in live:
+        request, p = requests[b], requests[b].params
+        if request.penalty is not None:
+            logits[b] = request.penalty(logits[b], drafts[b])
+        if p.temperature > 0:
+            noise = request.noise.rows(len(request.token_ids), width + 1)
+            logits[b] = scores(logits[b], noise, p.temperature, p.top_p, p.top_k, p.min_p)
+    return accept(drafts[:, :width], logits, proposal.limit)
 
 
 def confident_drafts(q: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -92,12 +92,14 @@ WRONG_SHAPES = {  # name: (the manifest made from a built one, the JSON path, wh
                            "$.limits.max_batch", "'4' is not of type 'integer'"),
     "max_batch 0": (lambda m: m | {"limits": m["limits"] | {"max_batch": 0}},
                     "$.limits.max_batch", "0 is less than the minimum of 1"),
-    "schema_version 0": (lambda m: m | {"schema_version": 0}, "$.schema_version", "expected 2, got 0"),
-    "schema_version '2'": (lambda m: m | {"schema_version": "2"}, "$.schema_version", "expected 2, got '2'"),
+    "schema_version 0": (lambda m: m | {"schema_version": 0}, "$.schema_version", "expected 3, got 0"),
+    "schema_version '3'": (lambda m: m | {"schema_version": "3"}, "$.schema_version", "expected 3, got '3'"),
     "schema_version 1 (before logit_rows)": (lambda m: m | {"schema_version": 1}, "$.schema_version",
-                                             "expected 2, got 1"),
+                                             "expected 3, got 1"),
+    "schema_version 2 (the draft's noise over its own ids)": (
+        lambda m: m | {"schema_version": 2}, "$.schema_version", "expected 3, got 2"),
     "schema_version true": (lambda m: m | {"schema_version": True}, "$.schema_version",
-                            "expected 2, got True"),
+                            "expected 3, got True"),
     "dtype int8": (lambda m: m | {"dtype": "int8"}, "$.dtype", "'int8' is not one of"),
     "a target graph built before logit_rows": (
         lambda m: m | {"graphs": m["graphs"] | {"target": m["graphs"]["target"] | {

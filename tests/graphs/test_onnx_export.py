@@ -104,7 +104,7 @@ def test_a_tied_target_holds_its_embedding_once(engine):
 def test_manifest_makes_the_directory_self_contained(engine):
     directory, target_dir, draft_dir = engine
     manifest = _manifest(directory)
-    assert manifest["schema_version"] == 2 and manifest["opset"] == 23
+    assert manifest["schema_version"] == 3 and manifest["opset"] == 23
     assert manifest["limits"] == {"max_batch": 4, "max_seq_len": 96, "max_prompt_chunk": 32}
     assert set(manifest["source"]["target"]["files"]) >= {"config.json", "model.safetensors"}
     assert all(h.startswith("sha256:") for h in manifest["source"]["draft"]["files"].values())
