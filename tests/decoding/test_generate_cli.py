@@ -66,7 +66,7 @@ def test_cli_prints_text_stats_and_a_consistent_trace(engine, generator, tmp_pat
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)   # a terminal is told what loads
     trace = tmp_path / "trace.jsonl"
     cli.main(_run(engine, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--stats", "--trace", str(trace),
-                  "--draft-schedule", "4"))   # the library's default: every draft verified
+                  "--draft-schedule", "4"))   # every draft verified
     out, err = capsys.readouterr()
     expected = generator.generate(PROMPTS[:2], max_new_tokens=24)
     for prompt, text in zip(PROMPTS, expected.texts):
@@ -79,6 +79,44 @@ def test_cli_prints_text_stats_and_a_consistent_trace(engine, generator, tmp_pat
         assert emitted == ids
         steps = [r for r in records if r["sequence"] == b and r["step"] > 0]
         assert all(len(r["drafts"]) == 4 and 0 <= r["accepted"] <= 4 for r in steps)
+
+
+def test_a_seed_gives_one_text_through_the_cli_and_the_api_whatever_is_verified(engine, generator, capsys):
+    """A sampled token is the target's own sample for the seed (``runtime/decoding/noise.py``):
+    adaptive verification (the default), a fixed cap, and no speculation print one text, the
+    API's."""
+    sampled = ["--prompt", PROMPTS[1], "--temperature", "0.8", "--top-p", "0.95", "--seed", "7"]
+    printed = set()
+    for verification in ([], ["--no-spec"], ["--draft-schedule", "1"], ["--draft-schedule", "4"], []):
+        cli.main(_run(engine, *sampled, *verification))
+        printed.add(capsys.readouterr().out)
+    text = generator.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7).texts[0]
+    assert printed == {f"### {PROMPTS[1]}\n{text}\n\n"}
+    assert text != generator.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, top_p=0.95,
+                                      seed=8).texts[0]
+
+
+def test_the_api_verifies_adaptively_by_default_as_the_cli_does(engine, generator, monkeypatch):
+    """``generate`` / ``decodings`` without a ``draft_schedule`` plan with adaptive verification
+    (measured once per generator), after every prompt is checked: a prompt that cannot fit is
+    refused before the ~2 s measurement."""
+    from runtime.decoding import generator as api
+    from runtime.decoding.adaptive import AdaptiveVerification
+    from runtime.decoding.draft_schedule import DraftSchedule
+
+    [decoding] = generator.decodings([PROMPTS[0]], max_new_tokens=24)
+    assert isinstance(decoding.scheduler.schedule, AdaptiveVerification)
+    assert decoding.scheduler.schedule is generator.verification()
+    [fixed] = generator.decodings([PROMPTS[0]], max_new_tokens=24, draft_schedule=DraftSchedule.constant(2))
+    assert fixed.scheduler.schedule == DraftSchedule.constant(2)
+    measured = []
+    monkeypatch.setattr(api, "adaptive", lambda backend: measured.append(backend))
+    fresh = Generator.from_engine(engine)
+    with pytest.raises(ValueError, match="prompt 2 .* tokens"):
+        fresh.decodings(["hi", "word " * 200], max_new_tokens=24)
+    assert not measured
+    fresh.decodings(["hi"], max_new_tokens=24, speculative=False)
+    assert not measured
 
 
 def test_cli_stream_and_no_spec_print_the_same_text(engine, capsys):

@@ -22,7 +22,8 @@ def _inputs(draft, batch: int = 3, seed: int = 0):
     vocab = draft.config.draft_vocab_size
     base = 3 * torch.randn(batch, draft.k, vocab, generator=generator)
     anchor = torch.randint(draft.target_vocab_size, (batch,), generator=generator)
-    gumbel = -torch.log(-torch.log(torch.rand(batch, draft.k, vocab, generator=generator)))
+    uniform = torch.rand(batch, draft.k, draft.target_vocab_size, generator=generator)   # by target id
+    gumbel = -torch.log(-torch.log(uniform))
     return base, anchor, torch.tensor([1.0, 0.7, 1.3])[:batch], gumbel
 
 

@@ -113,7 +113,7 @@ def test_a_draft_step_of_several_sequences_gives_each_what_it_gives_alone(case):
     before, count = torch.tensor([3, 9, 5]), torch.tensor([6, 2, 4])   # context rows: written, new
     ctx = torch.randn(3, 9 + 6, width, generator=g)
     anchor, temperature, slots = torch.tensor([5, 17, 30]), torch.tensor([1.0, 0.5, 1.0]), [2, 0, 1]
-    noise = -torch.log(-torch.log(torch.rand(3, draft["k"], draft["draft_vocab_size"], generator=g)))
+    noise = -torch.log(-torch.log(torch.rand(3, draft["k"], draft["target_vocab_size"], generator=g)))
 
     def steps(rows: list[int]):
         """The context before, then the step measured, for the sequences ``rows`` on their slots."""

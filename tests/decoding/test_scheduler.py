@@ -169,8 +169,9 @@ def test_a_measured_schedule_plans_with_this_backend_and_leaves_it_clean(pair_di
 
 
 def test_a_seeded_request_samples_the_same_alone_and_among_others(pair_dirs, engine_dir):
-    """ONNX Runtime computes each slot on its own and each request draws from its own generator:
-    a sampled request's tokens do not depend on what else runs, and another seed changes them."""
+    """ONNX Runtime computes each slot on its own and each request's noise is its seed's by
+    position: a sampled request's tokens do not depend on what else runs (nor on the cap that the
+    load sets), and another seed changes them."""
     backend = _backend("ort", pair_dirs, engine_dir)
     sampled = Params(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=7)
 

@@ -23,7 +23,7 @@ def _context(target, prompts):
 
 def _run(draft, aux, lengths, anchor, noise=None, temperature=None):
     batch = aux.shape[0]
-    noise = torch.zeros(batch, draft.k, draft.config.draft_vocab_size) if noise is None else noise
+    noise = torch.zeros(batch, draft.k, draft.target_vocab_size) if noise is None else noise
     temperature = torch.ones(batch) if temperature is None else temperature
     tokens, q, *_ = draft(aux, torch.zeros(batch, dtype=torch.long), lengths, anchor, temperature,
                           noise, *draft.empty_cache(batch, 64))
@@ -85,6 +85,29 @@ def test_drafts_are_target_ids_through_d2t_offsets(loaded):
     outside = torch.ones(draft.target_vocab_size, dtype=torch.bool)
     outside[list(allowed)] = False
     assert q[..., outside].abs().sum() == 0
+
+
+def test_a_draft_id_takes_the_noise_of_its_target_id(loaded):
+    """The noise is over the target's ids (a position's noise is the target's and the draft's,
+    ``runtime/decoding/noise.py``): a draft id's comes from its target id, whatever the draft's
+    vocabulary, so that a large value there makes that id the draft, and one on a target id the
+    draft cannot propose changes nothing."""
+    _, draft = loaded
+    aux = torch.randn(3, 8, draft.fc.in_features, generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([8, 5, 2])
+    plain, _ = _run(draft, aux, lengths, ANCHORS)
+    draft_id = draft.config.draft_vocab_size - 2
+    target_id = int(draft_id + draft.d2t[draft_id])
+    noise = torch.zeros(3, draft.k, draft.target_vocab_size)
+    noise[:, 0, target_id] = 1e4
+    tokens, _ = _run(draft, aux, lengths, ANCHORS, noise=noise)
+    assert tokens[:, 0].tolist() == [target_id] * 3 and not torch.equal(plain[:, 0], tokens[:, 0])
+    unused = sorted(set(range(draft.target_vocab_size))
+                    - set((torch.arange(draft.config.draft_vocab_size) + draft.d2t).tolist()))
+    if unused:
+        noise = torch.zeros(3, draft.k, draft.target_vocab_size)
+        noise[:, :, unused] = 1e4
+        assert torch.equal(_run(draft, aux, lengths, ANCHORS, noise=noise)[0], plain)
 
 
 def test_d2t_gather_maps_by_offset():

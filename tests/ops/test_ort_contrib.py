@@ -103,7 +103,7 @@ def test_the_lowered_draft_gives_the_portable_drafts_proposals_step_by_step(engi
     draft = lowered.manifest["draft"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (1, 30), generator=generator)
-    uniform = torch.rand(4, 1, draft["k"], draft["draft_vocab_size"], generator=generator)
+    uniform = torch.rand(4, 1, draft["k"], draft["target_vocab_size"], generator=generator)
     noise = -torch.log(-torch.log(uniform))   # Gumbel
     results = []
     for backend in (lowered, portable):
