@@ -94,9 +94,12 @@ def add_draft_schedule(p) -> None:
 
 
 def verification(args, generator):
-    """The ``draft_schedule`` option for --draft-schedule (None without speculation: nothing to
-    measure)."""
-    return None if args.no_spec else generator.verification(args.draft_schedule)
+    """The ``draft_schedule`` option for --draft-schedule: a fixed one, or None, adaptive
+    verification, which the ``Generator`` measures once the prompts are checked (and not at all
+    without speculation)."""
+    from runtime.decoding.draft_schedule import DraftSchedule
+
+    return DraftSchedule.parse(args.draft_schedule, generator.backend.limits.k)
 
 
 def check_flags(args) -> None:
@@ -172,6 +175,7 @@ def prepare(args):
         if args.trace:
             writable_file(args.trace, "--trace")
         prompts = read_prompts(args)
+        from runtime.decoding.draft_schedule import DraftSchedule
         from runtime.decoding.generator import Generator
 
         if sys.stderr.isatty():   # a few seconds of ONNX Runtime preparing the graphs: say so
@@ -180,15 +184,14 @@ def prepare(args):
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
-        args.verification = None   # measured (on the backend) only once every prompt is checked
-        if args.all_turns:   # each conversation's first turn is checked now, the later ones as they come
+        args.verification = verification(args, generator)
+        if args.all_turns:   # each conversation's first turn is checked now (with nothing measured
+            # yet: a fixed schedule), the later ones as they come
+            fixed = args.verification or DraftSchedule.constant(generator.backend.limits.k)
             for turns in prompts:
                 generator.conversation(system_messages(args) + [{"role": "user", "content": turns[0]}],
-                                       **_options(args))
-            args.verification = verification(args, generator)
+                                       **{**_options(args), "draft_schedule": fixed})
             return generator, prompts, None
-        _decodings(generator, prompts, args)
-        args.verification = verification(args, generator)
         decodings = _decodings(generator, prompts, args)
     except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
         raise SystemExit(f"error: {err}") from None
