@@ -2,7 +2,7 @@
 # Set up and run the test suite (CPU; GPU tests are skipped without a GPU). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 # Triton Inference Server for tests/serving/test_triton.py (which skips without it)
 bash scripts/setup_triton.sh
 # lint first: a second, and a red CI names the line

@@ -35,9 +35,9 @@ class Decoding:
     A sequence stops at its first EOS (kept in the output), at the token that completes one of
     the ``stop`` strings, or after ``max_new_tokens``.
     ``temperature == 0`` is greedy: the output is exactly the target's own greedy output.
-    Otherwise it is distributed as the target's sampling distribution (with ``top_k`` and
-    ``top_p``, as ``transformers`` applies them); prompt ``i`` draws from its own generator,
-    seeded ``seed + i``.
+    Otherwise it is the target's own sample (with ``top_k`` and ``top_p``, as ``transformers``
+    applies them) for prompt ``i``'s seed, ``seed + i`` (``noise.py``): the same tokens with
+    speculation or without, at any cap.
     ``confidence_threshold`` (default: the backend's, which an engine records at build; 0 verifies
     all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
     the target spends no verify rows on drafts that are unlikely to be accepted. ``draft_schedule``
