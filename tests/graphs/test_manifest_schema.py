@@ -124,7 +124,7 @@ def test_inspect_names_the_bad_field_in_one_line(built, tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("version", [3, 99])
+@pytest.mark.parametrize("version", [4, 99])
 def test_a_future_schema_version_says_upgrade(built, tmp_path, version):
     """Whatever else a newer manifest holds, it is refused as newer, not as malformed."""
     message = refusal(engine_with(tmp_path, {**built, "schema_version": version, "new_field": 1}))
