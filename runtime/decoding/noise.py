@@ -39,8 +39,9 @@ class Noise:
         row = self._rows.get(index)
         if row is None:
             generator = torch.Generator(self.device).manual_seed(_mix(self.seed, index))
+            # -log(-log(U)) in place; U in [2^-24, 1): U = 0 (once in 2^24 draws) would be -inf
             uniform = torch.rand(self.vocab, generator=generator, device=self.device)
-            row = self._rows[index] = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+            row = self._rows[index] = uniform.clamp_(min=2.0 ** -24).log_().neg_().log_().neg_()
         return row
 
 
