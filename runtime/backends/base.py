@@ -19,7 +19,6 @@ class BackendLimits:
     vocab_size: int
     k: int                       # drafts per step
     block_size: int              # the draft's block (0 without a draft)
-    draft_vocab_size: int
     capacity: int                # KV-cache rows per sequence (build --max-seq-len)
     max_batch: int
     max_prompt_chunk: int        # most prompt rows per prefill call
@@ -40,7 +39,7 @@ class BackendLimits:
         rings = any(is_cache(t["name"]) and t["shape"][2] < limits["max_seq_len"] for t in inputs
                     if not t["name"].startswith("state_cache_"))
         return cls(vocab_size=m["target"]["vocab_size"], k=draft["k"], block_size=draft["block_size"],
-                   draft_vocab_size=draft["draft_vocab_size"], capacity=limits["max_seq_len"],
+                   capacity=limits["max_seq_len"],
                    max_batch=limits["max_batch"], max_prompt_chunk=limits["max_prompt_chunk"],
                    eos_token_ids=tuple(m["target"]["eos_token_ids"]),
                    confidence_threshold=confidence_threshold(m), state_slots=slots, rings=rings)
@@ -52,7 +51,6 @@ class BackendLimits:
         """For the PyTorch reference modules (``draft`` None: target-only)."""
         return cls(vocab_size=target.config.vocab_size, k=draft.k if draft is not None else 0,
                    block_size=draft.config.block_size if draft is not None else 0,
-                   draft_vocab_size=draft.config.draft_vocab_size if draft is not None else 0,
                    capacity=capacity, max_batch=max_batch, max_prompt_chunk=max_prompt_chunk or capacity,
                    eos_token_ids=tuple(target.config.eos_token_ids),
                    confidence_threshold=confidence_threshold,
