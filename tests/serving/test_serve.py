@@ -97,16 +97,18 @@ def test_with_no_verify_step_tau_and_the_acceptance_are_null(client, server, spe
 
 
 def test_a_seeded_sampled_request_is_reproducible_at_any_load(client):
-    """The same text alone and as one of four concurrent copies (which change how many drafts
-    each step verifies), and another with another seed."""
-    def ask(seed):
+    """The same text alone, as one of four concurrent copies (which change how many drafts each
+    step verifies) and without speculation: the target's own sample for the seed; another seed
+    gives another."""
+    def ask(seed, speculative=True):
         return client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=25, temperature=0.7,
-                                         top_p=0.9, seed=seed).choices[0].text
+                                         top_p=0.9, seed=seed,
+                                         extra_body={"speculative": speculative}).choices[0].text
 
     alone = ask(11)
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(ask, [11] * 4)) == [alone] * 4
-    assert ask(12) != alone
+    assert ask(11, speculative=False) == alone != ask(12)
 
 
 def test_a_stop_string_ends_the_text_streamed_or_not(client, generator):
