@@ -136,7 +136,7 @@ class DraftStep(CachedStep, nn.Module):
         once for every row, ties to the lower id, as ONNX's TopK), and only they get the bias and
         can be drawn (vLLM's ``dspark_draft_topk``): the bias reads K rows of ``markov_w2`` instead
         of all of them, at 151936 ids and rank 256 a 39M-weight product a draft. ``q`` is then the
-        distribution over those K that each draft was drawn from, so verification stays exact."""
+        distribution over those K that each draft was drawn from (what the confidence cut reads)."""
         w1 = self.markov_head.markov_w1.weight
         w2 = self.markov_head.markov_w2.weight
         batch = base.shape[0]

@@ -10,8 +10,8 @@
 A verify step's row ``j`` predicts the token after the drafts ``d_1 .. d_j``, so its history holds
 them too: each row is penalized as target-only decoding would penalize it after those tokens,
 which keeps greedy speculative output the target's (penalized) greedy output and sampling exact.
-The drafts themselves come from the draft's own distribution, unpenalized, as rejection sampling
-allows."""
+The drafts themselves come from the draft's own distribution, unpenalized: what a step emits is
+the target's (penalized) token at each row, whatever was drafted."""
 from __future__ import annotations
 
 import torch
