@@ -41,7 +41,8 @@ def test_api_greedy_equals_transformers_in_batches(generator, tiny):
     no faster there)."""
     sizes = [len(d.prompts) for d in generator.decodings(PROMPTS, max_new_tokens=24, chat_template=False)]
     assert sizes == ([2, 1] if generator.backend.batched else [1, 1, 1])
-    result = generator.generate(PROMPTS, max_new_tokens=24, chat_template=False, batch_size=2)
+    result = generator.generate(PROMPTS, max_new_tokens=24, chat_template=False, batch_size=2,
+                                draft_schedule=generator.verification("4"))  # steps verify drafts
     tokenizer = AutoTokenizer.from_pretrained(tiny(arch="llama")[0])
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert result.token_ids == hf_greedy(tiny(arch="llama")[0], ids, 24)
