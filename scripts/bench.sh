@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's measured numbers: the demo pair (SmolLM2-135M-Instruct + its distilled DSpark draft)
+# docs/measurements.md's "The demo pair" numbers: the demo pair (SmolLM2-135M-Instruct + its distilled DSpark draft)
 # on prompts that distillation held out (the last 20 records of each file), batch 1, greedy and
 # temperature 1, against target-only decoding on the same engine and transformers generate (plain
 # and with prompt lookup). Writes docs/bench/<set>-t<T>.{json,png}. Extra arguments go to every
@@ -12,7 +12,7 @@ ENGINE=${ENGINE:-engines/bench-smollm2-135m-instruct-float}
 PROMPTS=data/prompts
 # the demo pair (k = 4, confidence 0.6) with fp32 weights, as docs/measurements.md's "The demo
 # pair" table was measured (the demo's default is the GGUF's own blocks: the "with quantized
-# weights" table, and README's)
+# weights" table, and README's "Where it stands")
 [ -f "$ENGINE/manifest.json" ] || .venv/bin/python -m export build --out "$ENGINE" --weights float
 mkdir -p docs/bench
 for temperature in 0 1; do

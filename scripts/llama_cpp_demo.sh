@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo pair against llama.cpp's own tools on the same GGUF file (README, "Measured"): its
+# The demo pair against llama.cpp's own tools on the same GGUF file (README, "Where it stands"): its
 # target-only and its DSpark with our draft as its converter writes it, on held-out gsm8k and
 # mt-bench (6 prompts x 128 tokens, greedy, batch 1, interleaved prompt by prompt), and
 # runtime.serve against llama-server with as many slots as the engine (16 held-out gsm8k prompts,

@@ -1,4 +1,4 @@
-"""The packages are layers in the order data flows (README, "Repository layout"): a module imports
+"""The packages are layers in the order data flows (docs/layout.md): a module imports
 only from its own package or the layers before it, so reading who imports whom goes checkpoint ->
 module -> graph -> engine -> loop -> server; and no modules or packages import each other in a
 circle. Imports inside functions, and those only type checkers read, count as much as top-level ones."""

@@ -66,7 +66,7 @@ class OrtBackend(EngineBackend):
     # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
     host_threads = 1
     # where sequences run one per call a batch is no faster than its prompts one after another
-    # (README, "Batching on the CPU"), and a batch of one ends with its own prompt; a batched
+    # (docs/usage.md, "Batching on the CPU"), and a batch of one ends with its own prompt; a batched
     # target (``batched``) takes the engine's whole batch
     default_batch = 1
 

@@ -36,7 +36,7 @@ UNUSED = {
     "attention_dropout": "training only",
     "bos_token_id": "not used: prompts are tokenized by the tokenizer",
     "pad_token_id": "not used: batches are ragged, never padded",
-    "enable_confidence_head": "the confidence head is ignored (README: supported models)",
+    "enable_confidence_head": "the confidence head is ignored (docs/families.md: supported models)",
     "confidence_head_with_markov": "the confidence head is ignored",
     "num_anchors": "DeepSpec training setting",
     "num_target_layers": "informational; the taps are checked against the target itself",
