@@ -21,9 +21,12 @@ import gc
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -33,6 +36,7 @@ from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from export.onnx_check import VerificationError, check_model, compare_with_reference
 from export.onnx_export import (
     DTYPE_NAMES,
+    GraphSpec,
     Limits,
     draft_spec,
     export_graph,
@@ -43,11 +47,17 @@ from export.verify_inputs import example_inputs, reference_outputs, with_context
 from modeling.checkpoint import CheckpointError, hf_location, resolve
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
-from modeling.draft_config import load_draft_config
+from modeling.draft_config import DraftConfig, load_draft_config
 from modeling.target import load_target
+from modeling.target_config import TargetConfig
 from modeling.target_config_reader import load_target_config
 from plugins.block_attention.ort_contrib import target_rotary
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# a weight matrix [K, N] -> its blocks as the graph will hold them, or None where it stays float
+BlocksOf = Callable[[np.ndarray], "quantize.Blocks | None"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOKENIZER_DIR = "tokenizer"
 
@@ -59,6 +69,53 @@ class BuildResult:
     max_difference: dict[str, float | None]   # None: not run (bf16 has no ORT CPU kernels)
     quantized_layers: dict[str, int]          # graph name -> linear layers quantized
     quality: dict | None                      # quality_cost of the target, when quantized
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to build, as ``build`` was asked (checked by ``build_checks``)."""
+    k: int | None
+    markov_top_k: int
+    confidence_threshold: float
+    dtype: str
+    opset: int
+    backend: str
+    gpus: tuple[str, ...]
+    formats: dict[str, str]       # "target" / "draft" -> quantize.FLOAT, INT4, INT8 or GGUF
+    weights_block: int
+
+
+@dataclass
+class Sources:
+    """What ``read`` resolves before any model loads."""
+    target_dir: Path
+    draft_dir: Path
+    target_config: TargetConfig
+    draft_config: DraftConfig
+    limits: Limits                # the defaults filled in
+    tokenizer: PreTrainedTokenizerBase
+    described: dict               # the manifest's "source"
+
+
+@dataclass
+class Weights:
+    """How a loaded module's weights go into its graph: ``blocks_of`` (and ``embeddings``) give a
+    weight's blocks (None: the graph keeps floats); ``count`` the matrices the module has so."""
+    count: int = 0
+    blocks_of: BlocksOf | None = None
+    embeddings: BlocksOf | None = None
+    gguf: GgufBlocks | None = None
+    quality: dict | None = None   # quality_cost of a quantized target
+
+
+@dataclass
+class Graph:
+    """One model's graph, written and verified: what the manifest and the result say of it."""
+    described: dict
+    spec: GraphSpec
+    quantized: int
+    difference: float | None
+    quality: dict | None
 
 
 def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_top_k: int = 0, limits: Limits,
@@ -81,138 +138,188 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
         max_batch=limits.max_batch, max_seq_len=limits.max_seq_len, max_prompt_chunk=limits.max_prompt_chunk)
     weights = None if weights == quantize.FLOAT else weights
     draft_weights = quantize.GGUF_DRAFT if weights == quantize.GGUF else weights
-    formats = {"target": weights or quantize.FLOAT,
-               "draft": draft_weights if quantize_draft else quantize.FLOAT}
-    dtype_name = DTYPE_NAMES[DTYPES[dtype]]
+    options = Options(k, markov_top_k, confidence_threshold, dtype, opset, backend, gpus,
+                      {"target": weights or quantize.FLOAT,
+                       "draft": draft_weights if quantize_draft else quantize.FLOAT}, weights_block)
     started = time.perf_counter()
     status = Progress(["read configs", "draft", "target",
                        *([f"build {backend} engines"] if backend != "onnx" else []), "write manifest"],
                       enabled=progress)
     try:   # the line is cleared on any way out, so that a message after it starts a line
-        phase = status.phase
-        phase("read configs")
-        target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
-        if weights == quantize.GGUF and target_dir.suffix != ".gguf":
-            raise ValueError(f"--weights gguf: the target {target} is not a .gguf file; use --weights int4 "
-                             f"or int8")
-        if weights == quantize.GGUF and (unsupported := unsupported_matrices(target_dir)):
-            more = ", ..." if len(unsupported) > 3 else ""
-            raise ValueError(f"--weights gguf: {target_dir} holds {len(unsupported)} matrices of types it "
-                             f"cannot keep ({', '.join(unsupported[:3])}{more}; it keeps "
-                             f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
-        target_config = load_target_config(target_dir)
-        limits = _with_defaults(limits, target_config.max_position_embeddings)
-        decoder = target_config.decoder
-        draft_config = load_draft_config(draft_dir, decoder.num_layers, decoder.hidden_size)
-        sources = {"target": _source(target, target_dir), "draft": _source(draft, draft_dir)}
-        tokenizer = _save_tokenizer(target_dir, out / TOKENIZER_DIR)
-        _save_generation_config(target_dir, out)
-
-        torch_dtype = DTYPES[dtype]
-        loaders = {"draft": lambda: load_draft(draft_dir, target_dir, k=k, dtype=torch_dtype,
-                                               markov_top_k=markov_top_k),
-                   "target": lambda: load_target(target_dir, taps=draft_config.target_layer_ids,
-                                                 dtype=torch_dtype)}
-        generator = torch.Generator().manual_seed(0)
-        described, specs, differences, quantized, quality = {}, {}, {}, {}, None
+        status.phase("read configs")
+        sources = read(target, draft, out, limits, options)
+        graphs: dict[str, Graph] = {}
+        inputs = torch.Generator().manual_seed(0)   # both graphs' verification inputs, in turn
         for name in ("draft", "target"):   # the draft first: the smaller model's load errors come early
-            phase(f"{name}: load")
-            module = loaders[name]()
-            bits = quantize.BITS.get(formats[name])
-            if bits:
-                phase(f"{name}: quantize")
-                # int8 embedding rows on ONNX engines: TensorRT-RTX's builder fails on their gather
-                # (a CUDA runtime call on a machine without a GPU driver)
-                rows = backend == "onnx"
-                quantized[name], cost = _quantize(module, bits, weights_block, rows,
-                                                  tokenizer if name == "target" else None)
-                quality = cost or quality
-                blocks_of = quantize.rtn_blocks(bits, weights_block)
-                embeddings = quantize.rounded_embedding_blocks if rows else None
-            elif formats[name] == quantize.GGUF:   # every linear layer, from the file
-                phase(f"{name}: read GGUF blocks")
-                linears, stacks = quantize.quantizable(module)
-                quantized[name] = len(linears) + 2 * len(stacks)
-                gguf = GgufBlocks(target_dir)
-                blocks_of = embeddings = gguf.lookup
-                if gguf.rounds:   # the module computes with what the engine will
-                    phase(f"{name}: round Q6_K experts")
-                    quantize.round_weights(module, gguf.engine_values)
-            keep_float = quantize.float_weights(module)
             # a hybrid target keeps a recurrent-state slot per verify row: k + 1
-            spec = specs[name] = (draft_spec(module, limits) if name == "draft" else
-                                  target_spec(module, limits, slots=described["draft"]["k"] + 1))
-            described[name] = _describe(module, confidence_threshold)
-            trace, verify = example_inputs(spec, limits, target_config.vocab_size,
-                                            draft_config.block_size, generator)
-            if name == "target":
-                verify = with_context(module, verify, held_out_texts(tokenizer, 256),
-                                       limits.max_prompt_chunk)
-            phase(f"{name}: export")
-            path = export_graph(module, spec, trace, limits, out, opset)
-            del trace
-            # the reference outputs are computed, then the PyTorch weights are let go, so that ONNX
-            # Runtime's view of the weights never sits beside PyTorch's copy
-            phase(f"{name}: reference outputs")
-            expected = None if dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
-                                                             reference_outputs(module, verify)))
-            release_weights(module)
-            del module
+            slots = graphs["draft"].described["k"] + 1 if name == "target" else 0
+            graphs[name] = make_graph(name, sources, options, out, status.phase, slots, inputs)
             release_freed_memory()
-            if formats[name] != quantize.FLOAT:
-                phase(f"{name}: {formats[name]} weights into the graph")
-                # a layer the tracer shares may be written twice (the draft's K/V projections), so
-                # the graph may hold more; fewer means a layer was traced in a form left unquantized
-                in_graph = qdq.quantize_graph(path, blocks_of, keep_float, embeddings=embeddings,
-                                              kquant_scales=backend == "onnx")
-                if in_graph < quantized[name] and formats[name] == quantize.GGUF:
-                    raise ValueError(f"{target_dir}: {quantized[name] - in_graph} of the target's "
-                                     f"{quantized[name]} weight matrices (linear layers, experts) are not "
-                                     f"in it as {' / '.join(SUPPORTED)} tensors (its types: "
-                                     f"{', '.join(gguf.types)}); use --weights int4 or int8")
-                if in_graph < quantized[name]:
-                    raise VerificationError(f"{path.name}: {in_graph} linear layers quantized in the graph, "
-                                            f"fewer than the {quantized[name]} of the PyTorch reference")
-                quantized[name] = in_graph
-            phase(f"{name}: verify")
-            check_model(path)
-            # the target is also checked as the ORT backend runs it (a sequence per call, lowered),
-            # with these rotary tables
-            rotary = None if name == "draft" else target_rotary(described["target"], limits.max_seq_len)
-            differences[name] = None if expected is None else compare_with_reference(
-                path, verify, expected, dtype_name, drafts=("tokens", "q") if name == "draft" else None,
-                rotary=rotary)
-            del expected, verify
-            release_freed_memory()
-
-        manifest = {
-            "created_by": "dspark-trt",
-            "source": sources,
-            "target": described["target"],
-            "draft": described["draft"],
-            "limits": asdict(limits),
-            "dtype": dtype_name,
-            "weights": {**formats, "block_size": weights_block if weights else None, "quality": quality},
-            "opset": opset,
-            "graphs": {name: specs[name].to_json() for name in ("target", "draft")},
-            "backends": ["onnx"],
-            "tools": _tool_versions(),
-            "tokenizer": TOKENIZER_DIR,
-        }
+        manifest = describe(sources, options, graphs)
         if backend != "onnx":
-            from export.trt_build import build_engines
-
-            phase(f"build {backend} engines")
-            engines = build_engines(out, manifest, backend, list(gpus))
-            manifest["backends"].append(backend)
-            manifest["tools"][backend] = engines.pop("version")
-            manifest[backend] = engines
-        phase("write manifest")
+            status.phase(f"build {backend} engines")
+            add_engines(out, manifest, options)
+        status.phase("write manifest")
         manifest_file.write(out, manifest)
     finally:
         status.close()
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    return BuildResult(files, time.perf_counter() - started, differences, quantized, quality)
+    return BuildResult(files, time.perf_counter() - started,
+                       {name: graph.difference for name, graph in graphs.items()},
+                       {name: graph.quantized for name, graph in graphs.items()
+                        if options.formats[name] != quantize.FLOAT}, graphs["target"].quality)
+
+
+def read(target: str, draft: str, out: Path, limits: Limits, options: Options) -> Sources:
+    """Resolve both checkpoints, read their configs and refuse what cannot be built, before any
+    weights load; the tokenizer (and generation config) copied into ``out``."""
+    target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
+    if options.formats["target"] == quantize.GGUF:
+        _check_gguf_weights(target, target_dir)
+    target_config = load_target_config(target_dir)
+    limits = _with_defaults(limits, target_config.max_position_embeddings)
+    decoder = target_config.decoder
+    draft_config = load_draft_config(draft_dir, decoder.num_layers, decoder.hidden_size)
+    described = {"target": _source(target, target_dir), "draft": _source(draft, draft_dir)}
+    tokenizer = _save_tokenizer(target_dir, out / TOKENIZER_DIR)
+    _save_generation_config(target_dir, out)
+    return Sources(target_dir, draft_dir, target_config, draft_config, limits, tokenizer, described)
+
+
+def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, slots: int,
+               inputs: torch.Generator) -> Graph:
+    """Load ``name`` ("draft" or "target"), round its weights, trace it to ONNX (its verification
+    inputs drawn from ``inputs``), compute the reference outputs, let its PyTorch weights go,
+    write its weights' blocks into the graph and verify it. The reference is taken before the
+    weights are let go, so that ONNX Runtime's view of the weights never sits beside PyTorch's
+    copy."""
+    limits = sources.limits
+    phase(f"{name}: load")
+    module = _load(name, sources, options)
+    weights = _round(name, module, sources, options, phase)
+    keep_float = quantize.float_weights(module)
+    spec = draft_spec(module, limits) if name == "draft" else target_spec(module, limits, slots=slots)
+    described = _describe(module, options.confidence_threshold)
+    trace, verify = example_inputs(spec, limits, sources.target_config.vocab_size,
+                                   sources.draft_config.block_size, inputs)
+    if name == "target":
+        verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256), limits.max_prompt_chunk)
+    phase(f"{name}: export")
+    path = export_graph(module, spec, trace, limits, out, options.opset)
+    del trace
+    phase(f"{name}: reference outputs")
+    expected = None if options.dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
+                                                              reference_outputs(module, verify)))
+    release_weights(module)
+    del module
+    release_freed_memory()
+    quantized = weights.count
+    if weights.blocks_of is not None:
+        phase(f"{name}: {options.formats[name]} weights into the graph")
+        quantized = _weights_into_graph(path, weights, keep_float, sources, options)
+    phase(f"{name}: verify")
+    check_model(path)
+    # the target is also checked as the ORT backend runs it (a sequence per call, lowered), with
+    # these rotary tables
+    rotary = None if name == "draft" else target_rotary(described, limits.max_seq_len)
+    difference = None if expected is None else compare_with_reference(
+        path, verify, expected, DTYPE_NAMES[DTYPES[options.dtype]],
+        drafts=("tokens", "q") if name == "draft" else None, rotary=rotary)
+    return Graph(described, spec, quantized, difference, weights.quality)
+
+
+def describe(sources: Sources, options: Options, graphs: dict[str, Graph]) -> dict:
+    """The manifest (``common/manifest.schema.json``) of the graphs built."""
+    formats = options.formats
+    return {
+        "created_by": "dspark-trt",
+        "source": sources.described,
+        "target": graphs["target"].described,
+        "draft": graphs["draft"].described,
+        "limits": asdict(sources.limits),
+        "dtype": DTYPE_NAMES[DTYPES[options.dtype]],
+        "weights": {**formats, "block_size": options.weights_block if formats["target"] != quantize.FLOAT
+                    else None, "quality": graphs["target"].quality},
+        "opset": options.opset,
+        "graphs": {name: graphs[name].spec.to_json() for name in ("target", "draft")},
+        "backends": ["onnx"],
+        "tools": _tool_versions(),
+        "tokenizer": TOKENIZER_DIR,
+    }
+
+
+def add_engines(out: Path, manifest: dict, options: Options) -> None:
+    """TensorRT engines of the written graphs, for each of ``options.gpus``, into ``out`` and the
+    manifest."""
+    from export.trt_build import build_engines
+
+    engines = build_engines(out, manifest, options.backend, list(options.gpus))
+    manifest["backends"].append(options.backend)
+    manifest["tools"][options.backend] = engines.pop("version")
+    manifest[options.backend] = engines
+
+
+def _check_gguf_weights(target: str, target_dir: Path) -> None:
+    """``--weights gguf`` needs a GGUF file whose every matrix is of a type the graph keeps."""
+    if target_dir.suffix != ".gguf":
+        raise ValueError(f"--weights gguf: the target {target} is not a .gguf file; use --weights int4 "
+                         f"or int8")
+    if unsupported := unsupported_matrices(target_dir):
+        more = ", ..." if len(unsupported) > 3 else ""
+        raise ValueError(f"--weights gguf: {target_dir} holds {len(unsupported)} matrices of types it "
+                         f"cannot keep ({', '.join(unsupported[:3])}{more}; it keeps "
+                         f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
+
+
+def _load(name: str, sources: Sources, options: Options) -> TargetStep | DraftStep:
+    dtype = DTYPES[options.dtype]
+    if name == "draft":
+        return load_draft(sources.draft_dir, sources.target_dir, k=options.k, dtype=dtype,
+                          markov_top_k=options.markov_top_k)
+    return load_target(sources.target_dir, taps=sources.draft_config.target_layer_ids, dtype=dtype)
+
+
+def _round(name: str, module: TargetStep | DraftStep, sources: Sources, options: Options, phase) -> Weights:
+    """``module``'s weights rounded as its graph will hold them: to int4 / int8 blocks (the
+    module's values replaced by the rounded ones), or a GGUF file's own blocks (Q6_K experts, which
+    the engine rounds again, rounded first), or left float."""
+    weight_format = options.formats[name]
+    bits = quantize.BITS.get(weight_format)
+    if bits:
+        phase(f"{name}: quantize")
+        # int8 embedding rows on ONNX engines: TensorRT-RTX's builder fails on their gather (a
+        # CUDA runtime call on a machine without a GPU driver)
+        rows = options.backend == "onnx"
+        count, quality = _quantize(module, bits, options.weights_block, rows,
+                                   sources.tokenizer if name == "target" else None)
+        return Weights(count, quantize.rtn_blocks(bits, options.weights_block),
+                       quantize.rounded_embedding_blocks if rows else None, quality=quality)
+    if weight_format == quantize.GGUF:   # every linear layer, from the file
+        phase(f"{name}: read GGUF blocks")
+        linears, stacks = quantize.quantizable(module)
+        gguf = GgufBlocks(sources.target_dir)
+        if gguf.rounds:   # the module computes with what the engine will
+            phase(f"{name}: round Q6_K experts")
+            quantize.round_weights(module, gguf.engine_values)
+        return Weights(len(linears) + 2 * len(stacks), gguf.lookup, gguf.lookup, gguf)
+    return Weights()
+
+
+def _weights_into_graph(path: Path, weights: Weights, keep_float, sources: Sources, options: Options) -> int:
+    """Rewrite the written graph to hold ``weights``' blocks; the count of matrices it now holds
+    so. A layer the tracer shares may be written twice (the draft's K/V projections), so the graph
+    may hold more; fewer means a layer was traced in a form left unquantized."""
+    in_graph = qdq.quantize_graph(path, weights.blocks_of, keep_float, embeddings=weights.embeddings,
+                                  kquant_scales=options.backend == "onnx")
+    if in_graph < weights.count and weights.gguf is not None:
+        raise ValueError(f"{sources.target_dir}: {weights.count - in_graph} of the target's "
+                         f"{weights.count} weight matrices (linear layers, experts) are not "
+                         f"in it as {' / '.join(SUPPORTED)} tensors (its types: "
+                         f"{', '.join(weights.gguf.types)}); use --weights int4 or int8")
+    if in_graph < weights.count:
+        raise VerificationError(f"{path.name}: {in_graph} linear layers quantized in the graph, "
+                                f"fewer than the {weights.count} of the PyTorch reference")
+    return in_graph
 
 
 class Progress:
