@@ -161,8 +161,8 @@ def run(args, prompts: list[str]) -> dict:
     target = None if args.no_transformers else _source_target(args.engine)
     chat = not args.no_chat_template
     # the call costs the report's bound is computed with (adaptive verification plans with them)
-    costs = generator.verification().costs
-    schedule = generator.verification(args.draft_schedule)
+    costs = generator.draft_schedule().costs
+    schedule = generator.draft_schedule(args.draft_schedule)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                    chat_template=chat, confidence_threshold=args.confidence_threshold)
     modes = ("speculative", "target_only")

@@ -11,9 +11,9 @@ import sys
 from runtime.generate import (
     add_draft_schedule,
     check_flags,
+    draft_schedule,
     stopping_on_ctrl_c,
     system_messages,
-    verification,
 )
 
 HELP = ("/reset starts the conversation over; /quit, an empty line or end of input ends it; "
@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
             generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
             if not generator.tokenizer.chat_template:
                 raise ValueError(f"{args.engine}: its tokenizer has no chat template, which a chat needs")
-            draft_schedule = verification(args, generator)
+            schedule = draft_schedule(args, generator)
         except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
             raise SystemExit(f"error: {err}") from None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   speculative=not args.no_spec, stop=args.stop, draft_schedule=draft_schedule)
+                   speculative=not args.no_spec, stop=args.stop, draft_schedule=schedule)
     system = system_messages(args)
     messages, decoding = list(system), None
     interactive = sys.stdin.isatty()

@@ -93,7 +93,7 @@ def add_draft_schedule(p) -> None:
                         "drafts are not being accepted), or at most N every step [adaptive]")
 
 
-def verification(args, generator):
+def draft_schedule(args, generator):
     """The ``draft_schedule`` option for --draft-schedule: a fixed one, or None, adaptive
     verification, which the ``Generator`` measures once the prompts are checked (and not at all
     without speculation)."""
@@ -184,10 +184,10 @@ def prepare(args):
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
-        args.verification = verification(args, generator)
+        args.schedule = draft_schedule(args, generator)
         if args.all_turns:   # each conversation's first turn is checked now (with nothing measured
             # yet: a fixed schedule), the later ones as they come
-            fixed = args.verification or DraftSchedule.constant(generator.backend.limits.k)
+            fixed = args.schedule or DraftSchedule.constant(generator.backend.limits.k)
             for turns in prompts:
                 generator.conversation(system_messages(args) + [{"role": "user", "content": turns[0]}],
                                        **{**_options(args), "draft_schedule": fixed})
@@ -204,7 +204,7 @@ def _decodings(generator, prompts: list[str], args) -> list:
         top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty,
         seed=args.seed, speculative=not args.no_spec,
         confidence_threshold=args.confidence_threshold, chat_template=not args.no_chat_template,
-        system=args.system, stop=args.stop, draft_schedule=args.verification,
+        system=args.system, stop=args.stop, draft_schedule=args.schedule,
         batch_size=1 if args.stream else args.batch_size)
 
 
@@ -213,7 +213,7 @@ def _options(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
                 speculative=not args.no_spec, confidence_threshold=args.confidence_threshold,
-                stop=args.stop, draft_schedule=args.verification)
+                stop=args.stop, draft_schedule=args.schedule)
 
 
 def system_messages(args) -> list[dict]:

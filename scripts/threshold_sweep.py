@@ -31,7 +31,7 @@ def main() -> None:
     prompts = read_jsonl_prompts(args.prompts_file, "--prompts-file")[args.skip:args.skip + args.limit]
     generator = Generator.from_engine(args.engine, threads=args.threads)
     generator.generate(prompts[0], max_new_tokens=4)   # warm-up, untimed
-    schedule = generator.verification(args.draft_schedule)
+    schedule = generator.draft_schedule(args.draft_schedule)
     modes = {f"speculative, threshold {t:g}": {"confidence_threshold": t, "draft_schedule": schedule}
              for t in args.thresholds}
     modes["target-only"] = {"speculative": False}

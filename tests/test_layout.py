@@ -110,6 +110,6 @@ def test_the_layers_are_told_apart():
     assert [_layer(m) for m in ("common.manifest", "plugins.moe.torch_op", "modeling.fixtures.tiny",
                                 "export.build", "runtime.backends", "runtime.decoding.scheduler",
                                 "runtime.serving.request_loop", "distill.loop")] == list(range(ENTRY))
-    assert {_layer(m) for m in ("runtime", "runtime.serve", "runtime.scheduler", "export.__main__",
+    assert {_layer(m) for m in ("runtime", "runtime.serve", "runtime.generate", "export.__main__",
                                 "distill.__main__", "bench", "bench.decoding")} == {ENTRY}
     assert _layer("torch") == _layer("onnxruntime") == -1

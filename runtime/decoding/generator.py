@@ -43,8 +43,8 @@ class Generator:
         self.sampling_defaults = sampling_defaults or {}
         self._adaptive = None
 
-    def verification(self, schedule: str = ADAPTIVE, flag: str = "--draft-schedule"):
-        """The verification policy ``schedule`` names, for ``decodings``' ``draft_schedule``:
+    def draft_schedule(self, schedule: str = ADAPTIVE, flag: str = "--draft-schedule"):
+        """The draft schedule ``schedule`` names, for ``decodings``' ``draft_schedule``:
         ``"adaptive"`` (this backend's call costs measured on first use, ~2 s on the demo engine,
         and kept: every decoding of this generator plans with them and with the acceptance seen
         so far), or a fixed ``DraftSchedule`` (``DraftSchedule.parse``, refused in one line
@@ -82,7 +82,7 @@ class Generator:
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``speculative``,
-        ``confidence_threshold``, ``draft_schedule`` (``verification``: adaptive by default, as
+        ``confidence_threshold``, ``draft_schedule`` (``draft_schedule()``: adaptive by default, as
         the CLI and the servers verify);
         ``system`` is a system message before each prompt, and a sequence ends at the first of the
         ``stop`` strings, its text before it
@@ -115,14 +115,14 @@ class Generator:
     def _made(self, make, options: dict):
         """``make(options)``, the options given the engine's EOS ids and, with speculation, adaptive
         verification unless they name a ``draft_schedule`` (what the CLI and the servers run): its
-        costs measured (``verification``) once a first ``make`` has checked every prompt, so that
+        costs measured (``draft_schedule()``) once a first ``make`` has checked every prompt, so that
         a prompt that does not fit is refused at once."""
         options = {"eos_token_ids": self.backend.limits.eos_token_ids, **options}
         limits = self.backend.limits
         if options.get("speculative", True) and limits.k and options.get("draft_schedule") is None:
             if self._adaptive is None:
                 make({**options, "draft_schedule": DraftSchedule.constant(limits.k)})
-            options["draft_schedule"] = self.verification()
+            options["draft_schedule"] = self.draft_schedule()
         return make(options)
 
     def _stop_strings(self, stop) -> StopStrings | None:

@@ -42,7 +42,7 @@ def test_api_greedy_equals_transformers_in_batches(generator, tiny):
     sizes = [len(d.prompts) for d in generator.decodings(PROMPTS, max_new_tokens=24, chat_template=False)]
     assert sizes == ([2, 1] if generator.backend.batched else [1, 1, 1])
     result = generator.generate(PROMPTS, max_new_tokens=24, chat_template=False, batch_size=2,
-                                draft_schedule=generator.verification("4"))  # steps verify drafts
+                                draft_schedule=generator.draft_schedule("4"))  # steps verify drafts
     tokenizer = AutoTokenizer.from_pretrained(tiny(arch="llama")[0])
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert result.token_ids == hf_greedy(tiny(arch="llama")[0], ids, 24)
@@ -107,7 +107,7 @@ def test_the_api_verifies_adaptively_by_default_as_the_cli_does(engine, generato
 
     [decoding] = generator.decodings([PROMPTS[0]], max_new_tokens=24)
     assert isinstance(decoding.scheduler.schedule, AdaptiveVerification)
-    assert decoding.scheduler.schedule is generator.verification()
+    assert decoding.scheduler.schedule is generator.draft_schedule()
     [fixed] = generator.decodings([PROMPTS[0]], max_new_tokens=24, draft_schedule=DraftSchedule.constant(2))
     assert fixed.scheduler.schedule == DraftSchedule.constant(2)
     measured = []

@@ -296,7 +296,7 @@ def test_stream_prints_stats_and_writes_the_trace(engine, generator, tmp_path, c
                    "--draft-schedule", "4"])   # every draft verified: steps do not depend on timing
     out, err = capsys.readouterr()
     expected = generator.generate(["the cat sat", "why?"], max_new_tokens=16,
-                                  draft_schedule=generator.verification("4"))
+                                  draft_schedule=generator.draft_schedule("4"))
     assert f"### the cat sat\n{expected.texts[0]}" in out and f"### why?\n{expected.texts[1]}" in out
     tokens = sum(map(len, expected.token_ids))
     assert f"tokens {tokens} in" in err and f"{expected.stats.steps} steps verified drafts, tau" in err
