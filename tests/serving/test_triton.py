@@ -12,9 +12,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,10 +71,18 @@ def triton(request, engine_dir, tmp_path_factory):
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{http}"
     wait_until_serving(process, f"{url}/v2/models/tiny/ready", 180)
+    # Triton logs every request: a pipe nobody reads fills (64 KB) and blocks the server mid-write,
+    # which hung its exit once; its last lines are kept for a failure's message
+    output = deque(maxlen=200)
+    threading.Thread(target=output.extend, args=(process.stdout,), daemon=True).start()
     yield {"http": url, "grpc": f"127.0.0.1:{grpc}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
            "engine": engine, "kind": request.param}
     process.send_signal(signal.SIGTERM if request.param == "repository" else signal.SIGINT)
-    assert process.wait(timeout=60) == 0
+    try:
+        assert process.wait(timeout=60) == 0, "".join(output)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"Triton did not exit within 60 s of the signal:\n{''.join(output)}")
 
 
 @pytest.fixture(scope="module")
