@@ -7,5 +7,6 @@ bash scripts/setup.sh test
 bash scripts/setup_triton.sh
 # lint first: a second, and a red CI names the line
 .venv/bin/ruff check .
-# the slowest tests' times in the log: what to look at when the suite nears CI's time budget
-.venv/bin/python -m pytest -q --durations=25 "$@"
+# one worker per core, each test file on one worker (its module fixtures built once); the slowest
+# tests' times in the log: what to look at when the suite nears CI's time budget
+.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=25 "$@"

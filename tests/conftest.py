@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one core per worker (scripts/test.sh runs one per core): two workers' thread pools on the same
+    # cores would spin against each other
+    torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in interpreter mode; set before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -159,13 +163,21 @@ def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, tempe
     return float(torch.cat(confidences).median())
 
 
+# fixtures that build an engine or start a server: a test that uses one is in the real-model tier
+SLOW_FIXTURES = {"engine_dir", "tiny_server"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped where there is no CUDA GPU."""
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    """Tests marked ``gpu`` are skipped where there is no CUDA GPU. The real-model tier is marked
+    ``slow``: the modules and tests that say so, and every test that uses ``SLOW_FIXTURES``;
+    ``pytest -m "not slow"`` runs the rest, the fast tier (the loop's logic, the scheduler, the
+    policy, parsing and errors, on PyTorch modules of tiny checkpoints)."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if skip is not None and "gpu" in item.keywords:
+            item.add_marker(skip)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sysconfig
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,8 @@ from runtime.serving import tritonserver_io
 from runtime.serving.request_error import RequestError
 from runtime.serving.request_loop import Job, RequestLoop
 
+# how often ``serve`` checks that Triton and its model are alive (PyTriton's own period)
+ALIVE_CHECK_SECONDS = 5
 DTYPES = {"TYPE_STRING": np.bytes_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32,
           "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}
 
@@ -89,7 +93,10 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
 
 def serve(engine: str | Path, config=None, **options) -> None:
     """Serve ``engine`` (``bind``'s ``options``) from a ``Triton(config=config)`` of its own (a
-    ``pytriton.triton.TritonConfig``: ports, addresses, logging) until interrupted."""
+    ``pytriton.triton.TritonConfig``: ports, addresses, logging) until SIGINT or SIGTERM, or until
+    Triton dies. The signals set a flag this thread polls: ``Triton.serve`` relies on the
+    KeyboardInterrupt reaching its wait, and a SIGINT that landed elsewhere was lost (the server
+    kept serving)."""
     from pytriton.triton import Triton
 
     # Triton's Python-backend stub links libpython: this interpreter's, not another of the same
@@ -97,10 +104,16 @@ def serve(engine: str | Path, config=None, **options) -> None:
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")]))
+    stopping = threading.Event()
+    if threading.current_thread() is threading.main_thread():   # where Python runs signal handlers
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, lambda *_: stopping.set())
     with Triton(config=config) as triton:
         request_loop = bind(triton, engine, **options)
         try:
-            triton.serve()
+            triton.run()
+            while not stopping.wait(ALIVE_CHECK_SECONDS) and triton.is_alive():
+                pass
         finally:   # requests still running end with UNAVAILABLE, the scheduler thread before the process
             request_loop.stop()
             request_loop.join()

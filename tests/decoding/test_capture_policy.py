@@ -90,6 +90,7 @@ def test_caches_keep_their_addresses_for_the_same_or_a_smaller_batch():
     assert caches.start(4) and allocated == [3, 4]       # larger: new caches, graphs must go
 
 
+@pytest.mark.slow
 def test_torch_graph_path_captures_decode_keys_and_keeps_them_across_requests(tiny):
     """The graph-mode backend on the CPU, each key that would be captured recorded and run through
     the same in-place step eagerly: its tokens equal the plain backend's over requests of batch 3,

@@ -260,6 +260,7 @@ def test_flags_are_taken_whole_and_a_typo_gets_the_nearest_flag(module, args, me
 
 @pytest.mark.parametrize("script", ["dspark-generate", "dspark-bench", "dspark-chat", "dspark-export",
                                     "dspark-distill", "dspark-serve"])
+@pytest.mark.slow
 def test_console_scripts_are_installed(script):
     """``pip install -e .`` puts each command on the environment's PATH, and each names itself as
     typed (not ``python -m runtime.chat``) in its usage and errors."""

@@ -62,6 +62,7 @@ def test_target_only_decoding(tiny, expected):
     assert result.token_ids == expected["llama"]
 
 
+@pytest.mark.slow
 def test_confidence_threshold_keeps_greedy_output(tiny, expected):
     """Drafts cut at the first unconfident one (about half, at the median confidence; or all, at
     1.0) change what is verified, never what is generated."""
@@ -102,6 +103,7 @@ class GreedyFirstSequence(OracleDrafts):
         return tokens, q
 
 
+@pytest.mark.slow
 def test_capacity_is_enough_when_sequences_finish_apart(tiny):
     """The capacity ``generate`` asks for (prompt + max_new_tokens + lookahead) holds every step of
     a ragged batch: a sequence that finishes early stays frozen where it stopped while the others go

@@ -74,6 +74,7 @@ def _sample(pair, temperature, backend=None, top_k=0, **options):
     return tokens, result.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_speculative_sampling_matches_target_distribution(pair, temperature):
     tokens, stats = _sample(pair, temperature)
@@ -84,6 +85,7 @@ def test_speculative_sampling_matches_target_distribution(pair, temperature):
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
 
 
+@pytest.mark.slow
 def test_hybrid_speculative_sampling_matches_target_distribution(tiny):
     """Sampling over a Qwen3.5 hybrid target: its recurrent state restored from the accepted slot
     after every acceptance and rejection."""
@@ -95,6 +97,7 @@ def test_hybrid_speculative_sampling_matches_target_distribution(tiny):
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
 
 
+@pytest.mark.slow
 def test_top_k_sampling_matches_the_targets_top_k_distribution(pair):
     """With ``top_k`` the drafts still come from the draft's own distribution, and the target's
     tokens from its top-k distribution: no token outside each step's k most likely."""
@@ -106,6 +109,7 @@ def test_top_k_sampling_matches_the_targets_top_k_distribution(pair):
     assert _chi_square_p(tokens[:, 1], untruncated) < 1e-6   # the test tells top-k from none
 
 
+@pytest.mark.slow
 def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
     """The same check through the exported graphs: Gumbel-max drafts inside the draft graph with
     each position's noise, the target's token under the same noise on the host."""
@@ -116,6 +120,7 @@ def test_onnx_runtime_sampling_matches_target_distribution(pair, ort_backend):
     assert _chi_square_p(tokens[:, 2], p3) > 1e-3
 
 
+@pytest.mark.slow
 def test_noise_that_does_not_change_with_the_position_is_detected(pair, monkeypatch):
     """A bug the keyed noise invites: every token of a request drawn with the same vector."""
     row = Noise._row
@@ -167,6 +172,7 @@ def _sample_with_threshold(pair, threshold):
     return torch.tensor(result.token_ids), result.stats, proposed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["median", "all"])
 def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair, cut):
     """Cutting each sequence's drafts at the first unconfident one keeps the output exact: at the
@@ -188,6 +194,7 @@ def test_sampling_with_a_confidence_threshold_matches_target_distribution(pair, 
 NEAR_BREAK_EVEN = StepCosts(target=(1.0,) * 16, row=(0.1,) * 16, draft=(0.4,) * 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_sampling_through_the_scheduler_matches_target_distribution(pair, adaptive):
     """Continuous batching: half the samples, as requests of their own seeds through 16 slots,

@@ -186,6 +186,7 @@ def verdict(path: tuple, mutation: str, outcome, baseline) -> str | None:
     return outcome
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["target", "native", "speculators", "hybrid", "moe", "gemma4"])
 def test_every_config_field_loads_or_is_refused_in_one_line(tiny, tmp_path, case):
     """``hybrid``: a Qwen3.5 target in its ForConditionalGeneration layout (text_config nested,

@@ -24,6 +24,8 @@ from runtime.decoding.batch import generate
 from conftest import PROMPTS
 from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_torch_invariant
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 ARCH = "gemma4-multimodal"
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
 CLASSES = {"gemma4": "Gemma4ForCausalLM", "gemma4-multimodal": "Gemma4ForConditionalGeneration",

@@ -22,6 +22,8 @@ from oracles import (
     check_torch_invariant,
 )
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 ARCHS = ["qwen3_5", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe-multimodal"]
 
 

@@ -27,6 +27,7 @@ def built(tiny, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_build_writes_the_engine_directory(built, capsys):
     assert {p.name for p in built.iterdir()} == {"manifest.json", "target.onnx", "target.onnx.data",
                                                  "draft.onnx", "draft.onnx.data", "tokenizer",
@@ -46,6 +47,7 @@ def test_build_writes_the_engine_directory(built, capsys):
     assert sum("cache" in line for line in text.splitlines()) == 4
 
 
+@pytest.mark.slow
 def test_build_summary_lists_files_and_progress_names_each_step(tiny, tmp_path, capsys):
     target, draft = tiny()
     capsys.readouterr()   # what making the pair printed
@@ -215,6 +217,7 @@ def test_missing_checkpoint_and_unsupported_architecture(tiny, tmp_path):
         _build(bad, draft, tmp_path / "e2")
 
 
+@pytest.mark.slow
 def test_verification_failure_names_the_graph(tiny, tmp_path, monkeypatch):
     target, draft = tiny()
     monkeypatch.setitem(export.onnx_check.TOLERANCE, "float32", 0.0)
@@ -237,6 +240,7 @@ def test_inspect_refuses_a_directory_without_manifest(tiny, tmp_path):
         cli.main(["inspect", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_polygraphy_inspects_and_runs_the_graphs(built):
     script = Path(sys.executable).parent / "polygraphy"
     if not script.is_file():
@@ -253,6 +257,7 @@ def test_polygraphy_inspects_and_runs_the_graphs(built):
     assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr
 
 
+@pytest.mark.slow
 def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path):
     target, draft = tiny()
     short = Path(shutil.copytree(target, tmp_path / "short"))

@@ -14,6 +14,8 @@ from runtime.decoding.batch import generate
 
 from conftest import PROMPTS, hf_greedy
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 LIMITS = Limits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
 
 

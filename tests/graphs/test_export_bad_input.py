@@ -56,6 +56,7 @@ def leftovers(out: Path) -> list[str]:
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", ["typo-in-target", "refused-k"])
 def test_failed_force_build_keeps_the_previous_engine(tiny, previous_engine, mistake):
     out, before = previous_engine
@@ -68,6 +69,7 @@ def test_failed_force_build_keeps_the_previous_engine(tiny, previous_engine, mis
     assert leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_interrupted_force_build_keeps_the_previous_engine(tiny, previous_engine, monkeypatch):
     out, before = previous_engine
     real_export = export.build.export_graph
@@ -84,6 +86,7 @@ def test_interrupted_force_build_keeps_the_previous_engine(tiny, previous_engine
     assert leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_killed_force_build_keeps_the_previous_engine(tiny, previous_engine, monkeypatch):
     """A plain ``kill`` (SIGTERM) is handled as any failure: the staging folder is removed."""
     out, before = previous_engine
@@ -105,6 +108,7 @@ def test_killed_force_build_keeps_the_previous_engine(tiny, previous_engine, mon
     assert leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_full_disk_while_writing_an_engine_is_one_line(tiny, previous_engine, monkeypatch):
     """TensorRT only logs an exception raised in its stream writer and carries on: the writer
     keeps the error, and the build stops with it (here every write goes to /dev/full)."""
@@ -122,6 +126,7 @@ def test_full_disk_while_writing_an_engine_is_one_line(tiny, previous_engine, mo
     assert leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_force_build_replaces_the_engine_and_leaves_nothing_beside_it(tiny, previous_engine):
     out, before = previous_engine
     (out / "stale.txt").write_text("from an earlier build")

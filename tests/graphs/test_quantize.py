@@ -23,6 +23,8 @@ from runtime.decoding.batch import generate
 from conftest import PROMPTS
 from oracles import OrtOracle
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
 # int4 quantizes the draft too; int8 leaves it as it is (the default)
 QUANTIZE_DRAFT = {"int4": True, "int8": False, "float": False}

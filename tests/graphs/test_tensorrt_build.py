@@ -19,6 +19,8 @@ from export.trt_build import build_engines  # noqa: E402
 
 from conftest import ENGINE_CASES  # noqa: E402
 
+pytestmark = pytest.mark.slow   # builds engines: the real-model tier
+
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
 
@@ -212,6 +214,7 @@ from pathlib import Path
 import plugins.tensorrt_plugin as p
 p.PLUGIN_NAMESPACE = "elsewhere"
 from export.trt_build import build_engines, EngineBuildError
+
 manifest = json.loads(Path({str(directory)!r}, "manifest.json").read_text())
 try:
     build_engines(Path({str(directory)!r}), manifest, "trt-rtx", ["sm89"])

@@ -118,6 +118,7 @@ def test_onnx_function_matches_reference(rows, picked):
 
 @pytest.mark.parametrize("rows, picked", [(1, [[0], [-1]]), (5, [[4, 0, 1, 2, 3], [-1, 0, 1, 2, 3]]),
                                           (70, [[69], [10]])])
+@pytest.mark.slow
 def test_triton_kernel_matches_reference(rows, picked):
     """In place: the bank's captured slots, the kept ones, and the starting slot read before a
     slot is written (sequence 0 starts from slot 0, which it overwrites)."""

@@ -129,6 +129,7 @@ def test_quantized_forms_match_the_reference_on_their_weights(tokens, bits, dtyp
     assert not torch.equal(stacks[0], gate_up)   # the weights were rounded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", [0, 1], ids=ACTIVATIONS)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 9, 70])
@@ -162,6 +163,7 @@ def test_triton_kernel_matches_reference(tokens, dtype, tolerance, activation):
         assert torch.bincount(experts.flatten()).max() > 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
 def test_triton_kernel_reads_the_quantized_layout(bits):
     """The integers and scales ``quantize_graph`` writes, de-quantized tile by tile (blocks of 8

@@ -16,6 +16,8 @@ from runtime.backends.ort import OrtBackend
 
 from conftest import ENGINE_CASES, MARKOV_TOP_K
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 LIMITS = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
 CASES = {**ENGINE_CASES, "markov-top-k": MARKOV_TOP_K}
 

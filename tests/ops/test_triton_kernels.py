@@ -17,6 +17,8 @@ from plugins.compile_kernels import KERNELS  # noqa: E402
 from plugins.d2t_gather import triton_kernel as d2t_kernel  # noqa: E402
 from plugins.d2t_gather.reference import d2t_gather as d2t_reference  # noqa: E402
 
+pytestmark = pytest.mark.slow   # the real-model tier: Triton kernels, interpreted on a CPU
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[2]
 

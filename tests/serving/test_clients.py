@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 TASKS = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 
 

@@ -23,6 +23,8 @@ from export.onnx_export import Limits
 
 from conftest import free_port
 
+pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
+
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray extra)")
 
 ROOT = Path(__file__).resolve().parents[2]

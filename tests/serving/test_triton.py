@@ -32,16 +32,18 @@ LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_bac
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz"]
 MAX_TOKENS = 24
 
-pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no .venv-triton (Triton Inference "
-                                                                  "Server): run scripts/setup_triton.sh")
+pytestmark = [pytest.mark.slow,   # runs servers: the real-model tier
+              pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no .venv-triton (Triton Inference "
+                                                                    "Server): run scripts/setup_triton.sh")]
 
 
 PYTRITON = """
-import sys
+import faulthandler, signal, sys
 from pytriton.triton import TritonConfig
 from runtime.serving.pytriton_binding import serve
 
 engine, http, grpc, metrics, k = sys.argv[1:]
+faulthandler.register(signal.SIGUSR1)   # every thread's stack, for a test that finds it hung
 serve(engine, TritonConfig(http_address="127.0.0.1", http_port=int(http), grpc_address="127.0.0.1",
                            grpc_port=int(grpc), metrics_address="127.0.0.1", metrics_port=int(metrics),
                            allow_gpu_metrics=False, exit_on_error=True),
@@ -81,6 +83,9 @@ def triton(request, engine_dir, tmp_path_factory):
     try:
         assert process.wait(timeout=60) == 0, "".join(output)
     except subprocess.TimeoutExpired:
+        if request.param == "pytriton":
+            process.send_signal(signal.SIGUSR1)   # its threads' stacks into the output
+            time.sleep(2)
         process.kill()
         pytest.fail(f"Triton did not exit within 60 s of the signal:\n{''.join(output)}")
 
