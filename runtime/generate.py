@@ -97,9 +97,9 @@ def draft_schedule(args, generator):
     """The ``draft_schedule`` option for --draft-schedule: a fixed one, or None, adaptive
     verification, which the ``Generator`` measures once the prompts are checked (and not at all
     without speculation)."""
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
 
-    return DraftSchedule.parse(args.draft_schedule, generator.backend.limits.k)
+    return LoadSchedule.parse(args.draft_schedule, generator.backend.limits.k)
 
 
 def check_flags(args) -> None:
@@ -175,7 +175,7 @@ def prepare(args):
         if args.trace:
             writable_file(args.trace, "--trace")
         prompts = read_prompts(args)
-        from runtime.decoding.draft_schedule import DraftSchedule
+        from runtime.decoding.draft_schedule import LoadSchedule
         from runtime.decoding.generator import Generator
 
         if sys.stderr.isatty():   # a few seconds of ONNX Runtime preparing the graphs: say so
@@ -187,7 +187,7 @@ def prepare(args):
         args.schedule = draft_schedule(args, generator)
         if args.all_turns:   # each conversation's first turn is checked now (with nothing measured
             # yet: a fixed schedule), the later ones as they come
-            fixed = args.schedule or DraftSchedule.constant(generator.backend.limits.k)
+            fixed = args.schedule or LoadSchedule.constant(generator.backend.limits.k)
             for turns in prompts:
                 generator.conversation(system_messages(args) + [{"role": "user", "content": turns[0]}],
                                        **{**_options(args), "draft_schedule": fixed})

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.decoding.draft_schedule import DraftSchedule  # noqa: E402
+from runtime.decoding.draft_schedule import LoadSchedule  # noqa: E402
 from runtime.decoding.generator import Generator  # noqa: E402
 from runtime.decoding.sampling import probabilities  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
             contexts.clear()
             generator.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=1,
                                confidence_threshold=0.0, batch_size=1,
-                               draft_schedule=DraftSchedule.constant(generator.backend.limits.k))
+                               draft_schedule=LoadSchedule.constant(generator.backend.limits.k))
             rejection, shared = [], []
             for logits, q in contexts:
                 target = probabilities(logits, temperature)

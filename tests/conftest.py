@@ -152,8 +152,8 @@ def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, tempe
     confidences = []
 
     class Probe(TorchBackend):
-        def draft_step(self, *inputs):
-            tokens, q = super().draft_step(*inputs)
+        def draft_step(self, *inputs, **options):
+            tokens, q = super().draft_step(*inputs, **options)
             confidences.append(q.amax(-1).flatten())
             return tokens, q
 

@@ -28,8 +28,8 @@ class OracleDrafts(TorchBackend):
         self.continuations = continuations
         self.rng = random.Random(seed)
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots)
         anchor_pos = (ctx_start + ctx_count).tolist()
         for b, pos in enumerate(anchor_pos):
             truth = self.continuations[b][pos - self.prompt_lengths[b] + 1:]

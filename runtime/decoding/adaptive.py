@@ -56,7 +56,7 @@ class StepCosts:
         return self.target[b] + rows * self.row[b] + (self.draft[b] if drafting else 0.0)
 
 
-class AdaptiveVerification:
+class AdaptiveSchedule:
     """The draft cap of each step from the requests' acceptance; ``traffic`` is the estimate over
     every request served so far, which a new request starts from (``estimate``)."""
 

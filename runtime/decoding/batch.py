@@ -42,7 +42,7 @@ class Decoding:
     all ``k``) cuts each step's drafts at the first whose top draft probability is below it, so
     the target spends no verify rows on drafts that are unlikely to be accepted. ``draft_schedule``
     caps the drafts a step verifies (default: the engine's ``k`` at every step; a
-    ``DraftSchedule``, or ``AdaptiveVerification``: ``Generator.draft_schedule``). ``names`` label the
+    ``LoadSchedule``, or ``AdaptiveSchedule``: ``Generator.draft_schedule``). ``names`` label the
     prompts in errors (``prompt 1``, ... by default); every prompt is checked before any runs.
     ``after``: a finished ``Decoding`` whose scheduler (its caches and options) this one goes on
     with, so that a prompt beginning with a sequence it left prefills only the rest (a chat's next

@@ -1,6 +1,7 @@
-"""How many drafts a step verifies as the batch fills (vLLM's and TensorRT-LLM's draft-length
-schedule): ``1:4,3:2,6:0`` verifies at most 4 drafts per request while 1 or 2 of the pool's
-slots are busy, 2 from 3 on, none (target-only steps) from 6 on.
+"""How many drafts a step verifies: a ``DraftSchedule``, what the scheduler asks of one, and
+``LoadSchedule``, the cap by load alone (vLLM's and TensorRT-LLM's draft-length schedule;
+``adaptive.AdaptiveSchedule`` is the other): ``1:4,3:2,6:0`` verifies at most 4 drafts per
+request while 1 or 2 of the pool's slots are busy, 2 from 3 on, none (target-only steps) from 6 on.
 
 A verify row is nearly free while the target is bound by reading its weights, and costs its full
 compute once the batch's rows make it compute-bound; so the rows worth verifying shrink as slots
@@ -26,28 +27,44 @@ import time
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from math import comb
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from runtime.backends.base import Backend, torch_threads
-from runtime.decoding.adaptive import AdaptiveVerification, StepCosts
+from runtime.decoding.acceptance import Acceptance
+from runtime.decoding.adaptive import AdaptiveSchedule, StepCosts
 
 ADAPTIVE = "adaptive"
 
 
+class DraftSchedule(Protocol):
+    """What the scheduler asks of a draft schedule: a new request's acceptance estimate
+    (``estimate``; None for a schedule that reads none), the cap of a call (``cap``: ``drafters``
+    the estimates of its requests with speculation, ``others`` how many more emit a token each,
+    ``batch`` its sequences, ``busy`` the pool's occupied slots), and a request's step
+    (``record``: ``verified`` drafts of at most ``cap``, ``accepted`` of them). A cap reads only
+    earlier steps, so that sampling stays exact."""
+
+    def estimate(self) -> Acceptance | None: ...
+
+    def cap(self, drafters: list[Acceptance | None], others: int, batch: int, busy: int) -> int: ...
+
+    def record(self, acceptance: Acceptance | None, cap: int, verified: int, accepted: int) -> None: ...
+
+
 @dataclass(frozen=True)
-class DraftSchedule:
+class LoadSchedule:
     """``steps``: ``(busy, drafts)`` pairs, ``busy`` ascending from 1: from ``busy`` occupied
     slots on, at most ``drafts`` drafts per request per step."""
     steps: tuple[tuple[int, int], ...]
 
     @classmethod
-    def constant(cls, drafts: int) -> "DraftSchedule":
+    def constant(cls, drafts: int) -> "LoadSchedule":
         return cls(((1, drafts),))
 
     @classmethod
-    def parse(cls, text: str, k: int, flag: str = "--draft-schedule") -> "DraftSchedule | None":
+    def parse(cls, text: str, k: int, flag: str = "--draft-schedule") -> "LoadSchedule | None":
         """``"1:4,3:2,6:0"`` (or one number: that cap at every load), refused in one line;
         ``"adaptive"`` is None: adaptive verification, measured where the engine runs
         (``adaptive.py``)."""
@@ -70,8 +87,7 @@ class DraftSchedule:
         """The cap while ``busy`` slots are occupied."""
         return next(d for b, d in reversed(self.steps) if b <= busy)
 
-    # the scheduler's verification policy (``adaptive.AdaptiveVerification`` is the other): a cap
-    # by load alone, whatever the drafts' acceptance
+    # a DraftSchedule: a cap by load alone, whatever the drafts' acceptance
     def estimate(self) -> None:
         return None
 
@@ -158,14 +174,14 @@ def proven_ratio(samples: list[float], baseline: list[float], confidence: float)
 CONFIDENCE = 0.99   # that a cut cap is due to the machine, not to the timings' noise
 
 
-def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> DraftSchedule:
+def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> LoadSchedule:
     """``k`` drafts for one busy slot; for ``b``, ``k / r`` (rounded; never above ``k``, never
     rising with ``b``), where ``r`` is how many times dearer a verify row of a ``b``-sequence
     step is than one alone, each relative to its step (``Costs.row_costs``), as far as the samples
     prove it at ``confidence`` (``proven_ratio``). Cutting on the point estimates instead cut on
     noise: a difference of two timings moves by 10-20% on a shared machine."""
     if not k:
-        return DraftSchedule.constant(0)
+        return LoadSchedule.constant(0)
     alone = costs.row_costs(1, k)
     caps = [k]
     for batch in range(2, len(costs.one) + 1):
@@ -173,7 +189,7 @@ def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> DraftSchedul
         cap = k if dearer <= 1 else min(k, round(k / dearer))
         caps.append(min(cap, caps[-1]))
     steps = [(1, caps[0])] + [(b + 1, c) for b, c in enumerate(caps) if b and c != caps[b - 1]]
-    return DraftSchedule(tuple(steps))
+    return LoadSchedule(tuple(steps))
 
 
 # 5 samples of each cost prove a ratio at 99% (the 2nd smallest of 25 pairwise ratios); the demo
@@ -181,9 +197,9 @@ def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> DraftSchedul
 ROUNDS = 5
 
 
-def adaptive(backend: Backend, repeats: int = ROUNDS) -> AdaptiveVerification:
+def adaptive(backend: Backend, repeats: int = ROUNDS) -> AdaptiveSchedule:
     """Adaptive verification with this backend's call costs, measured now (``measure``)."""
-    return AdaptiveVerification(measure(backend, repeats)[1].step_costs(backend.limits.k), backend.limits.k)
+    return AdaptiveSchedule(measure(backend, repeats)[1].step_costs(backend.limits.k), backend.limits.k)
 
 
 def _seconds(call: Callable[[], object]) -> float:
@@ -192,7 +208,7 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - begin
 
 
-def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[DraftSchedule, Costs]:
+def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[LoadSchedule, Costs]:
     """The schedule for this machine from ``repeats`` rounds of timings, after one untimed pair
     (a session's first calls set up its memory and threads). A round times a one-row and a
     ``k + 1``-row call back to back at every batch size, alternating which call goes first and
@@ -207,22 +223,22 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[DraftSchedule, Cos
     sizes = [limits.max_batch] if backend.pooled else list(range(1, limits.max_batch + 1))
 
     def target(batch: int, rows: int) -> Callable[[], object]:
-        at = {} if backend.pooled else {"slots": list(range(batch))}
+        slots = None if backend.pooled else list(range(batch))
         start = torch.full((batch,), position, device=device)
         ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
         positions = torch.arange(rows, device=device).expand(batch, rows)
         state_slot = torch.zeros_like(start)
-        return lambda: backend.target_step(ids, start, positions, state_slot, positions, **at)
+        return lambda: backend.target_step(ids, start, positions, state_slot, positions, slots=slots)
 
     def draft(batch: int, aux: torch.Tensor) -> Callable[[], object]:
         """A draft call inserting two rows of context (a step that accepted one draft)."""
-        at = {} if backend.pooled else {"slots": list(range(batch))}
+        slots = None if backend.pooled else list(range(batch))
         ctx = aux[:, :2].clone()
         start = torch.full((batch,), position, device=device)
         count = torch.full((batch,), 2, device=device)
         noise = torch.zeros(batch, k, limits.vocab_size, device=device)
         return lambda: backend.draft_step(ctx, start, count, start * 0, torch.ones(batch, device=device),
-                                          noise, **at)
+                                          noise, slots=slots)
 
     one, full = {batch: [] for batch in sizes}, {batch: [] for batch in sizes}
     drafted = {batch: [] for batch in sizes}

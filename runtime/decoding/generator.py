@@ -10,7 +10,7 @@ from common.prompts import encode_conversation, encode_prompt
 from runtime.backends import open_backend
 from runtime.backends.engine import damaged
 from runtime.decoding.batch import Decoding
-from runtime.decoding.draft_schedule import ADAPTIVE, DraftSchedule, adaptive
+from runtime.decoding.draft_schedule import ADAPTIVE, LoadSchedule, adaptive
 from runtime.decoding.stats import PhaseTimes, SpecStats
 from runtime.decoding.stop_strings import StopStrings
 from runtime.decoding.text_stream import TextStream
@@ -47,10 +47,10 @@ class Generator:
         """The draft schedule ``schedule`` names, for ``decodings``' ``draft_schedule``:
         ``"adaptive"`` (this backend's call costs measured on first use, ~2 s on the demo engine,
         and kept: every decoding of this generator plans with them and with the acceptance seen
-        so far), or a fixed ``DraftSchedule`` (``DraftSchedule.parse``, refused in one line
+        so far), or a fixed ``LoadSchedule`` (``LoadSchedule.parse``, refused in one line
         naming ``flag``). The measurement overwrites the backend's caches: ask for it before a
         decoding whose caches a later one goes on with (``conversation``'s ``after``)."""
-        fixed = DraftSchedule.parse(schedule, self.backend.limits.k, flag)
+        fixed = LoadSchedule.parse(schedule, self.backend.limits.k, flag)
         if fixed is not None:
             return fixed
         if self._adaptive is None:
@@ -121,7 +121,7 @@ class Generator:
         limits = self.backend.limits
         if options.get("speculative", True) and limits.k and options.get("draft_schedule") is None:
             if self._adaptive is None:
-                make({**options, "draft_schedule": DraftSchedule.constant(limits.k)})
+                make({**options, "draft_schedule": LoadSchedule.constant(limits.k)})
             options["draft_schedule"] = self.draft_schedule()
         return make(options)
 

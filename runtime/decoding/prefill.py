@@ -40,7 +40,6 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
     last_logits = None
     offsets = torch.zeros_like(lengths) if offsets is None else offsets
     slot = torch.zeros_like(lengths) if state_slot is None else state_slot
-    at = {} if slots is None else {"slots": slots}
     for begin in range(0, longest, chunk):
         ids = padded[:, begin:begin + chunk]
         last_row = lengths - 1 - begin
@@ -48,7 +47,7 @@ def prefill_chunks(backend: Backend, prompts, lengths, speculative: bool,
         row = last_row.clamp(0, ids.shape[1] - 1)[:, None]
         rows = torch.arange(ids.shape[1], device=device).expand(batch, -1) if every_row else row
         logits, aux = backend.target_step(ids, offsets + lengths.clamp(max=begin), rows, slot,
-                                          last_row.clamp(-1, ids.shape[1] - 1)[:, None], **at)
+                                          last_row.clamp(-1, ids.shape[1] - 1)[:, None], slots=slots)
         slot = torch.zeros_like(lengths)        # from the first chunk on, the state is in slot 0
         if every_row:
             every_row(begin, logits)
@@ -70,4 +69,4 @@ def insert_context(backend: Backend, aux, start, count, next_tokens, slots: list
     batch, limits = next_tokens.shape[0], backend.limits
     backend.draft_step(aux, start, count, next_tokens, torch.ones(batch, device=next_tokens.device),
                        torch.zeros(batch, limits.k, limits.vocab_size, device=next_tokens.device),
-                       **({} if slots is None else {"slots": slots}))
+                       slots=slots)

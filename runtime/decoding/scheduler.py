@@ -37,8 +37,7 @@ from functools import partial
 import torch
 
 from runtime.backends.base import Backend, capacity_needed, torch_threads
-from runtime.decoding.adaptive import AdaptiveVerification
-from runtime.decoding.draft_schedule import DraftSchedule
+from runtime.decoding.draft_schedule import DraftSchedule, LoadSchedule
 from runtime.decoding.logprobs import token_logprobs
 from runtime.decoding.noise import Noise
 from runtime.decoding.params import Params
@@ -60,10 +59,10 @@ class Scheduler:
     engine's ``max_batch``); ``times`` sums the wall time of every step."""
 
     def __init__(self, backend: Backend, eos_token_ids=None, confidence_threshold: float | None = None,
-                 draft_schedule: DraftSchedule | AdaptiveVerification | None = None, pool: int | None = None):
+                 draft_schedule: DraftSchedule | None = None, pool: int | None = None):
         self.backend, self.limits = backend, backend.limits
-        self.schedule = draft_schedule or DraftSchedule.constant(self.limits.k)
-        fixed = isinstance(self.schedule, DraftSchedule)
+        self.schedule = draft_schedule or LoadSchedule.constant(self.limits.k)
+        fixed = isinstance(self.schedule, LoadSchedule)
         if fixed and any(d > self.limits.k for _, d in self.schedule.steps):
             raise ValueError(f"draft schedule {self.schedule}: the engine proposes {self.limits.k} "
                              f"drafts per step (k)")
@@ -172,7 +171,8 @@ class Scheduler:
             scored = [b for b, r in enumerate(group) if r.params.prompt_logprobs is not None]
             prefill = Prefill(group, prefill_chunks(
                 self.backend, prompts, lengths, any(r.params.speculative for r in group),
-                self._prompt_scorer(group, scored) if scored else None, **self._at([r.slot for r in group]),
+                self._prompt_scorer(group, scored) if scored else None,
+                slots=self._slots([r.slot for r in group]),
                 offsets=torch.tensor([r.reused for r in group], device=self.device),
                 state_slot=torch.tensor([r.state_slot for r in group], device=self.device)))
             for request in group:
@@ -212,9 +212,9 @@ class Scheduler:
                 request.prompt_logprobs += token_logprobs(logits[b], tokens, request.params.prompt_logprobs)
         return score
 
-    def _at(self, slots: list[int]) -> dict:
-        """The ``slots`` argument of a call on ``slots``: none for the whole pool in order."""
-        return {} if slots == list(range(len(self.slots))) else {"slots": slots}
+    def _slots(self, slots: list[int]) -> list[int] | None:
+        """The ``slots`` argument of a call on ``slots``: None for the whole pool in order."""
+        return None if slots == list(range(len(self.slots))) else slots
 
     def _prefill_chunk(self, prefill: Prefill) -> list[Request]:
         """One chunk of a group's prompts; after the last, each one's first token."""
@@ -285,7 +285,7 @@ class Scheduler:
                 column.append(value)
         on_device = partial(torch.tensor, device=self.device)
         return Call(running, on_device(anchor), on_device(anchor_pos), on_device(state_slot), context_start,
-                    cap, drafting, {} if self.pooled else self._at([r.slot for r in rows]))
+                    cap, drafting, None if self.pooled else self._slots([r.slot for r in rows]))
 
     def _advance(self, request: Request, verdict: Verdict, taps: torch.Tensor, logits: torch.Tensor,
                  call: Call) -> None:

@@ -33,7 +33,7 @@ class Call:
     context_start: list[int]      # [B] where a row without a draft context has its draft's go on
     cap: int                      # the most drafts a row verifies; 0: a target-only step
     drafting: bool                # the draft runs: cap > 0, or a row's context rows fill a call
-    slots: dict                   # the backend calls' ``slots`` argument
+    slots: list[int] | None       # the pool's slot of each row; None: the whole pool, in order
 
     @property
     def live(self) -> list[int]:
@@ -83,7 +83,7 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
     state_rows = torch.where(running[:, None], positions, -1)
     with times.measure("verify"):
         logits, taps = backend.target_step(block, call.anchor_pos, positions, call.state_slot, state_rows,
-                                           **call.slots)
+                                           slots=call.slots)
     accepted, emitted = verify(call, proposal, logits)
     # the step's one device -> host copy
     verdicts = [Verdict(a, n, emitted_row[:a + 1], drafts_row[:n]) for (a,), (n,), emitted_row, drafts_row
@@ -114,7 +114,7 @@ def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -
     with times.measure("draft"):
         drafts, q = backend.draft_step(aux, torch.tensor(start, device=device),
                                        torch.tensor(count, device=device), call.anchor, temperatures, noise,
-                                       **call.slots)
+                                       slots=call.slots)
     limit = torch.tensor([call.cap if b in contexts else 0 for b in range(batch)], device=device)
     if threshold > 0 and call.cap > 0:   # the cut past the cap changes nothing: not read
         limit = torch.minimum(limit, confident_drafts(q[:, :call.cap], threshold))

@@ -51,11 +51,11 @@ def bind(triton, engine: str | Path, name: str | None = None, backend: str = "or
     interpreter's ``lib/`` first on ``LD_LIBRARY_PATH`` (``serve`` sees to that)."""
     from pytriton.model_config import ModelConfig, Tensor
 
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
     from runtime.decoding.generator import Generator
 
     generator = Generator.from_engine(engine, backend, threads)
-    schedule = DraftSchedule.parse(draft_schedule, generator.backend.limits.k) if draft_schedule else None
+    schedule = LoadSchedule.parse(draft_schedule, generator.backend.limits.k) if draft_schedule else None
     request_loop = RequestLoop(generator.backend, max_queue, schedule)
 
     async def infer(requests):

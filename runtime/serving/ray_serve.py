@@ -79,10 +79,10 @@ def application(engine: str, replicas: int = 1, backend: str = "ort", threads: i
     from ray import serve
 
     from common import manifest as manifest_file
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
 
     manifest = manifest_file.read(Path(engine))
-    schedule = DraftSchedule.parse(draft_schedule, manifest["draft"]["k"]) if draft_schedule else None
+    schedule = LoadSchedule.parse(draft_schedule, manifest["draft"]["k"]) if draft_schedule else None
     engine, model = str(Path(engine).resolve()), model or Path(engine).resolve().name
 
     def build():

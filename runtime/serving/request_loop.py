@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runtime.decoding.adaptive import AdaptiveVerification
 from runtime.decoding.draft_schedule import DraftSchedule, adaptive
 from runtime.decoding.params import Params
 from runtime.decoding.request import Request
@@ -45,7 +44,7 @@ class RequestLoop:
     this machine first (``draft_schedule.adaptive``), and says so on stderr."""
 
     def __init__(self, backend, max_queue: int,
-                 draft_schedule: DraftSchedule | AdaptiveVerification | None = None):
+                 draft_schedule: DraftSchedule | None = None):
         if draft_schedule is None and backend.limits.k:
             begin = time.perf_counter()
             draft_schedule = adaptive(backend)

@@ -22,7 +22,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
-        from runtime.decoding.draft_schedule import DraftSchedule
+        from runtime.decoding.draft_schedule import LoadSchedule
         from runtime.decoding.generator import Generator
 
         self.pb = pb_utils
@@ -33,7 +33,7 @@ class TritonPythonModel:
                                                threads)
         backend = self.generator.backend
         schedule = parameters.get("draft_schedule")
-        schedule = DraftSchedule.parse(schedule, backend.limits.k) if schedule else None
+        schedule = LoadSchedule.parse(schedule, backend.limits.k) if schedule else None
         self.request_loop = RequestLoop(backend, int(parameters.get("max_queue", 64)), schedule)
         self.metrics = TritonMetrics(pb_utils, self.request_loop.metrics.registry,
                                      {"model": args["model_name"], "version": args["model_version"],

@@ -48,7 +48,7 @@ def write_model(engine: Path, out: Path, name: str | None = None, backend: str =
     checked first, and another model in ``out`` is left as it is."""
     from common import manifest
     from runtime.backends import BACKENDS, GPU_BACKENDS
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
 
     engine = Path(engine).resolve()
     k = manifest.read(engine)["draft"]["k"]
@@ -66,8 +66,8 @@ def write_model(engine: Path, out: Path, name: str | None = None, backend: str =
     parameters = {"engine": str(engine), "backend": backend, "max_queue": str(max_queue)}
     if threads is not None:
         parameters["threads"] = str(threads)
-    if draft_schedule is not None and DraftSchedule.parse(draft_schedule, k) is not None:
-        parameters["draft_schedule"] = str(DraftSchedule.parse(draft_schedule, k))
+    if draft_schedule is not None and LoadSchedule.parse(draft_schedule, k) is not None:
+        parameters["draft_schedule"] = str(LoadSchedule.parse(draft_schedule, k))
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"OUT {out}: is a file; expected a model repository directory")
     model = Path(out) / name

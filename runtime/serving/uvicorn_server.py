@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from runtime.decoding.draft_schedule import DraftSchedule
+from runtime.decoding.draft_schedule import LoadSchedule
 from runtime.decoding.generator import Generator
 from runtime.serving.openai_server import Server
 from runtime.serving.server_flags import add_server_flags, check_finite, check_port, model_name, stopping_line
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         check_finite("--max-body", args.max_body)
         check_finite("--grace-period", args.grace_period)
         k = manifest_file.read(Path(args.engine))["draft"]["k"]
-        schedule = DraftSchedule.parse(args.draft_schedule, k) if args.draft_schedule else None
+        schedule = LoadSchedule.parse(args.draft_schedule, k) if args.draft_schedule else None
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     import logging

@@ -11,7 +11,7 @@ from export.onnx_export import Limits
 from runtime.backends.ort import OrtBackend
 from runtime.decoding import adaptive
 from runtime.decoding.acceptance import Acceptance, Chain
-from runtime.decoding.adaptive import BACKOFF, PROBE_EVERY, AdaptiveVerification, StepCosts, speedup_bound
+from runtime.decoding.adaptive import BACKOFF, PROBE_EVERY, AdaptiveSchedule, StepCosts, speedup_bound
 from runtime.decoding.scheduler import Params, Scheduler
 
 from conftest import hf_greedy
@@ -40,7 +40,7 @@ def test_a_step_observes_the_positions_its_cap_reached():
 
 
 def test_the_cap_is_the_one_with_the_most_tokens_per_second():
-    policy = AdaptiveVerification(COSTS, K)
+    policy = AdaptiveSchedule(COSTS, K)
 
     def estimate(rates):
         return Acceptance(Chain(list(rates), 8), Chain([1.0] * K, 8))
@@ -79,7 +79,7 @@ def test_a_call_of_several_requests_pays_for_its_widest_one():
     would verify all 4 drafts may, with 3 more like it, verify none."""
     import itertools
 
-    policy = AdaptiveVerification(COSTS, K)
+    policy = AdaptiveSchedule(COSTS, K)
 
     def best_by_enumeration(drafters):
         speeds = []
@@ -129,7 +129,7 @@ def test_drafts_that_stop_and_come_back(tiny, engine_dir, monkeypatch):
     backend = Switching(engine_dir(LIMITS, arch="qwen3"))
     backend.truth = hf_greedy(tiny(arch="qwen3")[0], [PROMPT], MAX_NEW, eos=None)[0]
     scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
-                          draft_schedule=AdaptiveVerification(COSTS, K))
+                          draft_schedule=AdaptiveSchedule(COSTS, K))
     request = scheduler.submit(PROMPT, Params(max_new_tokens=MAX_NEW))
     scheduler.run()
     assert request.token_ids == backend.truth

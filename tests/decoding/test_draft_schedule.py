@@ -10,7 +10,7 @@ import pytest
 from runtime.decoding.draft_schedule import (
     ROUNDS,
     Costs,
-    DraftSchedule,
+    LoadSchedule,
     _rank_orderings,
     choose,
     proven_ratio,
@@ -20,16 +20,16 @@ K = 4
 
 
 def test_the_flag_reads_busy_drafts_pairs_or_one_number():
-    schedule = DraftSchedule.parse("1:4,3:2,6:0", K)
+    schedule = LoadSchedule.parse("1:4,3:2,6:0", K)
     assert [schedule.drafts(b) for b in range(1, 9)] == [4, 4, 2, 2, 2, 0, 0, 0]
     assert str(schedule) == "1:4,3:2,6:0"
-    assert DraftSchedule.parse("2", K).drafts(7) == 2
+    assert LoadSchedule.parse("2", K).drafts(7) == 2
 
 
 @pytest.mark.parametrize("text", ["", "x", "2:4", "1:4,1:2", "1:4,3:2,2:0", "1:5", "1:-1", "1:4:2", "1:4,"])
 def test_a_bad_schedule_is_refused_in_one_line(text):
     with pytest.raises(ValueError, match=r"--draft-schedule .*expected adaptive, or BUSY:DRAFTS .* 0 \.\. 4"):
-        DraftSchedule.parse(text, K)
+        LoadSchedule.parse(text, K)
 
 
 def _timings(rng, seconds: float, rounds: int = ROUNDS) -> list[float]:
@@ -62,7 +62,7 @@ def test_noisy_rows_that_cost_alike_keep_every_draft_on_every_start():
     one, full = [0.014 * b for b in range(1, 5)], [0.020 * b for b in range(1, 5)]
     starts = [_costs(rng, one, full) for _ in range(200)]
     assert sum(map(_points_differ, starts)) > 50, "the noise is enough to fool point estimates"
-    assert {str(choose(costs, K)) for costs in starts} == {str(DraftSchedule.constant(K))}
+    assert {str(choose(costs, K)) for costs in starts} == {str(LoadSchedule.constant(K))}
 
 
 def test_clearly_dearer_rows_are_cut_on_every_start():
@@ -96,7 +96,7 @@ def test_too_few_samples_prove_nothing_and_keep_every_draft():
     assert proven_ratio([9.0] * 4, [1.0] * 4, 0.99) == 0.0
     assert proven_ratio([9.0] * 5, [1.0] * 5, 0.99) == 9.0
     costs = Costs(one=[[1.0], [2.0]], full=[[1.1], [9.0]])
-    assert choose(costs, K) == DraftSchedule.constant(K)
+    assert choose(costs, K) == LoadSchedule.constant(K)
 
 
 def test_the_rank_bound_holds_as_often_as_its_confidence_says():

@@ -102,14 +102,14 @@ def test_the_api_verifies_adaptively_by_default_as_the_cli_does(engine, generato
     (measured once per generator), after every prompt is checked: a prompt that cannot fit is
     refused before the ~2 s measurement."""
     from runtime.decoding import generator as api
-    from runtime.decoding.adaptive import AdaptiveVerification
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.adaptive import AdaptiveSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
 
     [decoding] = generator.decodings([PROMPTS[0]], max_new_tokens=24)
-    assert isinstance(decoding.scheduler.schedule, AdaptiveVerification)
+    assert isinstance(decoding.scheduler.schedule, AdaptiveSchedule)
     assert decoding.scheduler.schedule is generator.draft_schedule()
-    [fixed] = generator.decodings([PROMPTS[0]], max_new_tokens=24, draft_schedule=DraftSchedule.constant(2))
-    assert fixed.scheduler.schedule == DraftSchedule.constant(2)
+    [fixed] = generator.decodings([PROMPTS[0]], max_new_tokens=24, draft_schedule=LoadSchedule.constant(2))
+    assert fixed.scheduler.schedule == LoadSchedule.constant(2)
     measured = []
     monkeypatch.setattr(api, "adaptive", lambda backend: measured.append(backend))
     fresh = Generator.from_engine(engine)
@@ -160,11 +160,11 @@ def test_ctrl_c_prints_what_was_generated(engine, capsys, monkeypatch):
     calls = {"n": 0}
     real = OrtBackend.target_step
 
-    def interrupted(self, *args):
+    def interrupted(self, *args, **options):
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
-        return real(self, *args)
+        return real(self, *args, **options)
 
     monkeypatch.setattr(OrtBackend, "target_step", interrupted)
     with pytest.raises(SystemExit) as exit_info:

@@ -96,9 +96,9 @@ class GreedyFirstSequence(OracleDrafts):
     """Every draft of sequence 0 is right, no draft of the others is: sequence 0 finishes many
     steps before them, on a step that accepts all ``k`` drafts."""
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
         self.rng.randint = lambda low, high: high
-        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        tokens, q = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots)
         tokens[1:] = self.limits.vocab_size - 1 - tokens[1:]      # wrong (the tiny targets never emit it)
         return tokens, q
 

@@ -9,9 +9,9 @@ from modeling.pair import load_pair
 from modeling.target import from_start
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.adaptive import AdaptiveVerification, StepCosts
+from runtime.decoding.adaptive import AdaptiveSchedule, StepCosts
 from runtime.decoding.batch import generate
-from runtime.decoding.draft_schedule import DraftSchedule
+from runtime.decoding.draft_schedule import LoadSchedule
 from runtime.decoding.noise import Noise
 from runtime.decoding.sampling import argmax, probabilities, scores
 from runtime.decoding.scheduler import Params, Scheduler
@@ -136,8 +136,8 @@ def test_a_seed_samples_the_targets_own_tokens_whatever_is_verified(pair, verifi
     output seed by seed, token for token, at any cap and with the adaptive one, as greedy output
     is the target's argmax; and drafts are accepted (the drafter is not inert)."""
     backend = TorchBackend(*pair, capacity=24, max_batch=64)
-    schedule = (AdaptiveVerification(NEAR_BREAK_EVEN, pair[1].k) if verified == "adaptive"
-                else DraftSchedule.constant(verified))
+    schedule = (AdaptiveSchedule(NEAR_BREAK_EVEN, pair[1].k) if verified == "adaptive"
+                else LoadSchedule.constant(verified))
     options = dict(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=100)
     alone = generate(backend, [PROMPT] * 64, speculative=False, **options)
     speculative = generate(backend, [PROMPT] * 64, draft_schedule=schedule, **options)
@@ -204,7 +204,7 @@ def test_sampling_through_the_scheduler_matches_target_distribution(pair, adapti
     requests' acceptance so far, from none to all k, and the output still the target's
     distribution."""
     backend = TorchBackend(*pair, capacity=16, max_batch=16, max_prompt_chunk=8)
-    policy = AdaptiveVerification(NEAR_BREAK_EVEN, pair[1].k) if adaptive else None
+    policy = AdaptiveSchedule(NEAR_BREAK_EVEN, pair[1].k) if adaptive else None
     scheduler = Scheduler(backend, eos_token_ids=(), draft_schedule=policy)
     requests = [scheduler.submit(PROMPT, Params(max_new_tokens=3, temperature=1.0, seed=i))
                 for i in range(SAMPLES // 2)]

@@ -12,7 +12,7 @@ from export.onnx_export import Limits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
-from runtime.decoding.draft_schedule import DraftSchedule, measure
+from runtime.decoding.draft_schedule import LoadSchedule, measure
 from runtime.decoding.scheduler import Params, Scheduler
 
 from conftest import PROMPTS, hf_greedy
@@ -108,7 +108,7 @@ def test_the_draft_schedule_turns_drafts_off_while_slots_are_full(pair_dirs, eng
     backend.rng = random.Random(1)
     k = backend.limits.k
     scheduler = backend.scheduler = Scheduler(backend, eos_token_ids=(),
-                                              draft_schedule=DraftSchedule.parse(f"1:{k},2:0", k))
+                                              draft_schedule=LoadSchedule.parse(f"1:{k},2:0", k))
     alone = scheduler.submit(REQUESTS[0], Params(max_new_tokens=MAX_NEW))
     for _ in range(4):
         scheduler.step()
@@ -141,7 +141,7 @@ def test_drafts_after_target_only_steps_read_every_verified_row(pair_dirs, engin
         backend = Recording(engine_dir(LIMITS, arch="qwen3"))
         backend.drafts = {}
         scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
-                              draft_schedule=schedule and DraftSchedule.parse(schedule, backend.limits.k))
+                              draft_schedule=schedule and LoadSchedule.parse(schedule, backend.limits.k))
         request = scheduler.submit(prompt, Params(max_new_tokens=MAX_NEW))
         scheduler.run()
         decoding = {p: d for p, d in backend.drafts.items() if p > len(prompt)}

@@ -17,7 +17,7 @@ from modeling.target import every_row
 from runtime import Generator
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
-from runtime.decoding.draft_schedule import DraftSchedule
+from runtime.decoding.draft_schedule import LoadSchedule
 
 pytestmark = [pytest.mark.slow,   # builds engines: the real-model tier
               pytest.mark.skipif(importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None
@@ -85,7 +85,7 @@ def test_build_with_no_pair_builds_the_demo_pair_and_it_runs(smollm2, tmp_path, 
     generator = Generator.from_engine(out)
     assert generator.encode(QUESTIONS[0]) == ids[0]     # the chat template came along in the engine dir
     target_only = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=1, speculative=False)
-    every_draft = DraftSchedule.constant(demo_pair.K)   # acceptance, whatever the machine's costs say
+    every_draft = LoadSchedule.constant(demo_pair.K)   # acceptance, whatever the machine's costs say
     for batch_size in (1, 2, 3, 4):   # ragged batches: each answer as it is alone, speculative or not
         result = generator.generate(QUESTIONS, max_new_tokens=NEW_TOKENS, batch_size=batch_size,
                                     draft_schedule=every_draft)

@@ -125,17 +125,18 @@ class Recorder(TorchBackend):
         """``k_cache_0, v_cache_0, k_cache_1, ...`` feeds, copied before the step writes."""
         return {f"{'kv'[i % 2]}_cache_{i // 2}": t.clone() for i, t in enumerate(tensors)}
 
-    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None):
+    def target_step(self, input_ids, start, logit_rows, state_slot=None, state_rows=None, slots=None):
         feeds = {"input_ids": input_ids, "start": start, "logit_rows": logit_rows,
                  **self._caches(self.target_cache)}
-        out = super().target_step(input_ids, start, logit_rows)   # these dense targets keep no state
+        # these dense targets keep no state
+        out = super().target_step(input_ids, start, logit_rows, slots=slots)
         self.calls["target"].append((feeds, [*out, *self.target_cache]))
         return out
 
-    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise):
+    def draft_step(self, ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=None):
         feeds = dict(ctx_aux=ctx_aux, ctx_start=ctx_start, ctx_count=ctx_count, anchor=anchor,
                      temperature=temperature, noise=noise, **self._caches(self.draft_cache))
-        out = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise)
+        out = super().draft_step(ctx_aux, ctx_start, ctx_count, anchor, temperature, noise, slots=slots)
         self.calls["draft"].append((feeds, [*out, *self.draft_cache]))
         return out
 

@@ -401,7 +401,7 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
     import uvicorn
 
     from runtime import Generator
-    from runtime.decoding.draft_schedule import DraftSchedule
+    from runtime.decoding.draft_schedule import LoadSchedule
     from runtime.serving.openai_server import Server
 
     engine = engine_dir(LIMITS, arch="qwen3")
@@ -411,7 +411,7 @@ def test_health_is_503_until_the_engine_has_loaded(engine_dir):
         release.wait(60)
         return Generator.from_engine(engine)
 
-    server = Server(load, "tiny", MAX_QUEUE, DraftSchedule.constant(0))
+    server = Server(load, "tiny", MAX_QUEUE, LoadSchedule.constant(0))
     port = free_port()
     http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
