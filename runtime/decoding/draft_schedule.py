@@ -102,7 +102,7 @@ class LoadSchedule:
 
 
 @dataclass(frozen=True)
-class Costs:
+class CallTimings:
     """Seconds per target call with ``b`` busy slots (index ``b - 1``), one sample per round: on
     one row (``one``) and on ``k + 1`` rows per sequence (``full``), a call of ``b`` sequences, or
     of the whole pool on a pooled backend. ``one[b - 1][i]`` and ``full[b - 1][i]`` were timed
@@ -174,10 +174,10 @@ def proven_ratio(samples: list[float], baseline: list[float], confidence: float)
 CONFIDENCE = 0.99   # that a cut cap is due to the machine, not to the timings' noise
 
 
-def choose(costs: Costs, k: int, confidence: float = CONFIDENCE) -> LoadSchedule:
+def choose(costs: CallTimings, k: int, confidence: float = CONFIDENCE) -> LoadSchedule:
     """``k`` drafts for one busy slot; for ``b``, ``k / r`` (rounded; never above ``k``, never
     rising with ``b``), where ``r`` is how many times dearer a verify row of a ``b``-sequence
-    step is than one alone, each relative to its step (``Costs.row_costs``), as far as the samples
+    step is than one alone, each relative to its step (``CallTimings.row_costs``), as far as the samples
     prove it at ``confidence`` (``proven_ratio``). Cutting on the point estimates instead cut on
     noise: a difference of two timings moves by 10-20% on a shared machine."""
     if not k:
@@ -208,7 +208,7 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - begin
 
 
-def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[LoadSchedule, Costs]:
+def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[LoadSchedule, CallTimings]:
     """The schedule for this machine from ``repeats`` rounds of timings, after one untimed pair
     (a session's first calls set up its memory and threads). A round times a one-row and a
     ``k + 1``-row call back to back at every batch size, alternating which call goes first and
@@ -260,5 +260,5 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[LoadSchedule, Cost
     if backend.pooled:
         ones, fulls, draft_calls = (ones * limits.max_batch, fulls * limits.max_batch,
                                     draft_calls * limits.max_batch)
-    costs = Costs(ones, fulls, draft_calls)
+    costs = CallTimings(ones, fulls, draft_calls)
     return choose(costs, k), costs

@@ -9,7 +9,7 @@ import pytest
 
 from runtime.decoding.draft_schedule import (
     ROUNDS,
-    Costs,
+    CallTimings,
     LoadSchedule,
     _rank_orderings,
     choose,
@@ -39,12 +39,12 @@ def _timings(rng, seconds: float, rounds: int = ROUNDS) -> list[float]:
             for _ in range(rounds)]
 
 
-def _costs(rng, one: list[float], full: list[float]) -> Costs:
+def _costs(rng, one: list[float], full: list[float]) -> CallTimings:
     """Noisy samples of calls whose true times are ``one[b - 1]`` and ``full[b - 1]``."""
-    return Costs(one=[_timings(rng, t) for t in one], full=[_timings(rng, t) for t in full])
+    return CallTimings(one=[_timings(rng, t) for t in one], full=[_timings(rng, t) for t in full])
 
 
-def _points_differ(costs: Costs, margin: float = 1.25) -> bool:
+def _points_differ(costs: CallTimings, margin: float = 1.25) -> bool:
     """What the rule before issue 40 cut on: a row's cost from the fastest timing of each call,
     dearer than alone's by more than a fixed 25% at some batch size."""
     def row(b):
@@ -95,7 +95,7 @@ def test_too_few_samples_prove_nothing_and_keep_every_draft():
     the cap stays at k however far the timings lie apart."""
     assert proven_ratio([9.0] * 4, [1.0] * 4, 0.99) == 0.0
     assert proven_ratio([9.0] * 5, [1.0] * 5, 0.99) == 9.0
-    costs = Costs(one=[[1.0], [2.0]], full=[[1.1], [9.0]])
+    costs = CallTimings(one=[[1.0], [2.0]], full=[[1.1], [9.0]])
     assert choose(costs, K) == LoadSchedule.constant(K)
 
 
