@@ -21,12 +21,10 @@ import gc
 import platform
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -56,8 +54,6 @@ from plugins.block_attention.ort_contrib import target_rotary
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# a weight matrix [K, N] -> its blocks as the graph will hold them, or None where it stays float
-BlocksOf = Callable[[np.ndarray], "quantize.Blocks | None"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOKENIZER_DIR = "tokenizer"
 
@@ -84,6 +80,11 @@ class Options:
     formats: dict[str, str]       # "target" / "draft" -> quantize.FLOAT, INT4, INT8 or GGUF
     weights_block: int
 
+    @property
+    def dtype_name(self) -> str:
+        """The manifest's name of ``dtype`` (``DTYPE_NAMES``)."""
+        return DTYPE_NAMES[DTYPES[self.dtype]]
+
 
 @dataclass
 class Sources:
@@ -102,8 +103,8 @@ class Weights:
     """How a loaded module's weights go into its graph: ``blocks_of`` (and ``embeddings``) give a
     weight's blocks (None: the graph keeps floats); ``count`` the matrices the module has so."""
     count: int = 0
-    blocks_of: BlocksOf | None = None
-    embeddings: BlocksOf | None = None
+    blocks_of: quantize.BlocksOf | None = None
+    embeddings: quantize.BlocksOf | None = None
     gguf: GgufBlocks | None = None
     quality: dict | None = None   # quality_cost of a quantized target
 
@@ -223,7 +224,7 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     # these rotary tables
     rotary = None if name == "draft" else target_rotary(described, limits.max_seq_len)
     difference = None if expected is None else compare_with_reference(
-        path, verify, expected, DTYPE_NAMES[DTYPES[options.dtype]],
+        path, verify, expected, options.dtype_name,
         drafts=("tokens", "q") if name == "draft" else None, rotary=rotary)
     return Graph(described, spec, quantized, difference, weights.quality)
 
@@ -237,7 +238,7 @@ def describe(sources: Sources, options: Options, graphs: dict[str, Graph]) -> di
         "target": graphs["target"].described,
         "draft": graphs["draft"].described,
         "limits": asdict(sources.limits),
-        "dtype": DTYPE_NAMES[DTYPES[options.dtype]],
+        "dtype": options.dtype_name,
         "weights": {**formats, "block_size": options.weights_block if formats["target"] != quantize.FLOAT
                     else None, "quality": graphs["target"].quality},
         "opset": options.opset,

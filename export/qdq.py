@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
-from collections.abc import Callable, Set
+from collections.abc import Set
 from pathlib import Path
 
 import numpy as np
 
-from export.quantize import Blocks
+from export.quantize import Blocks, BlocksOf
 from plugins.qmatmul.layout import KQuantScales
 from plugins.qmatmul.ort_lowering import linear_weight
 
 
-def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
+def quantize_graph(path: Path, blocks_of: BlocksOf,
                    keep: Set[str] = frozenset(),
-                   embeddings: Callable[[np.ndarray], Blocks | None] | None = None,
+                   embeddings: BlocksOf | None = None,
                    kquant_scales: bool = True) -> int:
     """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
     which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
@@ -74,7 +74,7 @@ def quantize_graph(path: Path, blocks_of: Callable[[np.ndarray], Blocks | None],
 class _Rewrite:
     """``quantize_graph``'s edits of one graph: a group of linear layers at a time."""
 
-    def __init__(self, graph, blocks_of: Callable[[np.ndarray], Blocks | None], file: str,
+    def __init__(self, graph, blocks_of: BlocksOf, file: str,
                  kquant_scales: bool):
         self.graph, self.blocks_of, self.file, self.kquant_scales = graph, blocks_of, file, kquant_scales
         self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, blocks): a shared weight once
@@ -204,7 +204,7 @@ def _kquant_scales(graph, stem: str, kquant: KQuantScales, new_nodes: list) -> t
     return scales, offsets.outputs[0]
 
 
-def _quantize_embeddings(graph, blocks_of: Callable[[np.ndarray], Blocks | None]) -> None:
+def _quantize_embeddings(graph, blocks_of: BlocksOf) -> None:
     """Rewrite each ``Gather`` of a float ``[V, K]`` table's rows (the token embeddings) whose rows
     have blocks as a gather of the rows' integers (int8, one a value) and scales, de-quantized
     after: ``d * q`` (plus a Q4_1 block's offset), the values it held. A GGUF file's tied embedding
@@ -253,7 +253,7 @@ def _gathered(graph, name: str, columns: np.ndarray, ids, unsqueeze: bool = Fals
     return nodes, nodes[-1].outputs[0]
 
 
-def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -> int:
+def _quantize_experts(model, blocks_of: BlocksOf) -> int:
     """Rewrite each ``dspark::MoeExperts`` node whose two expert stacks are constants and have
     blocks as ``MoeExpertsInt{bits}`` (``plugins/moe/onnx_function.py``); returns how many."""
     import onnx_ir as ir
@@ -293,7 +293,7 @@ def _quantize_experts(model, blocks_of: Callable[[np.ndarray], Blocks | None]) -
     return replaced
 
 
-def expert_blocks(stack: np.ndarray, blocks_of: Callable[[np.ndarray], Blocks | None]):
+def expert_blocks(stack: np.ndarray, blocks_of: BlocksOf):
     """``stack [E, N, K]`` (each expert's matrix as ``nn.Linear`` stores it) -> ``(q, scales
     [E, K / b, N], bits)`` in ``MoeExpertsInt{bits}``'s layout: ``q`` int8 ``[E, K / b, b, N]``,
     or for int4 ``[E, K / b, b / 2, N]`` bytes, their bits as int8 (block row ``j`` low, ``j + b / 2``

@@ -180,6 +180,10 @@ class Blocks:
                    for part in chunks(matrix.shape[1]))
 
 
+# a weight matrix [K, N] -> its blocks as a graph holds them, or None where it stays float
+BlocksOf = Callable[[np.ndarray], "Blocks | None"]
+
+
 # a quantized engine's token embeddings: int8 rows in blocks of 32, gathered and de-quantized row
 # by row (``qdq._quantize_embeddings``), a quarter of their float32 bytes (the 0.6b preset's 622 MB
 # table, in its draft engine too, 165 MB)
@@ -203,7 +207,7 @@ def rounded_embedding_blocks(table: np.ndarray) -> Blocks | None:
     return blocks if blocks is not None and blocks.reproduces(table) else None
 
 
-def rtn_blocks(bits: int, block: int) -> Callable[[np.ndarray], Blocks | None]:
+def rtn_blocks(bits: int, block: int) -> BlocksOf:
     """``quantize_graph``'s blocks for RTN: every layer whose input size is a multiple of ``block``."""
     def blocks_of(matrix: np.ndarray) -> Blocks | None:
         return None if matrix.shape[0] % block else Blocks(*rtn(matrix, bits, block), bits=bits)
