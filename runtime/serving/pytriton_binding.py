@@ -105,15 +105,20 @@ def serve(engine: str | Path, config=None, **options) -> None:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")]))
     stopping = threading.Event()
-    if threading.current_thread() is threading.main_thread():   # where Python runs signal handlers
-        for number in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(number, lambda *_: stopping.set())
-    with Triton(config=config) as triton:
-        request_loop = bind(triton, engine, **options)
-        try:
-            triton.run()
-            while not stopping.wait(ALIVE_CHECK_SECONDS) and triton.is_alive():
-                pass
-        finally:   # requests still running end with UNAVAILABLE, the scheduler thread before the process
-            request_loop.stop()
-            request_loop.join()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    # where Python runs signal handlers; the caller's are back once this returns
+    handled = threading.current_thread() is threading.main_thread()
+    before = [signal.signal(number, lambda *_: stopping.set()) for number in signals] if handled else []
+    try:
+        with Triton(config=config) as triton:
+            request_loop = bind(triton, engine, **options)
+            try:
+                triton.run()
+                while not stopping.wait(ALIVE_CHECK_SECONDS) and triton.is_alive():
+                    pass
+            finally:   # requests still running end with UNAVAILABLE, the scheduler thread before the process
+                request_loop.stop()
+                request_loop.join()
+    finally:
+        for number, handler in zip(signals, before):
+            signal.signal(number, handler)
