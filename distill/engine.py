@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 
 from common import manifest as manifest_file
 from runtime.backends.ort import OrtBackend
+from runtime.decoding.batcher import Batcher
 from runtime.decoding.params import Params
-from runtime.decoding.scheduler import Scheduler
 
 
 def open_engine(engine: Path, target_dir: Path, taps: tuple[int, ...] | None) -> OrtBackend:
@@ -37,14 +37,14 @@ def answers(backend: OrtBackend, prompts: list[list[int]], max_new_tokens: int, 
     """Each prompt's answer, the target alone (on a CPU a batch's rows cost less than the rows
     speculation verifies), each prompt queued for the next free slot; prompt ``i`` samples from
     ``seed + i`` (``temperature`` 0: greedy)."""
-    scheduler = Scheduler(backend, backend.limits.eos_token_ids)
-    requests = [scheduler.submit(prompt, Params(max_new_tokens, temperature, seed=seed + i,
+    batcher = Batcher(backend, backend.limits.eos_token_ids)
+    requests = [batcher.submit(prompt, Params(max_new_tokens, temperature, seed=seed + i,
                                                 speculative=False), f"prompt {i + 1}")
                 for i, prompt in enumerate(prompts)]
     label = "greedy answers" if temperature == 0 else f"answers at T = {temperature:g}"
     with tqdm(total=len(requests), desc=label, unit="prompt", disable=not progress) as bar:
-        while scheduler.busy:
-            bar.update(sum(request.finished for request in scheduler.step()))
+        while batcher.busy:
+            bar.update(sum(request.finished for request in batcher.step()))
     return [request.token_ids for request in requests]
 
 

@@ -1,5 +1,5 @@
 """Speculative decoding over engine directories: ``from runtime import Generator`` (and, for
-continuous batching, ``Params`` and ``Scheduler``).
+continuous batching, ``Params`` and ``Batcher``).
 
 These are imported on first use: ``python -m runtime.generate`` imports this package before its
 ``main`` runs, and torch and transformers take seconds to import, which Ctrl-C must be able to
@@ -10,7 +10,7 @@ import importlib
 
 # name -> the module that defines it
 _HOMES = {"Generation": "runtime.decoding.generator", "Generator": "runtime.decoding.generator",
-          "Params": "runtime.decoding.params", "Scheduler": "runtime.decoding.scheduler"}
+          "Params": "runtime.decoding.params", "Batcher": "runtime.decoding.batcher"}
 __all__ = list(_HOMES)
 
 

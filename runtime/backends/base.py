@@ -1,4 +1,5 @@
-"""The backend contract: what the loop in ``scheduler.py`` needs of whatever runs the two steps.
+"""The backend contract: what the loop (``runtime/decoding/executor.py``) needs of whatever runs the
+two steps.
 
 A backend (ONNX Runtime, PyTorch, TensorRT) owns the caches and runs the target and draft steps;
 ``BackendLimits`` holds the facts the loop plans with, read from an engine's manifest or from the modules,
@@ -114,7 +115,7 @@ def slot_block(slots: list[int] | None, pool: int, backend: str) -> slice:
 
 
 class Backend(Protocol):
-    """What the scheduler drives. Tensors live on ``device``; ``host_threads`` is how many threads
+    """What the executor drives. Tensors live on ``device``; ``host_threads`` is how many threads
     the loop's own torch work may use between calls (None: leave torch's setting);
     ``default_batch`` how many prompts a ``Generator`` batches unless told (None: ``max_batch``);
     ``pooled``: every decode step runs the whole pool of slots in order (CUDA graphs captured on

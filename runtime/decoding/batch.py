@@ -1,4 +1,4 @@
-"""A batch of prompts started together: the scheduler's loop (``scheduler.py``) with a pool of the
+"""A batch of prompts started together: continuous batching (``batcher.py``) with a pool of the
 batch's size, every prompt submitted at once (``docs/dspark.md#the-propose-verify-loop``)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from runtime.backends.base import Backend
+from runtime.decoding.batcher import Batcher
 from runtime.decoding.params import Params
-from runtime.decoding.scheduler import Scheduler
 from runtime.decoding.stats import PhaseTimes, SpecStats
 from runtime.decoding.stop_strings import StopStrings
 
@@ -44,7 +44,7 @@ class Decoding:
     caps the drafts a step verifies (default: the engine's ``k`` at every step; a
     ``LoadSchedule``, or ``AdaptiveSchedule``: ``Generator.draft_schedule``). ``names`` label the
     prompts in errors (``prompt 1``, ... by default); every prompt is checked before any runs.
-    ``after``: a finished ``Decoding`` whose scheduler (its caches and options) this one goes on
+    ``after``: a finished ``Decoding`` whose batcher (its caches and options) this one goes on
     with, so that a prompt beginning with a sequence it left prefills only the rest (a chat's next
     turn)."""
 
@@ -58,14 +58,15 @@ class Decoding:
         if not prompts:
             raise ValueError("no prompts: expected at least one")
         self.prompts, self.stop = prompts, stop
-        if after is not None and len(prompts) <= len(after.scheduler.slots) and not after.scheduler.busy:
-            self.scheduler = after.scheduler
+        if (after is not None and len(prompts) <= len(after.batcher.scheduler.slots)
+                and not after.batcher.busy):
+            self.batcher = after.batcher
         else:
-            self.scheduler = Scheduler(backend, eos_token_ids, confidence_threshold, draft_schedule,
-                                       pool=len(prompts))
-        self.times = self.scheduler.times = PhaseTimes()     # this batch's steps only
+            self.batcher = Batcher(backend, eos_token_ids, confidence_threshold, draft_schedule,
+                                   pool=len(prompts))
+        self.times = self.batcher.times = PhaseTimes()     # this batch's steps only
         names = names or [f"prompt {i + 1}" for i in range(len(prompts))]
-        self.requests = [self.scheduler.submit(prompt, Params(max_new_tokens, temperature, top_p, top_k,
+        self.requests = [self.batcher.submit(prompt, Params(max_new_tokens, temperature, top_p, top_k,
                                                               seed + i, speculative, stop,
                                                               repetition_penalty), name)
                          for i, (prompt, name) in enumerate(zip(prompts, names))]
@@ -85,8 +86,8 @@ class Decoding:
         the time the consumer keeps them is not counted in ``result.times.total``."""
         emitted = [0] * len(self.requests)
         index = {request.id: b for b, request in enumerate(self.requests)}
-        while self.scheduler.busy:
-            changed = self.scheduler.step()
+        while self.batcher.busy:
+            changed = self.batcher.step()
             if not changed:
                 continue
             emissions = []

@@ -106,7 +106,8 @@ class Generator:
         through the chat template), not started; options as ``decodings``. ``after``: the previous
         turn's, whose caches this one reuses (it prefills only what the conversation added)."""
         if after is not None and options.get("draft_schedule") is None:
-            options["draft_schedule"] = after.scheduler.schedule   # measuring would overwrite its caches
+            # measuring would overwrite its caches
+            options["draft_schedule"] = after.batcher.scheduler.draft_schedule
         ids = encode_conversation(self.tokenizer, messages)
         return self._made(lambda chosen: Decoding(self.backend, [ids], names=["the conversation"],
                                                   stop=self._stop_strings(stop), after=after, **chosen),

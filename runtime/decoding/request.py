@@ -3,7 +3,7 @@ backend's caches and the draft context it has not handed to the draft yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from enum import Enum
 
 import torch
 
@@ -43,6 +43,17 @@ class DraftContext:
         return DraftContext(whole, self.start)
 
 
+class Status(Enum):
+    """Where a request is: queued for a free slot, in a slot with its prompt going through the
+    target a chunk per step, in a slot gaining tokens every step, or ended (``finish_reason``
+    says why; a request cancelled while its group prefills keeps its slot until the group is
+    done)."""
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
 @dataclass(eq=False)
 class Request:
     """One prompt's generation. ``token_ids`` grows as steps emit; ``finish_reason`` is set when
@@ -52,6 +63,7 @@ class Request:
     id: int
     prompt: list[int]
     params: Params
+    status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=lambda: SpecStats(k=0))
     acceptance: Acceptance | None = None    # what adaptive verification plans its steps with
@@ -67,22 +79,29 @@ class Request:
     state_slot: int = 0           # a hybrid target's state slot holding the state after the anchor
     noise: Noise | None = None    # a sampled request's, by position
     penalty: Penalties | None = None
-    prefill: "Prefill | None" = None
+    prefill: "Prefill | None" = None      # the group it is prefilled with, until the group is done
     # with ``params.logprobs`` / ``prompt_logprobs``: one per generated token / prompt token after the first
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = Status.FINISHED, reason
 
 
 @dataclass(eq=False)
 class Prefill:
-    """Requests admitted together, prefilled together one chunk per step (``prefill_chunks``)."""
+    """Requests admitted together, prefilled together one chunk per step (``prefill_chunks``):
+    the rows of each one's prompt past what its slot held already."""
     requests: list[Request]
-    chunks: Iterator
     done: int = 0                 # prompt rows prefilled so far
+
+    @property
+    def rows(self) -> int:
+        return max(len(r.prompt) - r.reused for r in self.requests)
 
 
 def extend(out: list[int], tokens: list[int], max_new_tokens: int, eos: set[int],

@@ -1,5 +1,8 @@
-"""Continuous batching over the backend's cache slots: which requests share each speculative step
-(``step.py``), on which slots, at what cap (``docs/dspark.md#the-propose-verify-loop``).
+"""Continuous batching's decisions over a pool of cache slots: which requests share each
+speculative step (``step.py``), on which slots, at what cap (``docs/dspark.md#the-propose-verify-loop``).
+The scheduler runs nothing: ``schedule`` writes what the next step runs as a ``Plan``, the
+executor runs it on a backend (``executor.py``), and ``update`` applies its ``Outcome``
+(``batcher.py`` joins the three), so that its decisions are tested with hand-made outcomes.
 
 The backend's caches are a pool of slots, one request each. A submitted request waits for a free
 slot and is prefilled there one prompt chunk per step (so a long prompt never stalls the running
@@ -9,7 +12,7 @@ goes to the free slot that holds the longest beginning of its prompt and prefill
 (``prefix_cache.py``), else to the free slot left longest ago, cleared. Each request has its own
 ``max_new_tokens``, temperature, top-p, top-k, min-p, penalties, seed (its noise by position,
 ``noise.py``), stop strings, log-probabilities and speculation on or off. How many drafts a
-step verifies is the verification policy's cap, below the confidence cut: a fixed one by the
+step verifies is the draft schedule's cap, below the confidence cut: a fixed one by the
 number of busy slots (``draft_schedule.py``), or the one that the requests' own acceptance and the
 measured call costs say pays best (``adaptive.py``).
 
@@ -19,8 +22,6 @@ with speculation verify their drafts in one call and those without decode in ano
 steps): every decode step then runs every slot in order, one call for all, and a
 slot without a decoding request is a frozen row that writes only scratch past its valid rows;
 requests admitted together are prefilled together, on a block of consecutive slots.
-``batch.Decoding`` (a batch of prompts started together) is this loop with a pool of the
-batch's size.
 
 Greedy output is the target's own greedy output whatever else runs, and a sampled request's is the
 target's own sample for its seed: the noise of each position is the seed's, whatever the cap, the
@@ -32,58 +33,49 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import replace
-from functools import partial
 
 import torch
 
-from runtime.backends.base import Backend, capacity_needed, torch_threads
+from runtime.backends.base import BackendLimits, capacity_needed
 from runtime.decoding.draft_schedule import DraftSchedule, LoadSchedule
 from runtime.decoding.logprobs import token_logprobs
 from runtime.decoding.noise import Noise
 from runtime.decoding.params import Params
 from runtime.decoding.penalties import Penalties
-from runtime.decoding.prefill import insert_context, prefill_chunks
+from runtime.decoding.plan import Admission, Chunk, Decoded, Outcome, Plan, Prefilled
 from runtime.decoding.prefix_cache import Held
-from runtime.decoding.request import DraftContext, Prefill, Request, extend
-from runtime.decoding.sampling import next_token
-from runtime.decoding.stats import PhaseTimes, SpecStats
-from runtime.decoding.step import Call, Verdict, speculative_step
+from runtime.decoding.request import DraftContext, Prefill, Request, Status, extend
+from runtime.decoding.stats import SpecStats
+from runtime.decoding.step import Call
 
 __all__ = ["Params", "Request", "Scheduler", "check_capacity"]
 
 
 class Scheduler:
-    """``submit`` requests at any time; each ``step`` admits waiting requests into free slots,
-    runs one decode step of the running ones and one prefill chunk of each prefilling group, and
-    returns the requests that gained tokens (or ended) in it. ``pool`` slots (default: the
-    engine's ``max_batch``); ``times`` sums the wall time of every step."""
+    """``submit`` requests at any time; ``schedule`` admits waiting requests into free slots and
+    plans one decode step of the decoding ones and one prefill chunk of each prefilling group;
+    ``update`` applies what that step gave and returns the requests that gained tokens (or ended)
+    in it. ``limits`` are the backend's, ``pooled`` and ``device`` too; ``pool`` slots (default:
+    ``limits.max_batch``)."""
 
-    def __init__(self, backend: Backend, eos_token_ids=None, confidence_threshold: float | None = None,
-                 draft_schedule: DraftSchedule | None = None, pool: int | None = None):
-        self.backend, self.limits = backend, backend.limits
-        self.schedule = draft_schedule or LoadSchedule.constant(self.limits.k)
-        fixed = isinstance(self.schedule, LoadSchedule)
-        if fixed and any(d > self.limits.k for _, d in self.schedule.steps):
-            raise ValueError(f"draft schedule {self.schedule}: the engine proposes {self.limits.k} "
+    def __init__(self, limits: BackendLimits, *, pooled: bool = False, device: torch.device | str = "cpu",
+                 eos_token_ids=None, draft_schedule: DraftSchedule | None = None, pool: int | None = None):
+        self.limits, self.pooled, self.device = limits, pooled, torch.device(device)
+        self.draft_schedule = draft_schedule or LoadSchedule.constant(limits.k)
+        fixed = isinstance(self.draft_schedule, LoadSchedule)
+        if fixed and any(d > limits.k for _, d in self.draft_schedule.steps):
+            raise ValueError(f"draft schedule {self.draft_schedule}: the engine proposes {limits.k} "
                              f"drafts per step (k)")
-        self.eos = set(self.limits.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.threshold = (self.limits.confidence_threshold if confidence_threshold is None
-                          else confidence_threshold)
-        if not 0 <= self.threshold <= 1:
-            raise ValueError(f"confidence_threshold {self.threshold}: expected 0 (verify every draft) .. 1")
-        pool = self.limits.max_batch if pool is None else pool
-        self.limits.check_batch(pool)
-        self.pooled = backend.pooled
+        self.eos = set(limits.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        pool = limits.max_batch if pool is None else pool
+        limits.check_batch(pool)
         self.slots: list[Request | None] = [None] * pool
         self.held = [Held() for _ in range(pool)]     # what each slot's caches hold
         self.releases = itertools.count(1)
         # a target that cannot go back to an earlier row reuses a slot's whole sequence or nothing
-        self.exact = self.limits.state_slots > 0 or self.limits.rings
+        self.exact = limits.state_slots > 0 or limits.rings
         self.waiting: deque[Request] = deque()
         self.ids = itertools.count()
-        self.device = backend.device
-        self.times = PhaseTimes()
-        self.started = False       # the caches are emptied at the first step, not before
 
     def submit(self, prompt: list[int], params: Params | None = None, name: str = "prompt") -> Request:
         """Queue ``prompt``; refused in one line (naming ``name``) when it cannot fit a slot."""
@@ -91,10 +83,10 @@ class Scheduler:
         params.check()
         speculative = params.speculative and self.limits.k > 0
         # a pooled step gives a request without speculation the verify block's rows too
-        check_capacity(self.backend, [prompt], params.max_new_tokens, speculative or self.pooled, [name])
+        check_capacity(self.limits, [prompt], params.max_new_tokens, speculative or self.pooled, [name])
         request = Request(next(self.ids), list(prompt), replace(params, speculative=speculative),
                           stats=SpecStats(k=self.limits.k if speculative else 0),
-                          acceptance=self.schedule.estimate() if speculative else None,
+                          acceptance=self.draft_schedule.estimate() if speculative else None,
                           noise=Noise(params.seed, self.limits.vocab_size, self.device)
                           if params.temperature > 0 else None)
         if params.penalized:
@@ -108,7 +100,7 @@ class Scheduler:
         with it are, when it is cancelled while prefilling)."""
         if request.finished:
             return
-        request.finish_reason = "cancelled"
+        request.finish("cancelled")
         if request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
@@ -122,66 +114,60 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting) or self.occupied > 0
 
-    def run(self) -> None:
-        """Step until every submitted request has ended."""
-        while self.busy:
-            self.step()
+    def schedule(self) -> Plan:
+        """The next step: admissions into free slots, the decode calls, a chunk of each prefilling
+        group (the ones admitted now included)."""
+        admitted = self._admit()
+        decoding = [r for r in self.slots if r is not None and r.status is Status.DECODING]
+        busy = self.occupied
+        if self.pooled and decoding:
+            calls = [self._call(list(self.slots), busy)]
+        else:
+            kinds = ([r for r in decoding if r.params.speculative],
+                     [r for r in decoding if not r.params.speculative])
+            calls = [self._call(rows, busy) for rows in kinds if rows]
+        groups = dict.fromkeys(r.prefill for r in self.slots if r is not None and r.prefill is not None)
+        chunks = [Chunk(group, group.done + self.limits.max_prompt_chunk >= group.rows,
+                        self._slots([r.slot for r in group.requests])) for group in groups]
+        return Plan(admitted, calls, chunks)
 
-    def step(self) -> list[Request]:
-        """One step boundary: admit, decode the running requests, prefill a chunk of the others."""
-        with torch_threads(self.backend.host_threads), self.times.measure("total"):
-            if not self.started:
-                self.backend.start(len(self.slots))
-                self.started = True
-            return self._step()
-
-    def _step(self) -> list[Request]:
-        self._admit()
-        running = [r for r in self.slots if r is not None and r.prefill is None]
-        changed, busy = [], self.occupied
-        if self.pooled and running:
-            changed += self._decode(list(self.slots), busy)
-        elif running:
-            for group in ([r for r in running if r.params.speculative],
-                          [r for r in running if not r.params.speculative]):
-                if group:
-                    changed += self._decode(group, busy)
-        for prefill in dict.fromkeys(r.prefill for r in self.slots if r is not None and r.prefill):
-            changed += self._prefill_chunk(prefill)
+    def update(self, plan: Plan, outcome: Outcome) -> list[Request]:
+        """Apply ``outcome``, the results of running ``plan``; the requests that gained tokens or
+        ended, decode calls' first."""
+        changed = []
+        for call, decoded in zip(plan.calls, outcome.decoded):
+            for b, result in decoded.items():
+                self._advance(call.requests[b], result, call)
+                changed.append(call.requests[b])
+        for chunk, prefilled in zip(plan.chunks, outcome.prefilled):
+            changed += self._prefilled(chunk, prefilled)
         return changed
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Admission]:
         """Waiting requests into free slots (``_place``); each is prefilled alone, or on a pooled
         backend with those admitted into the slots next to it."""
         free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
-        placed = []
+        admitted = []
         while free and self.waiting:
-            request = self.waiting.popleft()
-            free.remove(self._place(request, free))
-            placed.append(request)
-        admitted: list[list[Request]] = []
-        for request in sorted(placed, key=lambda r: r.slot):
-            if self.pooled and admitted and admitted[-1][-1].slot == request.slot - 1:
-                admitted[-1].append(request)
+            admission = self._place(self.waiting.popleft(), free)
+            free.remove(admission.slot)
+            admitted.append(admission)
+        groups: list[list[Request]] = []
+        for request in sorted((a.request for a in admitted), key=lambda r: r.slot):
+            if self.pooled and groups and groups[-1][-1].slot == request.slot - 1:
+                groups[-1].append(request)
             else:
-                admitted.append([request])
-        for group in admitted:
-            prompts = [r.prompt[r.reused:] for r in group]
-            lengths = torch.tensor(list(map(len, prompts)), device=self.device)
-            scored = [b for b, r in enumerate(group) if r.params.prompt_logprobs is not None]
-            prefill = Prefill(group, prefill_chunks(
-                self.backend, prompts, lengths, any(r.params.speculative for r in group),
-                self._prompt_scorer(group, scored) if scored else None,
-                slots=self._slots([r.slot for r in group]),
-                offsets=torch.tensor([r.reused for r in group], device=self.device),
-                state_slot=torch.tensor([r.state_slot for r in group], device=self.device)))
+                groups.append([request])
+        for group in groups:
+            prefill = Prefill(group)
             for request in group:
-                request.prefill = prefill
+                request.prefill, request.status = prefill, Status.PREFILLING
+        return admitted
 
-    def _place(self, request: Request, free: list[int]) -> int:
+    def _place(self, request: Request, free: list[int]) -> Admission:
         """Put ``request`` in the free slot whose caches hold the longest beginning of its prompt
         (none for a request that scores its prompt: every row of it is computed), else in the one
-        left longest ago, cleared; its draft context rows still pending there are inserted now."""
+        left longest ago, cleared; its draft context rows still pending there are inserted first."""
         speculative = request.params.speculative
         reuse = {slot: 0 if request.params.prompt_logprobs is not None
                  else self.held[slot].reusable(request.prompt, speculative, self.exact) for slot in free}
@@ -189,76 +175,41 @@ class Scheduler:
         held, request.slot, self.slots[slot] = self.held[slot], slot, request
         request.reused = request.anchor_pos = reuse[slot]
         if not request.reused:
-            self.backend.clear(slot)
             self.held[slot] = Held()
-            return slot
+            return Admission(request, slot, clear=True)
         request.state_slot = held.state_slot
+        pending = None
         if speculative and held.draft_rows < request.reused:
-            pending, on_device = held.pending, partial(torch.tensor, device=self.device)
-            count = request.reused - pending.start
-            insert_context(self.backend, pending.rows[None, :count], on_device([pending.start]),
-                           on_device([count]), on_device([request.prompt[request.reused]]), [slot])
-        return slot
-
-    @staticmethod
-    def _prompt_scorer(group: list[Request], scored: list[int]):
-        """What a prefill calls with each chunk's logits of every row: the log-probabilities of the
-        prompt tokens they predict, for the requests (``scored``, by their place in ``group``) that
-        asked for them."""
-        def score(begin: int, logits: torch.Tensor) -> None:
-            for b in scored:
-                request = group[b]
-                tokens = request.prompt[begin + 1:begin + 1 + logits.shape[1]]
-                request.prompt_logprobs += token_logprobs(logits[b], tokens, request.params.prompt_logprobs)
-        return score
+            rows = held.pending.rows[:request.reused - held.pending.start]
+            pending = DraftContext(rows, held.pending.start)
+        return Admission(request, slot, clear=False, pending=pending)
 
     def _slots(self, slots: list[int]) -> list[int] | None:
         """The ``slots`` argument of a call on ``slots``: None for the whole pool in order."""
         return None if slots == list(range(len(self.slots))) else slots
 
-    def _prefill_chunk(self, prefill: Prefill) -> list[Request]:
-        """One chunk of a group's prompts; after the last, each one's first token."""
-        with self.times.measure("prefill"):
-            done = next(prefill.chunks)
-        group = prefill.requests
-        if done is None:
-            prefill.done += self.limits.max_prompt_chunk
-            for request in group:
-                request.anchor_pos = min(len(request.prompt), request.reused + prefill.done)
+    def _prefilled(self, chunk: Chunk, prefilled: Prefilled) -> list[Request]:
+        """A group's chunk done; after the last, each request's first token."""
+        group = chunk.group
+        for request, scored in zip(group.requests, prefilled.prompt_logprobs):
+            request.prompt_logprobs += scored
+        if not chunk.last:
+            group.done += self.limits.max_prompt_chunk
+            for request in group.requests:
+                request.anchor_pos = min(len(request.prompt), request.reused + group.done)
             return []
-        last_logits, (aux, ctx_start, ctx_count) = done
-        tokens = []
-        for b, request in enumerate(group):
-            p, logits = request.params, last_logits[b]
-            if request.penalty is not None:
-                logits = request.penalty(logits[None])[0]
-            noise = request.noise.rows(0, 1)[0] if request.noise is not None else None
-            tokens.append(next_token(logits, p.temperature, p.top_p, noise, p.top_k, p.min_p))
-        starts, counts, tokens = ctx_start.tolist(), ctx_count.tolist(), torch.stack(tokens).tolist()
         changed = []
-        for b, request in enumerate(group):
+        for b, request in enumerate(group.requests):
             request.prefill = None
             if request.finished:      # cancelled while its group prefilled: the slot is free now
                 self._release(request)
                 continue
-            # a copy: an engine backend's output buffers are reused by the next call of the same shape
-            if request.params.speculative:
-                request.context = DraftContext(aux[b, :counts[b]].clone(), starts[b])
+            request.status, request.context = Status.DECODING, prefilled.contexts[b]
             request.anchor_pos = len(request.prompt)
-            self._emit(request, [tokens[b]], last_logits[b, None], anchor=None, drafts=[], accepted=0)
+            logits = None if prefilled.logits is None else prefilled.logits[b, None]
+            self._emit(request, [prefilled.tokens[b]], logits, anchor=None, drafts=[], accepted=0)
             changed.append(request)
         return changed
-
-    def _decode(self, rows: list[Request | None], busy: int) -> list[Request]:
-        """One speculative step (``step.py``) of ``rows``: the running requests of one kind (with
-        speculation or without) on their slots, or on a pooled backend every slot in order, where an
-        empty or prefilling one is a frozen row; then each running request advances."""
-        call = self._call(rows, busy)
-        step = speculative_step(self.backend, call, self.threshold, self.times)
-        live = call.live
-        for b in live:
-            self._advance(call.requests[b], step.verdicts[b], step.taps[b], step.logits[b], call)
-        return [call.requests[b] for b in live]
 
     def _call(self, rows: list[Request | None], busy: int) -> Call:
         """The call of ``rows``. It verifies at most the schedule's cap for ``busy`` occupied slots (a
@@ -266,15 +217,15 @@ class Scheduler:
         leave the cap as it was); at a cap of 0 it skips the draft and keeps the verified rows for
         the draft's next call, which comes when the rows fill one call (``limits.call_rows``) if not
         sooner. A frozen row writes scratch from its slot's valid length, and keeps its state."""
-        running = [r if r is not None and r.prefill is None else None for r in rows]
-        live = [r for r in running if r is not None]
+        decoding = [r if r is not None and r.status is Status.DECODING else None for r in rows]
+        live = [r for r in decoding if r is not None]
         drafters = [r for r in live if r.params.speculative]
-        cap = self.schedule.cap([r.acceptance for r in drafters], len(live) - len(drafters),
-                                len(rows), busy) if drafters else 0
+        cap = self.draft_schedule.cap([r.acceptance for r in drafters], len(live) - len(drafters),
+                                      len(rows), busy) if drafters else 0
         drafting = bool(drafters) and (cap > 0 or any(r.context.count >= self.limits.call_rows
                                                       for r in drafters))
         anchor, anchor_pos, state_slot, context_start = [], [], [], []
-        for b, (row, request) in enumerate(zip(rows, running)):
+        for b, (row, request) in enumerate(zip(rows, decoding)):
             if request is not None:
                 values = request.anchor, request.anchor_pos, request.state_slot, request.anchor_pos
             elif row is not None:     # prefilling: at its prompt's rows so far, state in slot 0
@@ -283,43 +234,43 @@ class Scheduler:
                 values = 0, len(self.held[b].tokens), self.held[b].state_slot, self.held[b].draft_rows
             for column, value in zip((anchor, anchor_pos, state_slot, context_start), values):
                 column.append(value)
-        on_device = partial(torch.tensor, device=self.device)
-        return Call(running, on_device(anchor), on_device(anchor_pos), on_device(state_slot), context_start,
-                    cap, drafting, None if self.pooled else self._slots([r.slot for r in rows]))
+        return Call(decoding, anchor, anchor_pos, state_slot, context_start, cap, drafting,
+                    None if self.pooled else self._slots([r.slot for r in rows]))
 
-    def _advance(self, request: Request, verdict: Verdict, taps: torch.Tensor, logits: torch.Tensor,
-                 call: Call) -> None:
+    def _advance(self, request: Request, decoded: Decoded, call: Call) -> None:
         """What ``request`` keeps of its step: its statistics and acceptance, its verified rows as
         the draft's context (after the rows pending, when the draft did not run), its anchor's
         position and state slot, and the tokens it emitted."""
+        verdict = decoded.verdict
         accepted, verifying = verdict.accepted, call.cap > 0
         if not request.params.speculative or verifying:
             request.stats.record(accepted, verdict.verified, call.cap)
         if request.params.speculative:
             request.stats.idle_steps += not verifying
-            self.schedule.record(request.acceptance, call.cap, verdict.verified, accepted)
+            self.draft_schedule.record(request.acceptance, call.cap, verdict.verified, accepted)
             if call.drafting:
-                request.context = DraftContext(taps[:accepted + 1].clone(), request.anchor_pos)
+                request.context = DraftContext(decoded.taps, request.anchor_pos)
             else:     # the draft has not read the rows before: they go in with this one
-                request.context = request.context.then(taps[0])
+                request.context = request.context.then(decoded.taps[0])
         request.anchor_pos += accepted + 1
         request.state_slot = accepted
-        self._emit(request, verdict.emitted, logits, anchor=request.anchor, drafts=verdict.drafts,
+        self._emit(request, verdict.emitted, decoded.logits, anchor=request.anchor, drafts=verdict.drafts,
                    accepted=accepted)
 
-    def _emit(self, request: Request, tokens: list[int], logits: torch.Tensor, **record) -> None:
+    def _emit(self, request: Request, tokens: list[int], logits: torch.Tensor | None, **record) -> None:
         """Append ``tokens`` up to the first EOS, stop string or the budget, their log-probabilities
         if asked (from ``logits [>= len(tokens), V]``, the target's rows that predicted them), and
         the step's trace record; end the request there."""
         p, before = request.params, len(request.token_ids)
-        request.finish_reason = extend(request.token_ids, tokens, p.max_new_tokens, self.eos, p.stop)
+        reason = extend(request.token_ids, tokens, p.max_new_tokens, self.eos, p.stop)
         new = request.token_ids[before:]
         if p.logprobs is not None:
             request.logprobs += token_logprobs(logits, new, p.logprobs)
         if request.penalty is not None:
             request.penalty.record(new)
         request.trace.append({"step": len(request.trace), **record, "emitted": new})
-        if request.finished:
+        if reason is not None:
+            request.finish(reason)
             self._release(request)
         else:
             request.anchor = request.token_ids[-1]
@@ -356,11 +307,10 @@ class Scheduler:
         return Held(sequence[:valid], draft_rows, pending, request.state_slot, next(self.releases))
 
 
-def check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
+def check_capacity(limits: BackendLimits, prompts: list[list[int]], max_new_tokens: int, speculative: bool,
                    names: list[str]) -> None:
     """Refuse the first prompt that is empty or whose tokens, ``max_new_tokens`` and the rows a
     step may write past them do not fit the KV cache, naming it."""
-    limits = backend.limits
     for name, prompt in zip(names, prompts):
         if not prompt:
             raise ValueError(f"{name}: no tokens; expected at least one")
@@ -369,4 +319,3 @@ def check_capacity(backend: Backend, prompts: list[list[int]], max_new_tokens: i
             raise ValueError(f"{name} has {len(prompt)} tokens: with max_new_tokens {max_new_tokens} "
                              f"it needs {needed} KV-cache rows; the capacity is "
                              f"{limits.capacity} (build --max-seq-len)")
-

@@ -6,7 +6,7 @@ not seen (``DraftContext``); the target runs ``[anchor, d_1 .. d_w]`` at positio
 is the next anchor at ``anchor_pos + a + 1``. A row verifies at most the call's cap and none from
 the first draft below the confidence cut on. Rejected rows stay in the caches as scratch that the
 next step overwrites. Which requests share a call, their slots and their cap are the scheduler's
-(``scheduler.py``); what a request keeps of the step is its ``advance``.
+(``scheduler.py``), and so is what a request keeps of the step (``Scheduler.update``).
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ class Call:
     (``None``: a pooled slot without a decoding request, which writes only scratch past its valid
     rows and keeps its recurrent state)."""
     requests: list[Request | None]
-    anchor: torch.Tensor          # [B] the token each row runs from
-    anchor_pos: torch.Tensor      # [B] its position: the target caches' valid length
-    state_slot: torch.Tensor      # [B] a hybrid target's state slot holding the state before it
+    anchor: list[int]             # [B] the token each row runs from
+    anchor_pos: list[int]         # [B] its position: the target caches' valid length
+    state_slot: list[int]         # [B] a hybrid target's state slot holding the state before it
     context_start: list[int]      # [B] where a row without a draft context has its draft's go on
     cap: int                      # the most drafts a row verifies; 0: a target-only step
     drafting: bool                # the draft runs: cap > 0, or a row's context rows fill a call
@@ -70,19 +70,21 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
     """Propose, verify and accept on every row of ``call``."""
     device, k = backend.device, backend.limits.k
     batch = len(call.requests)
+    anchor = torch.tensor(call.anchor, device=device)
     if call.drafting:
-        proposal = propose(backend, call, threshold, times)
+        proposal = propose(backend, call, anchor, threshold, times)
     else:
         proposal = Proposal(torch.zeros(batch, k, dtype=torch.long, device=device),
                             torch.zeros(batch, dtype=torch.long, device=device))
     width = int(proposal.limit.max())
-    block = torch.cat([call.anchor[:, None], proposal.drafts[:, :width]], 1)
+    block = torch.cat([anchor[:, None], proposal.drafts[:, :width]], 1)
     positions = torch.arange(width + 1, device=device).expand(block.shape)
     # a frozen row keeps its recurrent state where it is (state row -1: before the call)
     running = torch.tensor([r is not None for r in call.requests], device=device)
     state_rows = torch.where(running[:, None], positions, -1)
     with times.measure("verify"):
-        logits, taps = backend.target_step(block, call.anchor_pos, positions, call.state_slot, state_rows,
+        logits, taps = backend.target_step(block, torch.tensor(call.anchor_pos, device=device), positions,
+                                           torch.tensor(call.state_slot, device=device), state_rows,
                                            slots=call.slots)
     accepted, emitted = verify(call, proposal, logits)
     # the step's one device -> host copy
@@ -91,7 +93,8 @@ def speculative_step(backend: Backend, call: Call, threshold: float, times: Phas
     return Step(verdicts, logits, taps)
 
 
-def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -> Proposal:
+def propose(backend: Backend, call: Call, anchor: torch.Tensor, threshold: float,
+            times: PhaseTimes) -> Proposal:
     """The drafters' ``k`` drafts (a sampled request's with the noise of the positions they
     propose, ``noise.py``; none when no draft is verified) and how many each verifies: at most the
     cap, none from the first below the confidence ``threshold`` on, and none for another row
@@ -113,7 +116,7 @@ def propose(backend: Backend, call: Call, threshold: float, times: PhaseTimes) -
                 noise[b] = request.noise.rows(len(request.token_ids), limits.k)
     with times.measure("draft"):
         drafts, q = backend.draft_step(aux, torch.tensor(start, device=device),
-                                       torch.tensor(count, device=device), call.anchor, temperatures, noise,
+                                       torch.tensor(count, device=device), anchor, temperatures, noise,
                                        slots=call.slots)
     limit = torch.tensor([call.cap if b in contexts else 0 for b in range(batch)], device=device)
     if threshold > 0 and call.cap > 0:   # the cut past the cap changes nothing: not read

@@ -1,6 +1,6 @@
 """The scheduler thread that every front end shares (``runtime.serve``'s OpenAI-compatible
 server, a Triton Inference Server model, Ray Serve replicas): one thread owns the backend and the
-``Scheduler`` and steps it while any request is in it; front ends hand it ``Job``s through a queue
+``Batcher`` and steps it while any request is in it; front ends hand it ``Job``s through a queue
 and receive each step's tokens through the job's ``send``. Requests join and leave the running
 batch as they come (``runtime/decoding/scheduler.py``).
 """
@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from runtime.decoding.batcher import Batcher
 from runtime.decoding.draft_schedule import DraftSchedule, adaptive
 from runtime.decoding.params import Params
 from runtime.decoding.request import Request
-from runtime.decoding.scheduler import Scheduler
 from runtime.serving.metrics import Metrics
 from runtime.serving.request_error import RequestError
 
@@ -50,7 +50,8 @@ class RequestLoop:
             draft_schedule = adaptive(backend)
             print(f"adaptive verification (call costs measured in {time.perf_counter() - begin:.1f} s; "
                   f"--draft-schedule N fixes the drafts per step)", file=sys.stderr, flush=True)
-        self.scheduler = Scheduler(backend, draft_schedule=draft_schedule)
+        self.batcher = Batcher(backend, draft_schedule=draft_schedule)
+        self.scheduler = self.batcher.scheduler
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
@@ -98,7 +99,7 @@ class RequestLoop:
             if self.scheduler.busy:
                 begin = time.perf_counter()
                 try:
-                    changed = self.scheduler.step()
+                    changed = self.batcher.step()
                 except Exception as err:   # the backend failed: every request in it ends with a 500
                     self._fail(RequestError(500, f"the engine failed: {type(err).__name__}: {err}",
                                             kind="server_error"))

@@ -12,7 +12,8 @@ from runtime.backends.ort import OrtBackend
 from runtime.decoding import adaptive
 from runtime.decoding.acceptance import Acceptance, Chain
 from runtime.decoding.adaptive import BACKOFF, PROBE_EVERY, AdaptiveSchedule, StepCosts, speedup_bound
-from runtime.decoding.scheduler import Params, Scheduler
+from runtime.decoding.batcher import Batcher
+from runtime.decoding.params import Params
 
 from conftest import hf_greedy
 
@@ -128,10 +129,10 @@ def test_drafts_that_stop_and_come_back(tiny, engine_dir, monkeypatch):
     monkeypatch.setattr(adaptive, "PROBE_EVERY", probe)
     backend = Switching(engine_dir(LIMITS, arch="qwen3"))
     backend.truth = hf_greedy(tiny(arch="qwen3")[0], [PROMPT], MAX_NEW, eos=None)[0]
-    scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
+    batcher = Batcher(backend, eos_token_ids=(), confidence_threshold=0,
                           draft_schedule=AdaptiveSchedule(COSTS, K))
-    request = scheduler.submit(PROMPT, Params(max_new_tokens=MAX_NEW))
-    scheduler.run()
+    request = batcher.submit(PROMPT, Params(max_new_tokens=MAX_NEW))
+    batcher.run()
     assert request.token_ids == backend.truth
     drafts, generated = {}, 0    # tokens generated before a step -> how many drafts it verified
     for record in request.trace:

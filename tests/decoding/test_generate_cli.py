@@ -106,10 +106,10 @@ def test_the_api_verifies_adaptively_by_default_as_the_cli_does(engine, generato
     from runtime.decoding.draft_schedule import LoadSchedule
 
     [decoding] = generator.decodings([PROMPTS[0]], max_new_tokens=24)
-    assert isinstance(decoding.scheduler.schedule, AdaptiveSchedule)
-    assert decoding.scheduler.schedule is generator.draft_schedule()
+    assert isinstance(decoding.batcher.scheduler.draft_schedule, AdaptiveSchedule)
+    assert decoding.batcher.scheduler.draft_schedule is generator.draft_schedule()
     [fixed] = generator.decodings([PROMPTS[0]], max_new_tokens=24, draft_schedule=LoadSchedule.constant(2))
-    assert fixed.scheduler.schedule == LoadSchedule.constant(2)
+    assert fixed.batcher.scheduler.draft_schedule == LoadSchedule.constant(2)
     measured = []
     monkeypatch.setattr(api, "adaptive", lambda backend: measured.append(backend))
     fresh = Generator.from_engine(engine)

@@ -7,7 +7,8 @@ from export.onnx_export import Limits
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
-from runtime.decoding.scheduler import Params, Scheduler
+from runtime.decoding.batcher import Batcher
+from runtime.decoding.params import Params
 
 from conftest import ENGINE_CASES, PROMPTS
 
@@ -52,12 +53,12 @@ def test_requests_joining_a_pool_on_cuda_graphs_get_their_own_output(engine_dir,
     ort = OrtBackend(engine)
     expected = [generate(ort, [p], max_new_tokens=24).token_ids[0] for p in prompts]
     backend = TorchBackend.from_engine(engine, device="cuda", cuda_graphs=True)
-    scheduler = Scheduler(backend, eos_token_ids=())
-    requests = [scheduler.submit(prompts[0], Params(max_new_tokens=24))]
+    batcher = Batcher(backend, eos_token_ids=())
+    requests = [batcher.submit(prompts[0], Params(max_new_tokens=24))]
     for _ in range(3):
-        scheduler.step()
-    requests += [scheduler.submit(p, Params(max_new_tokens=24, speculative=i != 1))
+        batcher.step()
+    requests += [batcher.submit(p, Params(max_new_tokens=24, speculative=i != 1))
                  for i, p in enumerate(prompts[1:])]
-    scheduler.run()
+    batcher.run()
     assert [r.token_ids for r in requests] == expected
     assert {batch for _, batch, _ in backend.graphs.graphs} == {LIMITS.max_batch}

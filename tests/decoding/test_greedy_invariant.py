@@ -150,9 +150,9 @@ def test_presence_and_frequency_penalties_greedy_equal_target_only(tiny):
     count and ``presence_penalty`` once it appeared), each verify row also for the drafts before
     it: speculative output (oracle drafts, so rows carry drafts) equals target-only output with the
     same penalties, which differs from the unpenalized output."""
+    from runtime.decoding.batcher import Batcher
     from runtime.decoding.params import Params
     from runtime.decoding.penalties import Penalties
-    from runtime.decoding.scheduler import Scheduler
 
     logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
     penalties = Penalties(1.0, 0.5, 0.25, [3], 4, torch.device("cpu"))
@@ -162,9 +162,9 @@ def test_presence_and_frequency_penalties_greedy_equal_target_only(tiny):
     target, draft = load_pair(target_dir, draft_dir)
 
     def run(backend, **penalty):
-        scheduler = Scheduler(backend, eos_token_ids=(), pool=len(PROMPTS))
-        requests = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW, **penalty)) for p in PROMPTS]
-        scheduler.run()
+        batcher = Batcher(backend, eos_token_ids=(), pool=len(PROMPTS))
+        requests = [batcher.submit(p, Params(max_new_tokens=MAX_NEW, **penalty)) for p in PROMPTS]
+        batcher.run()
         return [r.token_ids for r in requests], sum(t["accepted"] for r in requests for t in r.trace)
 
     penalty = dict(presence_penalty=1.5, frequency_penalty=0.5)

@@ -358,7 +358,7 @@ def test_ctrl_c_while_importing_bench_exits_cleanly(engine, prompts_file, tmp_pa
 
 
 @pytest.mark.parametrize("cli", ["generate", "bench"])
-@pytest.mark.parametrize("stage", ["backends.ort.OrtBackend.__init__", "decoding.scheduler.prefill_chunks"])
+@pytest.mark.parametrize("stage", ["backends.ort.OrtBackend.__init__", "decoding.executor.prefill_chunks"])
 def test_ctrl_c_while_loading_or_running_exits_130(engine, prompts_file, tmp_path, capsys, monkeypatch,
                                                    cli, stage):
     module, name = stage.rsplit(".", 1)

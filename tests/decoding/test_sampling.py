@@ -11,10 +11,11 @@ from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.adaptive import AdaptiveSchedule, StepCosts
 from runtime.decoding.batch import generate
+from runtime.decoding.batcher import Batcher
 from runtime.decoding.draft_schedule import LoadSchedule
 from runtime.decoding.noise import Noise
+from runtime.decoding.params import Params
 from runtime.decoding.sampling import argmax, probabilities, scores
-from runtime.decoding.scheduler import Params, Scheduler
 from runtime.decoding.stats import SpecStats
 
 from conftest import median_confidence
@@ -205,10 +206,10 @@ def test_sampling_through_the_scheduler_matches_target_distribution(pair, adapti
     distribution."""
     backend = TorchBackend(*pair, capacity=16, max_batch=16, max_prompt_chunk=8)
     policy = AdaptiveSchedule(NEAR_BREAK_EVEN, pair[1].k) if adaptive else None
-    scheduler = Scheduler(backend, eos_token_ids=(), draft_schedule=policy)
-    requests = [scheduler.submit(PROMPT, Params(max_new_tokens=3, temperature=1.0, seed=i))
+    batcher = Batcher(backend, eos_token_ids=(), draft_schedule=policy)
+    requests = [batcher.submit(PROMPT, Params(max_new_tokens=3, temperature=1.0, seed=i))
                 for i in range(SAMPLES // 2)]
-    scheduler.run()
+    batcher.run()
     tokens = torch.tensor([r.token_ids for r in requests])
     stats = SpecStats(k=pair[1].k)
     for r in requests:

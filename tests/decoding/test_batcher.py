@@ -1,4 +1,4 @@
-"""Continuous batching (``runtime/decoding/scheduler.py``): requests that join and leave a running pool get
+"""Continuous batching (``runtime/decoding/batcher.py``): requests that join and leave a running pool get
 exactly what they get alone, on ONNX Runtime (an engine's own slots) and on the PyTorch reference
 (pooled: every decode step runs the whole pool, an empty or prefilling slot a frozen row)."""
 from __future__ import annotations
@@ -12,8 +12,10 @@ from export.onnx_export import Limits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
+from runtime.decoding.batcher import Batcher
 from runtime.decoding.draft_schedule import LoadSchedule, measure
-from runtime.decoding.scheduler import Params, Scheduler
+from runtime.decoding.params import Params
+from runtime.decoding.request import Status
 
 from conftest import PROMPTS, hf_greedy
 
@@ -34,8 +36,8 @@ def oracle(backend_class):
             tokens = tokens.clone()
             slots = range(len(anchor)) if slots is None else slots
             for b, (slot, pos) in enumerate(zip(slots, (ctx_start + ctx_count).tolist())):
-                request = self.scheduler.slots[slot]
-                if request is None or request.prefill is not None:   # a frozen row
+                request = self.batcher.scheduler.slots[slot]
+                if request is None or request.status is not Status.DECODING:   # a frozen row
                     continue
                 truth = self.truth[tuple(request.prompt)][pos - len(request.prompt) + 1:]
                 right = min(self.rng.randint(0, self.limits.k), len(truth))
@@ -73,19 +75,19 @@ def test_requests_joining_and_leaving_get_their_own_greedy_output(kind, pair_dir
     backend = _backend(kind, pair_dirs, engine_dir, oracle_drafts=True)
     backend.truth = {tuple(p): c for p, c in zip(REQUESTS, truth["continuation"])}
     backend.rng = random.Random(0)
-    scheduler = backend.scheduler = Scheduler(backend)
+    batcher = backend.batcher = Batcher(backend)
     budgets = [MAX_NEW, 12, MAX_NEW, 7, MAX_NEW, 20]
     joins = [0, 0, 2, 3, 9, 9]                      # the step each request is submitted at
     requests, cancelled, step = {}, None, 0
-    while len(requests) < len(REQUESTS) or scheduler.busy:
+    while len(requests) < len(REQUESTS) or batcher.busy:
         for i, at in enumerate(joins):
             if at == step:
-                requests[i] = scheduler.submit(REQUESTS[i], Params(max_new_tokens=budgets[i],
+                requests[i] = batcher.submit(REQUESTS[i], Params(max_new_tokens=budgets[i],
                                                                    speculative=i not in (1, 4)))
         if step == 6:   # a request in the middle of its decoding
             cancelled = requests[2]
-            scheduler.cancel(cancelled)
-        scheduler.step()
+            batcher.cancel(cancelled)
+        batcher.step()
         step += 1
     assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < MAX_NEW
     for i, request in requests.items():
@@ -107,13 +109,13 @@ def test_the_draft_schedule_turns_drafts_off_while_slots_are_full(pair_dirs, eng
     backend.truth = {tuple(p): c for p, c in zip(REQUESTS, truth["continuation"])}
     backend.rng = random.Random(1)
     k = backend.limits.k
-    scheduler = backend.scheduler = Scheduler(backend, eos_token_ids=(),
+    batcher = backend.batcher = Batcher(backend, eos_token_ids=(),
                                               draft_schedule=LoadSchedule.parse(f"1:{k},2:0", k))
-    alone = scheduler.submit(REQUESTS[0], Params(max_new_tokens=MAX_NEW))
+    alone = batcher.submit(REQUESTS[0], Params(max_new_tokens=MAX_NEW))
     for _ in range(4):
-        scheduler.step()
-    joined = [scheduler.submit(REQUESTS[i], Params(max_new_tokens=8)) for i in (1, 4)]
-    scheduler.run()
+        batcher.step()
+    joined = [batcher.submit(REQUESTS[i], Params(max_new_tokens=8)) for i in (1, 4)]
+    batcher.run()
     for request in (alone, *joined):
         i = REQUESTS.index(request.prompt)
         assert request.token_ids == truth["continuation"][i][:request.params.max_new_tokens]
@@ -140,10 +142,10 @@ def test_drafts_after_target_only_steps_read_every_verified_row(pair_dirs, engin
     for schedule in ("1:0", None):
         backend = Recording(engine_dir(LIMITS, arch="qwen3"))
         backend.drafts = {}
-        scheduler = Scheduler(backend, eos_token_ids=(), confidence_threshold=0,
+        batcher = Batcher(backend, eos_token_ids=(), confidence_threshold=0,
                               draft_schedule=schedule and LoadSchedule.parse(schedule, backend.limits.k))
-        request = scheduler.submit(prompt, Params(max_new_tokens=MAX_NEW))
-        scheduler.run()
+        request = batcher.submit(prompt, Params(max_new_tokens=MAX_NEW))
+        batcher.run()
         decoding = {p: d for p, d in backend.drafts.items() if p > len(prompt)}
         runs[schedule] = request.token_ids, decoding
     (capped_ids, capped), (full_ids, full) = runs["1:0"], runs[None]
@@ -154,7 +156,7 @@ def test_drafts_after_target_only_steps_read_every_verified_row(pair_dirs, engin
 
 
 def test_a_measured_schedule_plans_with_this_backend_and_leaves_it_clean(pair_dirs, engine_dir, truth):
-    """``measure`` times every batch size; a scheduler on the same backend afterwards (its caches
+    """``measure`` times every batch size; a batcher on the same backend afterwards (its caches
     full of the timing calls' junk) still gives the target's greedy output."""
     backend = _backend("ort", pair_dirs, engine_dir)
     limits = backend.limits
@@ -162,9 +164,9 @@ def test_a_measured_schedule_plans_with_this_backend_and_leaves_it_clean(pair_di
     assert len(costs.target_one) == len(costs.target_full) == limits.max_batch
     assert min(costs.target_one + costs.target_full) > 0
     assert schedule.steps[0] == (1, limits.k) and all(0 <= d <= limits.k for _, d in schedule.steps)
-    scheduler = Scheduler(backend, draft_schedule=schedule)
-    requests = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW)) for p in REQUESTS[:4]]
-    scheduler.run()
+    batcher = Batcher(backend, draft_schedule=schedule)
+    requests = [batcher.submit(p, Params(max_new_tokens=MAX_NEW)) for p in REQUESTS[:4]]
+    batcher.run()
     assert [r.token_ids for r in requests] == truth["greedy"][:4]
 
 
@@ -176,12 +178,12 @@ def test_a_seeded_request_samples_the_same_alone_and_among_others(pair_dirs, eng
     sampled = Params(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=7)
 
     def run(seed, neighbours):
-        scheduler = Scheduler(backend)
-        others = [scheduler.submit(p, Params(max_new_tokens=MAX_NEW, temperature=0.7, seed=i))
+        batcher = Batcher(backend)
+        others = [batcher.submit(p, Params(max_new_tokens=MAX_NEW, temperature=0.7, seed=i))
                   for i, p in enumerate(REQUESTS[:neighbours])]
-        scheduler.step()
-        mine = scheduler.submit(REQUESTS[3], Params(**{**vars(sampled), "seed": seed}))
-        scheduler.run()
+        batcher.step()
+        mine = batcher.submit(REQUESTS[3], Params(**{**vars(sampled), "seed": seed}))
+        batcher.run()
         assert all(o.finished for o in others)
         return mine.token_ids
 
@@ -191,12 +193,12 @@ def test_a_seeded_request_samples_the_same_alone_and_among_others(pair_dirs, eng
 
 
 def test_a_request_that_cannot_fit_is_refused_by_name(pair_dirs, engine_dir):
-    scheduler = Scheduler(_backend("ort", pair_dirs, engine_dir))
+    batcher = Batcher(_backend("ort", pair_dirs, engine_dir))
     with pytest.raises(ValueError, match=r"request 3 has 90 tokens: .* capacity is 96"):
-        scheduler.submit(list(range(5, 95)), Params(max_new_tokens=8), name="request 3")
+        batcher.submit(list(range(5, 95)), Params(max_new_tokens=8), name="request 3")
     with pytest.raises(ValueError, match="max_new_tokens 0: expected at least 1"):
-        scheduler.submit([5, 6], Params(max_new_tokens=0))
-    assert not scheduler.busy
+        batcher.submit([5, 6], Params(max_new_tokens=0))
+    assert not batcher.busy
 
 
 def test_a_hybrid_target_keeps_a_prefilling_slots_state_in_pooled_steps(tiny):
@@ -209,12 +211,12 @@ def test_a_hybrid_target_keeps_a_prefilling_slots_state_in_pooled_steps(tiny):
     expected = hf_greedy(target_dir, prompts, 12)
     backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=LIMITS.max_seq_len, max_batch=2,
                            max_prompt_chunk=LIMITS.max_prompt_chunk)
-    scheduler = Scheduler(backend)
-    requests = [scheduler.submit(prompts[0], Params(max_new_tokens=12))]
-    scheduler.step()
-    scheduler.step()
-    requests += [scheduler.submit(p, Params(max_new_tokens=12)) for p in prompts[1:]]
-    scheduler.run()
+    batcher = Batcher(backend)
+    requests = [batcher.submit(prompts[0], Params(max_new_tokens=12))]
+    batcher.step()
+    batcher.step()
+    requests += [batcher.submit(p, Params(max_new_tokens=12)) for p in prompts[1:]]
+    batcher.run()
     assert [r.token_ids for r in requests] == expected
 
 
@@ -224,18 +226,18 @@ def test_a_prompt_that_extends_a_free_slots_sequence_prefills_only_the_rest(kind
     slot the first turn left and prefills only what follows its sequence; its tokens and the drafts
     each step verified are those of the same prompt in a fresh pool, and the target's greedy ones.
     A prompt that shares nothing takes the other slot, cleared."""
-    def turns(scheduler):
-        first = scheduler.submit(REQUESTS[3], Params(max_new_tokens=12))
-        scheduler.run()
-        other = scheduler.submit(REQUESTS[1], Params(max_new_tokens=5))
-        second = scheduler.submit(REQUESTS[3] + first.token_ids + [50, 51, 52], Params(max_new_tokens=15))
-        scheduler.run()
+    def turns(batcher):
+        first = batcher.submit(REQUESTS[3], Params(max_new_tokens=12))
+        batcher.run()
+        other = batcher.submit(REQUESTS[1], Params(max_new_tokens=5))
+        second = batcher.submit(REQUESTS[3] + first.token_ids + [50, 51, 52], Params(max_new_tokens=15))
+        batcher.run()
         return first, other, second
 
-    first, other, second = turns(Scheduler(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2))
+    first, other, second = turns(Batcher(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2))
     assert second.slot == first.slot != other.slot and other.reused == 0
     assert second.reused == len(REQUESTS[3]) + len(first.token_ids) - 1   # all but the anchor's row
-    fresh = Scheduler(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2)
+    fresh = Batcher(_backend(kind, pair_dirs, engine_dir), eos_token_ids=(), pool=2)
     alone = fresh.submit(second.prompt, Params(max_new_tokens=15))
     fresh.run()
     assert alone.reused == 0
@@ -252,16 +254,16 @@ def test_a_target_that_cannot_go_back_reuses_a_whole_sequence_or_nothing(tiny, a
     tokens; one that leaves that sequence earlier shares nothing and takes a cleared slot."""
     target_dir, draft_dir = tiny(arch=arch)
     backend = TorchBackend(*load_pair(target_dir, draft_dir), capacity=96, max_batch=2, max_prompt_chunk=5)
-    scheduler = Scheduler(backend, eos_token_ids=(), pool=2)
+    batcher = Batcher(backend, eos_token_ids=(), pool=2)
     alone = Params(max_new_tokens=10, speculative=False)
-    first = scheduler.submit(REQUESTS[3], alone)
-    scheduler.run()
+    first = batcher.submit(REQUESTS[3], alone)
+    batcher.run()
     extended = REQUESTS[3] + first.token_ids + [50, 51, 52, 53, 54, 55, 56]
     left_early = REQUESTS[3][:6] + [60, 61]
-    second = scheduler.submit(extended, alone)
-    scheduler.run()
-    third = scheduler.submit(left_early, alone)
-    scheduler.run()
+    second = batcher.submit(extended, alone)
+    batcher.run()
+    third = batcher.submit(left_early, alone)
+    batcher.run()
     assert second.slot == first.slot and second.reused == len(REQUESTS[3]) + len(first.token_ids) - 1
     assert third.reused == 0
     expected = hf_greedy(target_dir, [extended, left_early], 10, eos=None)
