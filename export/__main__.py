@@ -93,9 +93,9 @@ def cmd_build(args: argparse.Namespace) -> None:
     with staged_directory(out, "--out") as staging:
         from common import manifest
         from export.build import build
-        from export.onnx_export import Limits
+        from export.onnx_export import BuildLimits
 
-        limits = Limits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+        limits = BuildLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         max_prompt_chunk=args.max_prompt_chunk)
         # built beside --out and swapped in once verified: a failed build leaves the old one as it was
         result = build(args.target, args.draft, staging, k=args.k, markov_top_k=args.markov_top_k,

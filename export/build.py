@@ -34,8 +34,8 @@ from export.gguf_blocks import SUPPORTED, GgufBlocks, unsupported_matrices
 from export.onnx_check import VerificationError, check_model, compare_with_reference
 from export.onnx_export import (
     DTYPE_NAMES,
+    BuildLimits,
     GraphSpec,
-    Limits,
     draft_spec,
     export_graph,
     target_spec,
@@ -93,7 +93,7 @@ class Sources:
     draft_dir: Path
     target_config: TargetConfig
     draft_config: DraftConfig
-    limits: Limits                # the defaults filled in
+    limits: BuildLimits                # the defaults filled in
     tokenizer: PreTrainedTokenizerBase
     described: dict               # the manifest's "source"
 
@@ -119,8 +119,8 @@ class Graph:
     quality: dict | None
 
 
-def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_top_k: int = 0, limits: Limits,
-          confidence_threshold: float = 0.0, dtype: str = "fp32", opset: int = 23,
+def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_top_k: int = 0,
+          limits: BuildLimits, confidence_threshold: float = 0.0, dtype: str = "fp32", opset: int = 23,
           backend: str = "onnx", gpus: tuple[str, ...] = (), weights: str | None = None,
           weights_block: int = 32, quantize_draft: bool = False, progress: bool = True) -> BuildResult:
     """Build into ``out``, which must exist and be empty (the CLI handles ``--force``).
@@ -171,7 +171,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
                         if options.formats[name] != quantize.FLOAT}, graphs["target"].quality)
 
 
-def read(target: str, draft: str, out: Path, limits: Limits, options: Options) -> Sources:
+def read(target: str, draft: str, out: Path, limits: BuildLimits, options: Options) -> Sources:
     """Resolve both checkpoints, read their configs and refuse what cannot be built, before any
     weights load; the tokenizer (and generation config) copied into ``out``."""
     target_dir, draft_dir = resolve(target, "target"), resolve(draft, "draft")
@@ -410,7 +410,7 @@ def release_freed_memory() -> None:
         pass
 
 
-def _with_defaults(limits: Limits, positions: int) -> Limits:
+def _with_defaults(limits: BuildLimits, positions: int) -> BuildLimits:
     """``limits`` with a ``None`` capacity or prompt chunk made the default for a target of
     ``positions`` (``build_checks``), checked against what the target supports."""
     seq_len = limits.max_seq_len or min(build_checks.DEFAULT_MAX_SEQ_LEN, positions)

@@ -31,7 +31,10 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 
 @dataclass(frozen=True)
-class Limits:
+class BuildLimits:
+    """What an engine is built for (``build --max-batch``, ``--max-seq-len``, ``--max-prompt-chunk``);
+    a backend reads them back from the manifest, with the engine's other facts, as
+    ``runtime.backends.base.BackendLimits``."""
     max_batch: int
     max_seq_len: int        # KV-cache capacity per sequence (rows == positions)
     max_prompt_chunk: int   # most rows one target call (or draft context update) takes
@@ -54,7 +57,7 @@ class GraphSpec:
         return asdict(self)
 
 
-def _caches(step, limits: Limits, slots: int = 1) -> tuple[tuple[TensorSpec, ...], ...]:
+def _caches(step, limits: BuildLimits, slots: int = 1) -> tuple[tuple[TensorSpec, ...], ...]:
     """A step module's caches (``CachedStep.cache_specs``) as graph inputs and, named ``_out``,
     outputs: the verify block's ``slots`` rows, and rings sized by the most rows one call writes."""
     rows = call_rows(limits.max_prompt_chunk, slots - 1)
@@ -63,7 +66,7 @@ def _caches(step, limits: Limits, slots: int = 1) -> tuple[tuple[TensorSpec, ...
                  for suffix in ("", "_out"))
 
 
-def target_spec(target: TargetStep, limits: Limits, slots: int = 1) -> GraphSpec:
+def target_spec(target: TargetStep, limits: BuildLimits, slots: int = 1) -> GraphSpec:
     """``slots``: the verify block's rows, ``k + 1``. A target whose step ``takes_states`` (a
     hybrid's) also takes ``state_slot`` and ``state_rows``; each family's caches are its step's
     (``CachedStep.cache_specs``)."""
@@ -85,7 +88,7 @@ def target_spec(target: TargetStep, limits: Limits, slots: int = 1) -> GraphSpec
     ))
 
 
-def draft_spec(draft: DraftStep, limits: Limits) -> GraphSpec:
+def draft_spec(draft: DraftStep, limits: BuildLimits) -> GraphSpec:
     dtype = DTYPE_NAMES[draft.lm_head.weight.dtype]
     caches, outputs = _caches(draft, limits)
     return GraphSpec("draft.onnx", inputs=(
@@ -129,7 +132,7 @@ def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
-                 limits: Limits, directory: Path, opset: int) -> Path:
+                 limits: BuildLimits, directory: Path, opset: int) -> Path:
     """Trace ``module`` on ``example`` and write ``directory / spec.file``, its weights in
     ``spec.file + ".data"``: streamed there one tensor at a time (an in-memory protobuf would hold
     about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from common import manifest as manifest_file
-from export.onnx_export import GraphSpec, Limits, sample_inputs
+from export.onnx_export import BuildLimits, GraphSpec, sample_inputs
 from modeling.dense import TargetStep
 
 
-def example_inputs(spec: GraphSpec, limits: Limits, vocab: int, block: int,
+def example_inputs(spec: GraphSpec, limits: BuildLimits, vocab: int, block: int,
                     generator: torch.Generator) -> tuple[dict, dict]:
     """Deterministic inputs for one graph: one set to trace with, another (other sizes) to verify
     with, so that the dynamic axes are really dynamic. Each sequence's ``logit_rows`` are drawn

@@ -107,7 +107,7 @@ class DraftStep(CachedStep, nn.Module):
 
     def block_logits(self, anchor, anchor_pos, *caches):
         """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
-        ``anchor_pos + j``, every slot attending to all context rows and to every block slot."""
+        ``anchor_pos + j``, every block position attending to all context rows and to every other."""
         block = self.config.block_size
         masks = torch.full((anchor.shape[0], block - 1), self.config.mask_token_id,
                            dtype=anchor.dtype, device=anchor.device)

@@ -46,7 +46,7 @@ class DraftConfig:
     draft_vocab_size: int               # V_d: rows of lm_head and markov_w2
     target_layer_ids: tuple[int, ...]   # DeepSpec convention, ascending
     target_hidden_size: int
-    block_size: int                     # trained block width (slots, anchor included)
+    block_size: int                     # trained block width (positions, anchor included)
     layout: str
     mask_token_id: int
     markov_rank: int
@@ -56,7 +56,7 @@ class DraftConfig:
 
     @property
     def max_drafts(self) -> int:
-        """Drafts one block can propose: every slot (anchor-first) or every slot but the anchor's."""
+        """Drafts one block can propose: every position (anchor-first) or every one but the anchor's."""
         return max_drafts(self.block_size, self.layout)
 
     @property

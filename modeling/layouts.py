@@ -9,7 +9,7 @@ LAYOUTS = (ANCHOR_FIRST, BONUS_ANCHOR)
 
 
 def max_drafts(block_size: int, layout: str) -> int:
-    """Drafts one block proposes: every slot (anchor-first) or every slot but the anchor's."""
+    """Drafts one block proposes: every position (anchor-first) or every one but the anchor's."""
     return block_size if layout == ANCHOR_FIRST else block_size - 1
 
 

@@ -109,20 +109,20 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.value_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
-    def forward(self, x, conv_bank, state_bank, slot, state_rows):
+    def forward(self, x, conv_bank, state_bank, state_slot, state_rows):
         """``x [B, S, hidden]``; the banks as the module docstring says -> output, both banks."""
         c = self.c
         mixed = self.in_proj_qkv(x)                                            # [B, S, conv_dim]
         # the conv sees the window before the call, then the new rows
-        window = conv_bank.gather(2, slot[:, None, None, None].expand(-1, c.conv_kernel - 1, 1,
-                                                                      c.conv_dim))[:, :, 0]
+        picked = state_slot[:, None, None, None].expand(-1, c.conv_kernel - 1, 1, c.conv_dim)
+        window = conv_bank.gather(2, picked)[:, :, 0]
         seen = torch.cat([window, mixed], dim=1)                              # [B, K-1+S, conv_dim]
         mixed = F.silu(self.conv1d(seen.transpose(1, 2))).transpose(1, 2)
         # the window after row r is rows r+1 .. r+K-1 of seen (r = -1: the old window)
         picks = state_rows[:, :, None] + 1 + torch.arange(c.conv_kernel - 1, device=x.device)
         windows = seen.gather(1, picks.flatten(1)[..., None].expand(-1, -1, c.conv_dim))
         windows = windows.unflatten(1, (state_rows.shape[1], c.conv_kernel - 1)).transpose(1, 2)
-        conv_bank = cache_write(conv_bank, windows, torch.zeros_like(slot))
+        conv_bank = cache_write(conv_bank, windows, torch.zeros_like(state_slot))
         key_dim = c.num_key_heads * c.key_head_dim
         q, k, v = mixed.split([key_dim, key_dim, c.num_value_heads * c.value_head_dim], dim=-1)
         q = _l2norm(q.unflatten(-1, (c.num_key_heads, c.key_head_dim)).float())
@@ -131,7 +131,7 @@ class GatedDeltaNet(nn.Module):
         v = v.unflatten(-1, (c.num_value_heads, c.value_head_dim)).float()
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, state_bank = gated_delta_rule(q, k, v, g, beta, state_bank, slot, state_rows)
+        out, state_bank = gated_delta_rule(q, k, v, g, beta, state_bank, state_slot, state_rows)
         z = self.in_proj_z(x).unflatten(-1, (c.num_value_heads, c.value_head_dim))
         out = self.norm(out.to(x.dtype), z).flatten(-2)
         return self.out_proj(out), conv_bank, state_bank
@@ -182,11 +182,11 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(d.hidden_size, eps)
         self.mlp = SparseMoe(d, config.moe) if config.moe is not None else MLP(d)
 
-    def forward(self, h, cos, sin, first, second, start, slot, state_rows):
+    def forward(self, h, cos, sin, first, second, start, state_slot, state_rows):
         """``first, second``: this layer's two caches (K, V or conv window, state)."""
         x = self.input_layernorm(h)
         if hasattr(self, "linear_attn"):
-            mixed, first, second = self.linear_attn(x, first, second, slot, state_rows)
+            mixed, first, second = self.linear_attn(x, first, second, state_slot, state_rows)
         else:
             mixed, first, second = self.self_attn(x, cos, sin, first, second, start)
         h = h + mixed

@@ -30,9 +30,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 2
 
 
 def limits():
-    from export.onnx_export import Limits
+    from export.onnx_export import BuildLimits
 
-    return Limits(max_batch=4, max_seq_len=128, max_prompt_chunk=8)
+    return BuildLimits(max_batch=4, max_seq_len=128, max_prompt_chunk=8)
 
 
 def check_kernels() -> str:

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in interpreter mode; set before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.fixtures.tiny import TinySpec, make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
 
 # the tiny server's engine (test_ort_backend's limits: built once) and queue: with the 4 slots, 8
 # concurrent requests fit and 24 do not
-SERVE_LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+SERVE_LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 SERVE_MAX_QUEUE = 4
 
 

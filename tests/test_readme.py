@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 
 from conftest import ROOT, free_port, wait_until_serving
 
 README = (ROOT / "README.md").read_text()
 DEMO = "engines/smollm2-135m-instruct"
 # room for README's default lengths (chat's 256 new tokens) after a templated prompt
-LIMITS = Limits(max_batch=2, max_seq_len=512, max_prompt_chunk=32)
+LIMITS = BuildLimits(max_batch=2, max_seq_len=512, max_prompt_chunk=32)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 WITH_SUBCOMMANDS = ("export", "bench.llama_cpp_tools")
 

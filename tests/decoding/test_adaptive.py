@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.decoding import adaptive
 from runtime.decoding.acceptance import Acceptance, Chain
@@ -21,7 +21,7 @@ K = 4
 # a target call of 1.0 s, 0.15 s a verify row, 0.3 s the draft call, at every batch size (the demo
 # engine's, relative to its one-row step: docs/measurements.md)
 COSTS = StepCosts(target=(1.0,) * 4, row=(0.15,) * 4, draft=(0.3,) * 4)
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # test_batcher's engine
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # test_batcher's engine
 PROMPT = [7, 9]
 MAX_NEW = 80
 WRONG = range(24, 56)   # the generated positions at which the oracle's drafts are all wrong

@@ -4,7 +4,7 @@ CPU by refusing every tensor made from Python data during a forward of each step
 import torch
 from torch.overrides import TorchFunctionMode
 
-from export.onnx_export import Limits, draft_spec, target_spec
+from export.onnx_export import BuildLimits, draft_spec, target_spec
 from export.verify_inputs import example_inputs
 from modeling.pair import load_pair
 
@@ -19,7 +19,7 @@ class NoTensorsFromHost(TorchFunctionMode):
 
 def test_neither_step_makes_tensors_from_host_data(tiny):
     target, draft = load_pair(*tiny())
-    limits = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+    limits = BuildLimits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
     for module, spec in ((target, target_spec(target, limits)), (draft, draft_spec(draft, limits))):
         _, inputs = example_inputs(spec, limits, target.config.vocab_size, draft.config.block_size,
                                     torch.Generator().manual_seed(0))

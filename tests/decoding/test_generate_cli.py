@@ -9,14 +9,14 @@ from transformers import AutoTokenizer
 
 import runtime.generate as cli
 from common.manifest import SCHEMA_VERSION
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
 
 from conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
+LIMITS = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 PROMPTS = ["the cat sat", "once upon a time, there was", "why?"]
 
 

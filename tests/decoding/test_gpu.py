@@ -3,7 +3,7 @@ plus TensorRT engines where TensorRT is importable, run from ``scripts/gpu_check
 import pytest
 import torch
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
@@ -13,7 +13,7 @@ from runtime.decoding.params import Params
 from conftest import ENGINE_CASES, PROMPTS
 
 pytestmark = pytest.mark.gpu
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
 # hybrid targets too: their state banks are captured by address like the KV caches, and the MoE

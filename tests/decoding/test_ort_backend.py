@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.manifest import is_cache
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
@@ -14,7 +14,7 @@ from runtime.decoding.batch import generate
 from conftest import ENGINE_CASES, PROMPTS, hf_greedy
 
 # a prompt chunk of 8 rows makes the longest prompt (11 tokens) take two prefill calls
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)
@@ -43,7 +43,7 @@ def test_onnx_runtime_and_torch_backends_agree(case):
 
 
 def test_the_limits_read_from_the_manifest_are_the_modules_own(case):
-    """The backend contract's one ``Limits``: an engine's, read from its manifest, equal the
+    """The backend contract's one ``BuildLimits``: an engine's, read from its manifest, equal the
     reference modules' for the same pair and build limits; the capacity a run needs follows it."""
     from runtime.backends.base import BackendLimits, capacity_needed
 

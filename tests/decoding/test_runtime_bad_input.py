@@ -16,13 +16,13 @@ import pytest
 
 import runtime.generate as generate
 from bench import decoding as bench
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.batch import Decoding
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = Limits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
+LIMITS = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 TOO_LONG = "word " * 200          # more tokens than the engine's 128 KV-cache rows
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from modeling.target import from_start
 from runtime.backends.ort import OrtBackend
@@ -64,7 +64,7 @@ def pair(tiny):
 
 @pytest.fixture(scope="module")
 def ort_backend(engine_dir):
-    return OrtBackend(engine_dir(Limits(max_batch=SAMPLES, max_seq_len=16, max_prompt_chunk=8), **SPEC))
+    return OrtBackend(engine_dir(BuildLimits(max_batch=SAMPLES, max_seq_len=16, max_prompt_chunk=8), **SPEC))
 
 
 def _sample(pair, temperature, backend=None, top_k=0, **options):

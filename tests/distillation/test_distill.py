@@ -183,10 +183,11 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
     within float32 rounding. An engine of another target is refused in one line."""
     from common import manifest
     from distill import engine as engine_target
-    from export.onnx_export import Limits
+    from export.onnx_export import BuildLimits
     from modeling.target import from_start, load_target
 
-    limits = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # chunks of 8: taps in several calls
+    # chunks of 8: taps in several calls
+    limits = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
     engine = engine_dir(limits)
     target_dir, _ = tiny()
     out = tmp_path / "draft"

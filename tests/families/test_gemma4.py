@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.manifest import describe
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.checkpoint import CheckpointError
 from modeling.pair import load_pair
 from modeling.target import every_row
@@ -27,7 +27,7 @@ from oracles import CHUNK, MAX_NEW, OrtOracle, check_engine_invariant, check_tor
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
 ARCH = "gemma4-multimodal"
-LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
+LIMITS = BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
 CLASSES = {"gemma4": "Gemma4ForCausalLM", "gemma4-multimodal": "Gemma4ForConditionalGeneration",
            "gemma4_unified-multimodal": "Gemma4UnifiedForConditionalGeneration",
            "gemma4_moe": "Gemma4ForCausalLM"}

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.checkpoint import CheckpointError
 from modeling.pair import load_pair
 from plugins.cpu.build import library
@@ -145,7 +145,7 @@ def test_a_moe_gguf_target_keeps_its_expert_blocks(tiny, tmp_path):
     from export.build import build
 
     draft_dir = tiny(arch="qwen3_moe")[1]
-    limits = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
+    limits = BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
     for kind, op in ((gguf.GGMLQuantizationType.Q8_0, "MoeExpertsInt8"),
                      (gguf.GGMLQuantizationType.Q4_0, "MoeExpertsInt4")):
         path, engine = tmp_path / f"{kind.name}.gguf", tmp_path / kind.name
@@ -237,8 +237,8 @@ def test_onnx_runtime_engine_equals_transformers(tiny, engine_dir):
     prompts. One pair with every feature: Qwen3.5-MoE in the multimodal layout (Qwen3-MoE runs the
     same expert op beside the dense attention the other engine tests cover)."""
     arch = "qwen3_5_moe-multimodal"
-    check_engine_invariant(engine_dir(Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK), arch=arch),
-                           tiny(arch=arch)[0])
+    limits = BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK)
+    check_engine_invariant(engine_dir(limits, arch=arch), tiny(arch=arch)[0])
 
 
 def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
@@ -247,7 +247,7 @@ def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     from export.build import build
 
-    build(*map(str, tiny(arch="qwen3_5")), tmp_path, limits=Limits(max_batch=2, max_seq_len=64,
+    build(*map(str, tiny(arch="qwen3_5")), tmp_path, limits=BuildLimits(max_batch=2, max_seq_len=64,
                                                                    max_prompt_chunk=8),
           dtype="fp16", backend="trt-rtx", gpus=("sm89",), progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -271,7 +271,7 @@ def test_moe_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path, weights, op):
     pytest.importorskip("tensorrt_rtx")
     from export.build import build
 
-    build(*map(str, tiny(arch="qwen3_moe")), tmp_path, limits=Limits(max_batch=2, max_seq_len=64,
+    build(*map(str, tiny(arch="qwen3_moe")), tmp_path, limits=BuildLimits(max_batch=2, max_seq_len=64,
                                                                      max_prompt_chunk=8),
           backend="trt-rtx", gpus=("sm89",), weights=weights, progress=False)
     plugins = json.loads((tmp_path / "manifest.json").read_text())["trt-rtx"]["plugin_layers"]["target"]
@@ -288,7 +288,7 @@ def test_int4_engine_speculative_equals_target_only(tiny, tmp_path):
 
     target_dir, draft_dir = tiny(arch="qwen3_5_moe-multimodal")
     result = build(str(target_dir), str(draft_dir), tmp_path, progress=False, weights="int4",
-                   limits=Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK))
+                   limits=BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=CHUNK))
     graph = onnx.load(tmp_path / "target.onnx", load_external_data=False).graph
     layers = len(json.loads((tmp_path / "manifest.json").read_text())["target"]["linear"]["layer_types"])
     ops = [n.op_type for n in graph.node]

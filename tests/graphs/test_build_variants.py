@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from export.build import build
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.batch import generate
 
@@ -16,7 +16,7 @@ from conftest import PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = Limits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
+LIMITS = BuildLimits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
 
 
 def _build(tiny, tmp_path, **options):

@@ -14,14 +14,14 @@ import torch
 from onnx.reference import ReferenceEvaluator
 
 from export.build import build
-from export.onnx_export import Limits, draft_spec
+from export.onnx_export import BuildLimits, draft_spec
 from modeling.pair import load_pair
 
 from conftest import ENGINE_CASES
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)  # test_onnx_export's: fp32 built once
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)  # test_onnx_export's: fp32 built once
 CASE = ENGINE_CASES["qwen3-native"]
 BATCH, ROWS = 3, 6
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16

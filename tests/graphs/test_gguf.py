@@ -145,11 +145,11 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
     of zero K/V rows and rounding dominated: the fp16 module alone was 10% off fp32 on the demo
     target, and every fp16 build of it failed."""
     from export.onnx_check import TOLERANCE, _relative_difference
-    from export.onnx_export import Limits, target_spec
+    from export.onnx_export import BuildLimits, target_spec
     from export.verify_inputs import example_inputs, with_context
 
     gguf, _, tokenizer, _, _ = smollm2
-    limits = Limits(max_batch=4, max_seq_len=2048, max_prompt_chunk=512)
+    limits = BuildLimits(max_batch=4, max_seq_len=2048, max_prompt_chunk=512)
     logits = {}
     for dtype in (torch.float32, torch.float16):
         target = load_pair(gguf, demo_pair.draft(), dtype=dtype)[0]

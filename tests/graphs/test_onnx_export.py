@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from common.manifest import cache_output, is_cache
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from runtime.backends.pytorch import TorchBackend
@@ -17,7 +17,7 @@ from runtime.decoding.batch import generate
 
 from conftest import ENGINE_CASES, PROMPTS
 
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)

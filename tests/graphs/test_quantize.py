@@ -14,7 +14,7 @@ from common import manifest
 from export import qdq, quantize
 from export.build import build
 from export.onnx_check import VerificationError
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from plugins.cpu.build import library
 from plugins.qmatmul import ort_lowering as qmatmul_lowering
 from runtime.backends.ort import OrtBackend
@@ -25,7 +25,7 @@ from oracles import OrtOracle
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = Limits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
+LIMITS = BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
 # int4 quantizes the draft too; int8 leaves it as it is (the default)
 QUANTIZE_DRAFT = {"int4": True, "int8": False, "float": False}
 

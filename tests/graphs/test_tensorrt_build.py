@@ -14,7 +14,7 @@ pytest.importorskip("tensorrt_rtx")
 
 from export import qdq, quantize, trt_build  # noqa: E402
 from export.build import build  # noqa: E402
-from export.onnx_export import Limits  # noqa: E402
+from export.onnx_export import BuildLimits  # noqa: E402
 from export.trt_build import build_engines  # noqa: E402
 
 from conftest import ENGINE_CASES  # noqa: E402
@@ -22,7 +22,7 @@ from conftest import ENGINE_CASES  # noqa: E402
 pytestmark = pytest.mark.slow   # builds engines: the real-model tier
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = Limits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)

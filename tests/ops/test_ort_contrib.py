@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.manifest import is_cache
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 from plugins.block_attention import ort_contrib
 from plugins.cpu import build
 from plugins.d2t_gather import ort_cpu as markov
@@ -18,7 +18,7 @@ from conftest import ENGINE_CASES, MARKOV_TOP_K
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = Limits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+LIMITS = BuildLimits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
 CASES = {**ENGINE_CASES, "markov-top-k": MARKOV_TOP_K}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import Limits
+from export.onnx_export import BuildLimits
 
 from conftest import free_port
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs se
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray extra)")
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = Limits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
+LIMITS = BuildLimits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz", "mn", "qrs tuv"]
 MAX_QUEUE = len(PROMPTS)   # the 8 requests a test sends at once never overflow the queue
 
