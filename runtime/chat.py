@@ -11,7 +11,7 @@ import sys
 from runtime.generate import (
     add_draft_schedule,
     check_flags,
-    draft_schedule,
+    fixed_schedule,
     stopping_on_ctrl_c,
     system_messages,
 )
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             generator = Generator.from_engine(args.engine, backend=args.backend, threads=args.threads)
             if not generator.tokenizer.chat_template:
                 raise ValueError(f"{args.engine}: its tokenizer has no chat template, which a chat needs")
-            schedule = draft_schedule(args, generator)
+            schedule = fixed_schedule(args, generator)
         except ValueError as err:   # CheckpointError and ManifestError are ValueErrors too
             raise SystemExit(f"error: {err}") from None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -93,10 +93,9 @@ def add_draft_schedule(p) -> None:
                         "drafts are not being accepted), or at most N every step [adaptive]")
 
 
-def draft_schedule(args, generator):
-    """The ``draft_schedule`` option for --draft-schedule: a fixed one, or None, adaptive
-    verification, which the ``Generator`` measures once the prompts are checked (and not at all
-    without speculation)."""
+def fixed_schedule(args, generator):
+    """The fixed ``LoadSchedule`` that --draft-schedule names, or None for "adaptive", which the
+    ``Generator`` measures once the prompts are checked (and not at all without speculation)."""
     from runtime.decoding.draft_schedule import LoadSchedule
 
     return LoadSchedule.parse(args.draft_schedule, generator.backend.limits.k)
@@ -184,7 +183,7 @@ def prepare(args):
         if args.batch_size and args.batch_size > generator.backend.limits.max_batch:
             raise ValueError(f"--batch-size {args.batch_size}: expected at most "
                              f"{generator.backend.limits.max_batch}, the engine's --max-batch")
-        args.schedule = draft_schedule(args, generator)
+        args.schedule = fixed_schedule(args, generator)
         if args.all_turns:   # each conversation's first turn is checked now (with nothing measured
             # yet: a fixed schedule), the later ones as they come
             fixed = args.schedule or LoadSchedule.constant(generator.backend.limits.k)

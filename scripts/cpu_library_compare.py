@@ -47,7 +47,7 @@ def main() -> None:
     if args.first is None:
         _both_orders(args)
         return
-    torch.set_num_threads(ort_backend.OrtBackend.host_threads)
+    torch.set_num_threads(ort_backend.OrtBackend.hints.host_threads)
     order = ("old", "new") if args.first == "old" else ("new", "old")
     steps = {name: _steps(_backend(args.engine, getattr(args, name), args.threads), args.context)
              for name in order}

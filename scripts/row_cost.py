@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--portable", action="store_true",
                    help="also time the graphs as the engine holds them, not lowered (interleaved)")
     args = p.parse_args()
-    torch.set_num_threads(OrtBackend.host_threads)
+    torch.set_num_threads(OrtBackend.hints.host_threads)
     forms = ("lowered", *(("stock",) if args.stock else ()), *(("portable",) if args.portable else ()))
     backends = {(engine, form): OrtBackend(engine, threads=args.threads, lower=form != "portable",
                                            kernel=form == "lowered")

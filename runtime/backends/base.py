@@ -114,17 +114,24 @@ def slot_block(slots: list[int] | None, pool: int, backend: str) -> slice:
     return slice(first, first + len(slots))
 
 
+@dataclass(frozen=True)
+class Hints:
+    """How a loop best drives a backend, which it may ignore at a cost in speed only:
+    ``host_threads``, how many threads the loop's own torch work between calls may use (None:
+    leave torch's setting); ``default_batch``, how many prompts a ``Generator`` batches unless
+    told (None: ``max_batch``)."""
+    host_threads: int | None = None
+    default_batch: int | None = None
+
+
 class Backend(Protocol):
-    """What the executor drives. Tensors live on ``device``; ``host_threads`` is how many threads
-    the loop's own torch work may use between calls (None: leave torch's setting);
-    ``default_batch`` how many prompts a ``Generator`` batches unless told (None: ``max_batch``);
-    ``pooled``: every decode step runs the whole pool of slots in order (CUDA graphs captured on
-    its caches), and a prefill a block of consecutive slots (``slot_block``)."""
+    """What the executor drives. Tensors live on ``device``. ``pooled`` is a contract: every
+    decode step runs the whole pool of slots in order (CUDA graphs captured on its caches), and a
+    prefill a block of consecutive slots (``slot_block``); ``hints`` are not."""
     limits: BackendLimits
     device: torch.device
-    host_threads: int | None
-    default_batch: int | None
     pooled: bool
+    hints: Hints
 
     def start(self, batch: int) -> None:
         """Empty caches for a pool of ``batch`` slots, one sequence each."""

@@ -1,5 +1,5 @@
 """What every backend over an engine directory shares: its manifest, read once, and the limits the
-loop in ``runtime.decoding.scheduler`` plans with (``base.BackendLimits``)."""
+scheduler plans with (``base.BackendLimits``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,14 +7,13 @@ from pathlib import Path
 import torch
 
 from common import manifest as manifest_file
-from runtime.backends.base import BackendLimits
+from runtime.backends.base import BackendLimits, Hints
 
 
 class EngineBackend:
     device = torch.device("cpu")       # where the loop's tensors live (a GPU backend sets its own)
-    host_threads: int | None = None    # torch threads for the loop's own work (None: as configured)
-    default_batch: int | None = None   # prompts per batch unless told (None: the engine's max_batch)
-    pooled = False                     # steps on any slots (``backend.Backend``)
+    pooled = False                     # steps on any slots (``base.Backend``)
+    hints = Hints()
 
     def __init__(self, engine: str | Path):
         self.directory = Path(engine)

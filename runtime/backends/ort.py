@@ -46,6 +46,7 @@ fastest CPU path for them: each ``DequantizeLinear -> MatMul`` fused into ``MatM
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,19 +57,19 @@ from plugins.block_attention.ort_contrib import target_rotary
 from plugins.block_attention.ort_cpu import SLOTS
 from plugins.cpu.build import library
 from plugins.ort_session import lowered_session
+from runtime.backends.base import Hints
 from runtime.backends.engine import EngineBackend, damaged
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class OrtBackend(EngineBackend):
-    # the loop's torch work between calls is small (argmax / sampling over a few rows); on more
-    # threads torch's idle OpenMP workers spin after it and take the cores from ONNX Runtime
-    host_threads = 1
-    # where sequences run one per call a batch is no faster than its prompts one after another
-    # (docs/usage.md, "Batching on the CPU"), and a batch of one ends with its own prompt; a batched
-    # target (``batched``) takes the engine's whole batch
-    default_batch = 1
+    # host_threads: the loop's torch work between calls is small (argmax / sampling over a few
+    # rows); on more threads torch's idle OpenMP workers spin after it and take the cores from ONNX
+    # Runtime. default_batch: where sequences run one per call a batch is no faster than its
+    # prompts one after another (docs/usage.md, "Batching on the CPU"), and a batch of one ends
+    # with its own prompt; a batched target (``batched``) takes the engine's whole batch
+    hints = Hints(host_threads=1, default_batch=1)
 
     def __init__(self, engine: str | Path, threads: int | None = None, lower: bool = True,
                  kernel: bool = True):
@@ -97,7 +98,7 @@ class OrtBackend(EngineBackend):
         self.batched = "target" in self.pool_graphs
         self.pool_slots = None   # the slots of the pools ``start`` made
         if self.batched:
-            self.default_batch = None
+            self.hints = replace(self.hints, default_batch=None)
 
     def _options(self):
         import onnxruntime as ort

@@ -14,7 +14,7 @@ from common import manifest as manifest_file
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep
 from modeling.pair import load_pair
-from runtime.backends.base import BackendLimits, slot_block
+from runtime.backends.base import BackendLimits, Hints, slot_block
 
 
 class TorchBackend:
@@ -31,7 +31,7 @@ class TorchBackend:
         self.target, self.draft = target, draft
         self.limits = BackendLimits.from_modules(target, draft, capacity, max_batch, max_prompt_chunk,
                                           confidence_threshold)
-        self.host_threads = self.default_batch = None
+        self.hints = Hints()
         self.graphs = self.caches = None
         if cuda_graphs:
             from runtime.backends.cuda_graphs import Caches, GraphCache

@@ -47,7 +47,7 @@ class Batcher:
 
     def step(self) -> list[Request]:
         """One step boundary: admit, decode the decoding requests, prefill a chunk of the others."""
-        with torch_threads(self.backend.host_threads), self.times.measure("total"):
+        with torch_threads(self.backend.hints.host_threads), self.times.measure("total"):
             if not self.started:
                 self.backend.start(len(self.scheduler.slots))
                 self.started = True

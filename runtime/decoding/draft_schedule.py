@@ -242,8 +242,8 @@ def measure(backend: Backend, repeats: int = ROUNDS) -> tuple[LoadSchedule, Call
 
     one, full = {batch: [] for batch in sizes}, {batch: [] for batch in sizes}
     drafted = {batch: [] for batch in sizes}
-    # the loop's own torch threads (``Backend.host_threads``): more spin and slow the calls
-    with torch.inference_mode(), torch_threads(backend.host_threads):
+    # the loop's own torch threads (``Hints.host_threads``): more spin and slow the calls
+    with torch.inference_mode(), torch_threads(backend.hints.host_threads):
         calls = {batch: (target(batch, 1), target(batch, k + 1)) for batch in sizes}
         drafts = {batch: draft(batch, calls[batch][1]()[1]) for batch in sizes} if k else {}
         for call in calls[sizes[0]]:

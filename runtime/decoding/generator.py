@@ -78,7 +78,7 @@ class Generator:
                   batch_size: int | None = None, system: str | None = None,
                   stop: list[str] | tuple[str, ...] = (), **options) -> list[Decoding]:
         """One ``Decoding`` per batch of at most ``batch_size`` prompts (by default the backend's
-        ``default_batch``, else the engine's maximum), none started yet: every batch is checked
+        ``hints.default_batch``, else the engine's maximum), none started yet: every batch is checked
         here, so a prompt that does not fit is refused, by number and text, before the first
         batch's work. Options: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``speculative``,
@@ -88,7 +88,7 @@ class Generator:
         ``stop`` strings, its text before it
         (``Decoding``'s)."""
         max_batch = self.backend.limits.max_batch
-        size = batch_size if batch_size is not None else self.backend.default_batch or max_batch
+        size = batch_size if batch_size is not None else self.backend.hints.default_batch or max_batch
         if not 1 <= size <= max_batch:
             raise ValueError(f"batch_size {batch_size}: expected 1 .. {max_batch} (the engine's "
                              f"--max-batch)")
