@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny checkpoints in the real on-disk layouts, made once per test session."""
+"""Shared fixtures: tiny checkpoints in the real on-disk layouts and engines built from them, made
+once per test run (``pytest -n``'s workers share them)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one core per worker (scripts/test.sh runs one per core): two workers' thread pools on the same
@@ -44,16 +48,32 @@ ENGINE_CASES = {
 MARKOV_TOP_K = dict(ENGINE_CASES["llama-speculators-reduced-bonus-anchor"], markov_top_k=6)
 
 
+def made_once(tmp_path_factory, key, make) -> list[str]:
+    """What ``make(folder)`` returned (a list of paths) for ``key`` in this test run: the first
+    worker to ask makes it in a folder of the run's temporary directory, which every ``pytest -n``
+    worker shares, and the others wait for it and read it back (a build takes ~15 s of CPU)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent       # the run's, above each worker's own
+    folder = root / "made" / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    done = folder.with_suffix(".json")
+    folder.parent.mkdir(exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)     # a worker's make that failed
+            folder.mkdir()
+            done.write_text(json.dumps([str(p) for p in make(folder)]))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """``tiny(**TinySpec fields) -> (target_dir, draft_dir)``, each pair written once."""
-    made: dict[TinySpec, tuple[Path, Path]] = {}
 
     def make(**fields) -> tuple[Path, Path]:
         spec = TinySpec(**fields)
-        if spec not in made:
-            made[spec] = make_tiny(tmp_path_factory.mktemp("tiny"), spec)
-        return made[spec]
+        target_dir, draft_dir = made_once(tmp_path_factory, spec, lambda folder: make_tiny(folder, spec))
+        return Path(target_dir), Path(draft_dir)
 
     return make
 
@@ -64,17 +84,14 @@ def engine_dir(tiny, tmp_path_factory):
     built once."""
     from export.build import build
 
-    built: dict = {}
-
     def make(limits, markov_top_k: int = 0, **fields) -> Path:
-        key = (limits, markov_top_k, TinySpec(**fields))
-        if key not in built:
+        def built(out: Path) -> list[Path]:
             target_dir, draft_dir = tiny(**fields)
-            out = tmp_path_factory.mktemp("engine")
             build(str(target_dir), str(draft_dir), out, markov_top_k=markov_top_k, limits=limits,
                   progress=False)
-            built[key] = out
-        return built[key]
+            return [out]
+
+        return Path(made_once(tmp_path_factory, (limits, markov_top_k, TinySpec(**fields)), built)[0])
 
     return make
 
