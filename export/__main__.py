@@ -96,7 +96,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         from export.onnx_export import BuildLimits
 
         limits = BuildLimits(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                        max_prompt_chunk=args.max_prompt_chunk)
+                             max_prompt_chunk=args.max_prompt_chunk)
         # built beside --out and swapped in once verified: a failed build leaves the old one as it was
         result = build(args.target, args.draft, staging, k=args.k, markov_top_k=args.markov_top_k,
                        limits=limits, confidence_threshold=args.confidence_threshold or 0.0, dtype=args.dtype,

@@ -9,6 +9,8 @@ import pytest
 
 import export.__main__ as cli
 import export.onnx_check
+from export import build
+from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
@@ -257,16 +259,24 @@ def test_polygraphy_inspects_and_runs_the_graphs(built):
     assert run.returncode == 0 and "PASSED" in run.stdout + run.stderr
 
 
-@pytest.mark.slow
-def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path):
+def test_max_seq_len_defaults_to_what_the_target_supports(tiny, tmp_path, monkeypatch):
+    """The limits the build resolves from the command line and the target's config, before any
+    weights load (the export after them is stopped)."""
+    class Resolved(Exception):
+        pass
+
+    def stop(name, sources, *rest):
+        raise Resolved(sources.limits)
+
+    monkeypatch.setattr(build, "make_graph", stop)
     target, draft = tiny()
     short = Path(shutil.copytree(target, tmp_path / "short"))
     config = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
     args = ["build", "--target", str(short), "--draft", str(draft), "--max-batch", "1", "--quiet"]
-    cli.main([*args, "--out", str(tmp_path / "e")])
-    limits = json.loads((tmp_path / "e" / "manifest.json").read_text())["limits"]
-    assert limits["max_seq_len"] == 96 and limits["max_prompt_chunk"] == 96
+    with pytest.raises(Resolved) as resolved:
+        cli.main([*args, "--out", str(tmp_path / "e")])
+    assert resolved.value.args[0] == BuildLimits(max_batch=1, max_seq_len=96, max_prompt_chunk=96)
     with pytest.raises(SystemExit, match="--max-seq-len 97: the target supports at most 96"):
         cli.main([*args, "--out", str(tmp_path / "e2"), "--max-seq-len", "97"])
 
