@@ -182,19 +182,31 @@ def median_confidence(pair, prompts: list[list[int]], max_new_tokens: int, tempe
 
 # fixtures that build an engine or start a server: a test that uses one is in the real-model tier
 SLOW_FIXTURES = {"engine_dir", "tiny_server"}
+# the modules that take longest (minutes on one core; `scripts/test.sh` prints the slowest tests),
+# run first: `pytest -n` hands each module whole to the next free worker, in this order, and a long
+# one handed out last keeps one worker going while the others wait
+LONGEST_FIRST = ("graphs/test_gguf.py", "families/test_hybrid.py", "families/test_gemma4.py",
+                 "graphs/test_build_variants.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped where there is no CUDA GPU. The real-model tier is marked
     ``slow``: the modules and tests that say so, and every test that uses ``SLOW_FIXTURES``;
     ``pytest -m "not slow"`` runs the rest, the fast tier (the loop's logic, the scheduler, the
-    policy, parsing and errors, on PyTorch modules of tiny checkpoints)."""
+    policy, parsing and errors, on PyTorch modules of tiny checkpoints). ``LONGEST_FIRST``'s
+    modules come first."""
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(f"/tests/{name}")),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True)

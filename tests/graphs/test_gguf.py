@@ -45,9 +45,15 @@ def smollm2():
     return gguf, hf, tokenizer, ids, expected
 
 
-def test_gguf_target_matches_transformers(smollm2):
+@pytest.fixture(scope="module")
+def demo(smollm2):
+    """The demo pair as ``load_pair`` reads it (float32)."""
+    return load_pair(smollm2[0], demo_pair.draft())
+
+
+def test_gguf_target_matches_transformers(smollm2, demo):
     gguf, hf, tokenizer, ids, expected = smollm2
-    target, _ = load_pair(gguf, demo_pair.draft())
+    target, _ = demo
     assert target.config.architecture == "LlamaForCausalLM" and target.config.decoder.num_layers == 30
     with torch.no_grad():
         reference = hf(torch.tensor([ids[0]])).logits
@@ -57,9 +63,9 @@ def test_gguf_target_matches_transformers(smollm2):
     assert "Paris" in tokenizer.decode(expected[0])
 
 
-def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2):
-    gguf, _, _, ids, expected = smollm2
-    target, draft = load_pair(gguf, demo_pair.draft())
+def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2, demo):
+    _, _, _, ids, expected = smollm2
+    target, draft = demo
     result = generate(TorchBackend(target, draft, capacity=192), ids, max_new_tokens=NEW_TOKENS,
                       eos_token_ids=target.config.eos_token_ids)
     assert result.token_ids == expected
@@ -138,7 +144,7 @@ def test_a_gguf_targets_defaults_resolve_as_documented(monkeypatch, tmp_path, ti
         assert options["confidence_threshold"] == demo_pair.CONFIDENCE_THRESHOLD
 
 
-def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
+def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2, demo):
     """The build verifies an fp16 graph against the fp16 module within 2% (relative), on inputs
     which are real text with its beginning in the cache rows before them. With random ids after
     zero caches at positions drawn anywhere in the capacity, every query attended to a long run
@@ -152,7 +158,7 @@ def test_the_builds_verification_inputs_are_well_conditioned_for_fp16(smollm2):
     limits = BuildLimits(max_batch=4, max_seq_len=2048, max_prompt_chunk=512)
     logits = {}
     for dtype in (torch.float32, torch.float16):
-        target = load_pair(gguf, demo_pair.draft(), dtype=dtype)[0]
+        target = demo[0] if dtype == torch.float32 else load_pair(gguf, demo_pair.draft(), dtype=dtype)[0]
         generator = torch.Generator().manual_seed(0)
         _, verify = example_inputs(target_spec(target, limits), limits, target.config.vocab_size,
                                     demo_pair.K, generator)
