@@ -13,7 +13,8 @@ from runtime.decoding.stop_strings import StopStrings
 
 
 @dataclass
-class GenerationResult:
+class DecodingResult:
+    """What a ``Decoding`` generated, as token ids (``Generator``'s ``Generation`` adds the texts)."""
     token_ids: list[list[int]]                    # generated ids per prompt (prompt excluded)
     stats: SpecStats
     times: PhaseTimes = field(default_factory=PhaseTimes)
@@ -73,13 +74,13 @@ class Decoding:
         self.k = backend.limits.k if self.requests[0].params.speculative else 0
 
     @property
-    def result(self) -> GenerationResult:
+    def result(self) -> DecodingResult:
         stats = SpecStats(k=self.k)
         for request in self.requests:
             stats.merge(request.stats)
         trace = sorted(({"sequence": b, **record} for b, r in enumerate(self.requests) for record in r.trace),
                        key=lambda record: record["step"])
-        return GenerationResult([r.token_ids for r in self.requests], stats, self.times, trace)
+        return DecodingResult([r.token_ids for r in self.requests], stats, self.times, trace)
 
     def __iter__(self) -> Iterator[list[Emission]]:
         """Each step's emissions (a step that only prefilled a chunk has none and is not yielded);
@@ -98,7 +99,7 @@ class Decoding:
             yield emissions
 
 
-def generate(backend: Backend, prompts: list[list[int]], **options) -> GenerationResult:
+def generate(backend: Backend, prompts: list[list[int]], **options) -> DecodingResult:
     """Run a ``Decoding`` to the end (options as there) and return its result."""
     decoding = Decoding(backend, prompts, **options)
     for _ in decoding:
