@@ -39,7 +39,7 @@ def answers(backend: OrtBackend, prompts: list[list[int]], max_new_tokens: int, 
     ``seed + i`` (``temperature`` 0: greedy)."""
     batcher = Batcher(backend, backend.limits.eos_token_ids)
     requests = [batcher.submit(prompt, Params(max_new_tokens, temperature, seed=seed + i,
-                                                speculative=False), f"prompt {i + 1}")
+                                              speculative=False), f"prompt {i + 1}")
                 for i, prompt in enumerate(prompts)]
     label = "greedy answers" if temperature == 0 else f"answers at T = {temperature:g}"
     with tqdm(total=len(requests), desc=label, unit="prompt", disable=not progress) as bar:

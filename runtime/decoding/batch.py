@@ -68,8 +68,8 @@ class Decoding:
         self.times = self.batcher.times = PhaseTimes()     # this batch's steps only
         names = names or [f"prompt {i + 1}" for i in range(len(prompts))]
         self.requests = [self.batcher.submit(prompt, Params(max_new_tokens, temperature, top_p, top_k,
-                                                              seed + i, speculative, stop,
-                                                              repetition_penalty), name)
+                                                            seed + i, speculative, stop,
+                                                            repetition_penalty), name)
                          for i, (prompt, name) in enumerate(zip(prompts, names))]
         self.k = backend.limits.k if self.requests[0].params.speculative else 0
 

@@ -130,7 +130,7 @@ def test_drafts_that_stop_and_come_back(tiny, engine_dir, monkeypatch):
     backend = Switching(engine_dir(LIMITS, arch="qwen3"))
     backend.truth = hf_greedy(tiny(arch="qwen3")[0], [PROMPT], MAX_NEW, eos=None)[0]
     batcher = Batcher(backend, eos_token_ids=(), confidence_threshold=0,
-                          draft_schedule=AdaptiveSchedule(COSTS, K))
+                      draft_schedule=AdaptiveSchedule(COSTS, K))
     request = batcher.submit(PROMPT, Params(max_new_tokens=MAX_NEW))
     batcher.run()
     assert request.token_ids == backend.truth

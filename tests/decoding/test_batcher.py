@@ -83,7 +83,7 @@ def test_requests_joining_and_leaving_get_their_own_greedy_output(kind, pair_dir
         for i, at in enumerate(joins):
             if at == step:
                 requests[i] = batcher.submit(REQUESTS[i], Params(max_new_tokens=budgets[i],
-                                                                   speculative=i not in (1, 4)))
+                                                                 speculative=i not in (1, 4)))
         if step == 6:   # a request in the middle of its decoding
             cancelled = requests[2]
             batcher.cancel(cancelled)
@@ -110,7 +110,7 @@ def test_the_draft_schedule_turns_drafts_off_while_slots_are_full(pair_dirs, eng
     backend.rng = random.Random(1)
     k = backend.limits.k
     batcher = backend.batcher = Batcher(backend, eos_token_ids=(),
-                                              draft_schedule=LoadSchedule.parse(f"1:{k},2:0", k))
+                                        draft_schedule=LoadSchedule.parse(f"1:{k},2:0", k))
     alone = batcher.submit(REQUESTS[0], Params(max_new_tokens=MAX_NEW))
     for _ in range(4):
         batcher.step()
@@ -143,7 +143,7 @@ def test_drafts_after_target_only_steps_read_every_verified_row(pair_dirs, engin
         backend = Recording(engine_dir(LIMITS, arch="qwen3"))
         backend.drafts = {}
         batcher = Batcher(backend, eos_token_ids=(), confidence_threshold=0,
-                              draft_schedule=schedule and LoadSchedule.parse(schedule, backend.limits.k))
+                          draft_schedule=schedule and LoadSchedule.parse(schedule, backend.limits.k))
         request = batcher.submit(prompt, Params(max_new_tokens=MAX_NEW))
         batcher.run()
         decoding = {p: d for p, d in backend.drafts.items() if p > len(prompt)}

@@ -247,8 +247,8 @@ def test_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     from export.build import build
 
-    build(*map(str, tiny(arch="qwen3_5")), tmp_path, limits=BuildLimits(max_batch=2, max_seq_len=64,
-                                                                   max_prompt_chunk=8),
+    limits = BuildLimits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+    build(*map(str, tiny(arch="qwen3_5")), tmp_path, limits=limits,
           dtype="fp16", backend="trt-rtx", gpus=("sm89",), progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     linear = manifest["target"]["linear"]["layer_types"].count("linear_attention")
@@ -271,8 +271,8 @@ def test_moe_tensorrt_rtx_engine_builds_on_the_cpu(tiny, tmp_path, weights, op):
     pytest.importorskip("tensorrt_rtx")
     from export.build import build
 
-    build(*map(str, tiny(arch="qwen3_moe")), tmp_path, limits=BuildLimits(max_batch=2, max_seq_len=64,
-                                                                     max_prompt_chunk=8),
+    limits = BuildLimits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
+    build(*map(str, tiny(arch="qwen3_moe")), tmp_path, limits=limits,
           backend="trt-rtx", gpus=("sm89",), weights=weights, progress=False)
     plugins = json.loads((tmp_path / "manifest.json").read_text())["trt-rtx"]["plugin_layers"]["target"]
     assert plugins == {"BlockAttention": 4, op: 3}
