@@ -201,6 +201,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
     def rank(item) -> int:
         path = item.path.as_posix()
         return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(f"/tests/{name}")),

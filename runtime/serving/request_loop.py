@@ -51,12 +51,12 @@ class RequestLoop:
             print(f"adaptive verification (call costs measured in {time.perf_counter() - begin:.1f} s; "
                   f"--draft-schedule N fixes the drafts per step)", file=sys.stderr, flush=True)
         self.batcher = Batcher(backend, draft_schedule=draft_schedule)
-        self.scheduler = self.batcher.scheduler
+        scheduler = self.batcher.scheduler
         self.inbox: queue.Queue = queue.Queue()
         self.max_queue = max_queue
         self.jobs: dict[int, Job] = {}
-        self.metrics = Metrics(running=lambda: self.scheduler.occupied,
-                               waiting=lambda: len(self.scheduler.waiting) + self.inbox.qsize())
+        self.metrics = Metrics(running=lambda: scheduler.occupied,
+                               waiting=lambda: len(scheduler.waiting) + self.inbox.qsize())
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
@@ -65,8 +65,9 @@ class RequestLoop:
         if self.stopping:
             raise SHUTTING_DOWN
         # what the inbox holds is waiting too, less what the free slots will take at the next step
-        free = len(self.scheduler.slots) - self.scheduler.occupied
-        if len(self.scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
+        scheduler = self.batcher.scheduler
+        free = len(scheduler.slots) - scheduler.occupied
+        if len(scheduler.waiting) + self.inbox.qsize() - free >= self.max_queue:
             raise RequestError(429, f"the queue is full ({self.max_queue} requests waiting for a "
                                     f"slot, --max-queue); retry later", kind="rate_limit_error")
         self.inbox.put(("submit", job))
@@ -85,7 +86,7 @@ class RequestLoop:
 
     def _loop(self) -> None:
         while True:
-            busy = self.scheduler.busy
+            busy = self.batcher.busy
             try:
                 while True:
                     command, job = self.inbox.get(block=not busy, timeout=None if not busy else 0)
@@ -96,7 +97,7 @@ class RequestLoop:
                     busy = True
             except queue.Empty:
                 pass
-            if self.scheduler.busy:
+            if self.batcher.busy:
                 begin = time.perf_counter()
                 try:
                     changed = self.batcher.step()
@@ -111,20 +112,20 @@ class RequestLoop:
     def _fail(self, error: RequestError) -> None:
         """End every request in the scheduler with ``error``."""
         for job in list(self.jobs.values()):
-            self.scheduler.cancel(job.request)
+            self.batcher.cancel(job.request)
             job.send(error)
         self.jobs.clear()
 
     def _handle(self, command: str, job: Job) -> None:
         if command == "submit":
             try:
-                job.request = self.scheduler.submit(job.prompt, job.params, name="prompt")
+                job.request = self.batcher.submit(job.prompt, job.params, name="prompt")
             except ValueError as err:
                 job.send(RequestError(400, str(err)))
                 return
             self.jobs[job.request.id] = job
         elif job.request is not None and not job.request.finished:
-            self.scheduler.cancel(job.request)
+            self.batcher.cancel(job.request)
             self._report(job, job.request)
 
     def _report(self, job: Job, request: Request) -> None:

@@ -66,8 +66,9 @@ def write_model(engine: Path, out: Path, name: str | None = None, backend: str =
     parameters = {"engine": str(engine), "backend": backend, "max_queue": str(max_queue)}
     if threads is not None:
         parameters["threads"] = str(threads)
-    if draft_schedule is not None and LoadSchedule.parse(draft_schedule, k) is not None:
-        parameters["draft_schedule"] = str(LoadSchedule.parse(draft_schedule, k))
+    fixed = LoadSchedule.parse(draft_schedule, k) if draft_schedule is not None else None
+    if fixed is not None:
+        parameters["draft_schedule"] = str(fixed)
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"OUT {out}: is a file; expected a model repository directory")
     model = Path(out) / name
