@@ -146,11 +146,17 @@ class Scheduler:
     def _admit(self) -> list[Admission]:
         """Waiting requests into free slots (``_place``); each is prefilled alone, or on a pooled
         backend with those admitted into the slots next to it."""
-        free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
+        # the free slots oldest first (left longest ago, then by index), and those whose caches hold
+        # rows: a request reads only those (admitting N requests into N slots stays linear in N)
+        free = sorted((slot for slot, occupant in enumerate(self.slots) if occupant is None),
+                      key=lambda slot: (self.held[slot].since, slot))
+        holding = [slot for slot in free if self.held[slot].tokens]
         admitted = []
         while free and self.waiting:
-            admission = self._place(self.waiting.popleft(), free)
+            admission = self._place(self.waiting.popleft(), free, holding)
             free.remove(admission.slot)
+            if admission.slot in holding:
+                holding.remove(admission.slot)
             admitted.append(admission)
         groups: list[list[Request]] = []
         for request in sorted((a.request for a in admitted), key=lambda r: r.slot):
@@ -164,16 +170,21 @@ class Scheduler:
                 request.prefill, request.status = prefill, Status.PREFILLING
         return admitted
 
-    def _place(self, request: Request, free: list[int]) -> Admission:
+    def _place(self, request: Request, free: list[int], holding: list[int]) -> Admission:
         """Put ``request`` in the free slot whose caches hold the longest beginning of its prompt
-        (none for a request that scores its prompt: every row of it is computed), else in the one
-        left longest ago, cleared; its draft context rows still pending there are inserted first."""
+        (the oldest of those; none for a request that scores its prompt: every row of it is
+        computed), else in the one left longest ago (``free[0]``), cleared; its draft context rows
+        still pending there are inserted first. ``holding``: the free slots that hold rows, oldest
+        first."""
         speculative = request.params.speculative
-        reuse = {slot: 0 if request.params.prompt_logprobs is not None
-                 else self.held[slot].reusable(request.prompt, speculative, self.exact) for slot in free}
-        slot = max(free, key=lambda s: (reuse[s], -self.held[s].since))
+        slot, reused = free[0], 0
+        if request.params.prompt_logprobs is None and holding:
+            reuse = {s: self.held[s].reusable(request.prompt, speculative, self.exact) for s in holding}
+            best = max(holding, key=reuse.__getitem__)      # the first, so the oldest, of the longest
+            if reuse[best]:
+                slot, reused = best, reuse[best]
         held, request.slot, self.slots[slot] = self.held[slot], slot, request
-        request.reused = request.anchor_pos = reuse[slot]
+        request.reused = request.anchor_pos = reused
         if not request.reused:
             self.held[slot] = Held()
             return Admission(request, slot, clear=True)
