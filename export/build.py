@@ -42,7 +42,7 @@ from export.onnx_export import (
 )
 from export.quality import QUALITY_MAX_TOKENS, held_out_texts, quality_cost, teacher_forced
 from export.verify_inputs import example_inputs, reference_outputs, with_context
-from modeling.checkpoint import CheckpointError, hf_location, resolve
+from modeling.checkpoint import CheckpointError, gguf_reader, hf_location, resolve
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
 from modeling.draft_config import DraftConfig, load_draft_config
@@ -159,7 +159,7 @@ def build(target: str, draft: str, out: Path, *, k: int | None = None, markov_to
         manifest = describe(sources, options, graphs)
         if backend != "onnx":
             status.phase(f"build {backend} engines")
-            add_engines(out, manifest, options)
+            add_engines(out, manifest, backend, gpus)
         status.phase("write manifest")
         manifest_file.write(out, manifest)
     finally:
@@ -249,15 +249,15 @@ def describe(sources: Sources, options: Options, graphs: dict[str, Graph]) -> di
     }
 
 
-def add_engines(out: Path, manifest: dict, options: Options) -> None:
-    """TensorRT engines of the written graphs, for each of ``options.gpus``, into ``out`` and the
-    manifest."""
+def add_engines(out: Path, manifest: dict, backend: str, gpus: tuple[str, ...]) -> None:
+    """``backend``'s TensorRT engines of the graphs written in ``out``, for each of ``gpus``, into
+    ``out`` and ``manifest``."""
     from export.trt_build import build_engines
 
-    engines = build_engines(out, manifest, options.backend, list(options.gpus))
-    manifest["backends"].append(options.backend)
-    manifest["tools"][options.backend] = engines.pop("version")
-    manifest[options.backend] = engines
+    engines = build_engines(out, manifest, backend, list(gpus))
+    manifest["backends"].append(backend)
+    manifest["tools"][backend] = engines.pop("version")
+    manifest[backend] = engines
 
 
 def _check_gguf_weights(target: str, target_dir: Path) -> None:
@@ -449,9 +449,7 @@ def _check_gguf_tokenizer(path: Path) -> None:
     """Refuse a GGUF file whose tokenizer ``transformers`` cannot rebuild: a BPE vocabulary
     (``gpt2``) with neither its merges nor the scores it derives them from, on which its GGUF
     reader fails (``KeyError: 'scores'``); llama.cpp refuses one without merges too."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
+    fields = gguf_reader(path).fields
     model = fields.get("tokenizer.ggml.model")
     if model is None:
         raise CheckpointError(f"{path}: no tokenizer.ggml.model field (the file carries no tokenizer); the "

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import Blocks, chunks, rtn
+from modeling.checkpoint import gguf_reader
 from plugins.qmatmul.layout import KQuantScales
 
 BLOCK = 32
@@ -62,9 +63,7 @@ def unsupported_matrices(path: Path) -> list[str]:
     tensor, or a 3-D stack of experts; the token embeddings count only where they are also the
     output layer (no ``output.weight``), since the engine's embedding lookup keeps floats, and a
     MoE router not at all."""
-    from gguf import GGUFReader
-
-    tensors = GGUFReader(path).tensors
+    tensors = gguf_reader(path).tensors
     tied = "output.weight" not in {t.name for t in tensors}
     kept = {2: SUPPORTED, 3: EXPERTS_SUPPORTED}
     return [f"{t.name} ({t.tensor_type.name}{' experts' if len(t.shape) == 3 else ''})" for t in tensors
@@ -83,11 +82,10 @@ class GgufBlocks:
     computes with as well."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
         from gguf.quants import dequantize
 
         self.path = path
-        tensors = GGUFReader(path).tensors
+        tensors = gguf_reader(path).tensors
         self.tensors = [t for t in tensors if t.tensor_type.name in SUPPORTED]
         self.types = sorted({t.tensor_type.name for t in tensors})   # for messages
         self.rounds = any(rounded(t) for t in self.tensors)   # the module is to be given engine_values

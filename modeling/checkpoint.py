@@ -4,6 +4,7 @@ Everything here is format-agnostic: the target and draft loaders decide what the
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -85,6 +86,22 @@ def hf_location(path: Path) -> tuple[Path, dict]:
     if path.suffix == ".gguf":
         return path.parent, {"gguf_file": path.name}
     return path, {}
+
+
+def gguf_reader(path: Path):
+    """``gguf``'s reader of the file at ``path``, made once per process and version of the file:
+    it parses every metadata field (the vocabulary's strings one by one, seconds for a 49k-token
+    file), and a build reads the file's header for its config, its matrices' types, its tokenizer,
+    its blocks and a draft's shared embeddings. The tensors' data are views of the file, mapped."""
+    stat_ = path.stat()
+    return _gguf_reader(path.resolve(), stat_.st_mtime_ns, stat_.st_size)
+
+
+@functools.lru_cache(maxsize=1)   # a build reads one GGUF file
+def _gguf_reader(path: Path, mtime_ns: int, size: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def read_config(directory: Path) -> dict:

@@ -12,6 +12,7 @@ from modeling.checkpoint import (
     CheckpointError,
     build_module,
     check_layer_count,
+    gguf_reader,
     hf_location,
     load_tensors,
     resolve,
@@ -116,11 +117,10 @@ def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
     """A GGUF target's ``SHARED`` tensors alone, de-quantized as ``transformers`` de-quantizes
     them (with ``gguf``'s own code; no other tensor is read): a fifth of the time of all of them."""
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     return {GGUF_SHARED[t.name]: torch.from_numpy(np.copy(dequantize(t.data, t.tensor_type))).float()
-            for t in GGUFReader(path).tensors if t.name in GGUF_SHARED}
+            for t in gguf_reader(path).tensors if t.name in GGUF_SHARED}
 
 
 def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:

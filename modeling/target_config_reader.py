@@ -7,7 +7,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from modeling.checkpoint import CheckpointError, hf_location, one_line, read_config, read_json
+from modeling.checkpoint import CheckpointError, gguf_reader, hf_location, one_line, read_config, read_json
 from modeling.decoder import CONFIG_ERRORS, check_fields, is_int
 from modeling.registry import ARCHITECTURES, Architecture, by_model_type
 from modeling.target_config import TargetConfig
@@ -29,12 +29,11 @@ def _read_gguf_config(path: Path, stamp: tuple[int, int]):
     (it parses the file's metadata: seconds, and a build asks four times); each caller gets a copy.
     ``transformers`` 5.x drops ``expert_feed_forward_length``, leaving a MoE file's expert width at
     its config class's default (Qwen3-30B-A3B's 768): it is read here, as llama.cpp reads it."""
-    from gguf import GGUFReader
     from transformers import AutoConfig
 
     location, options = hf_location(path)
     config = AutoConfig.from_pretrained(location, **options)
-    fields = GGUFReader(path).fields
+    fields = gguf_reader(path).fields
     architecture = fields["general.architecture"].contents()
     if (width := fields.get(f"{architecture}.expert_feed_forward_length")) is not None:
         config.moe_intermediate_size = int(width.contents())
