@@ -2,6 +2,7 @@
 once per test run (``pytest -n``'s workers share them)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +31,15 @@ from export.onnx_export import BuildLimits
 from modeling.fixtures.tiny import TinySpec, make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_FIELDS = {field.name for field in dataclasses.fields(TinySpec)}
+
+# what test engines are built for: each distinct build is ~30 s of export on one core, so a module
+# builds with these unless its test is about the limits (``engine_dir`` builds each engine once)
+LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+# the command-line tests' (room for a sentence as a prompt; 2 sequences at a time) and the servers'
+# that take long requests (README's chat, Ray Serve)
+CLI_LIMITS = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
+LONG_LIMITS = BuildLimits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden" / "dspark-tiny"
 GEMMA4_GOLDEN = GOLDEN.with_name("dspark-gemma4-tiny")
@@ -80,18 +90,22 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine_dir(tiny, tmp_path_factory):
-    """``engine_dir(limits, markov_top_k=0, **TinySpec fields) -> path`` of a built engine directory,
-    built once."""
+    """``engine_dir(limits, **given) -> path`` of an engine directory built once: ``given`` holds
+    ``TinySpec`` fields (the pair) and ``build`` options (``markov_top_k``, ``dtype``,
+    ``weights``, ``quantize_draft``, ...). Read-only: a test that changes an engine copies it."""
     from export.build import build
 
-    def make(limits, markov_top_k: int = 0, **fields) -> Path:
+    def make(limits, **given) -> Path:
+        fields = {name: value for name, value in given.items() if name in TINY_FIELDS}
+        options = {name: value for name, value in given.items() if name not in TINY_FIELDS}
+
         def built(out: Path) -> list[Path]:
             target_dir, draft_dir = tiny(**fields)
-            build(str(target_dir), str(draft_dir), out, markov_top_k=markov_top_k, limits=limits,
-                  progress=False)
+            build(str(target_dir), str(draft_dir), out, limits=limits, progress=False, **options)
             return [out]
 
-        return Path(made_once(tmp_path_factory, (limits, markov_top_k, TinySpec(**fields)), built)[0])
+        key = (limits, sorted(options.items()), TinySpec(**fields))
+        return Path(made_once(tmp_path_factory, key, built)[0])
 
     return make
 
@@ -113,9 +127,7 @@ def hf_greedy(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, e
     return outputs
 
 
-# the tiny server's engine (test_ort_backend's limits: built once) and queue: with the 4 slots, 8
-# concurrent requests fit and 24 do not
-SERVE_LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+# the tiny server's queue: with the engine's 4 slots, 8 concurrent requests fit and 24 do not
 SERVE_MAX_QUEUE = 4
 
 
@@ -123,7 +135,7 @@ SERVE_MAX_QUEUE = 4
 def tiny_server(engine_dir):
     """``(url, engine)``: ``python -m runtime.serve`` on the tiny qwen3 engine, model name ``tiny``,
     for every test that drives a server with a client; it must exit 0 on SIGTERM at the end."""
-    engine = engine_dir(SERVE_LIMITS, arch="qwen3")
+    engine = engine_dir(LIMITS, arch="qwen3")
     port = free_port()
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     # every draft at every load: the tiny random draft would measure as not worth verifying

@@ -16,14 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import BuildLimits
-
-from conftest import ROOT, free_port, wait_until_serving
+from conftest import LONG_LIMITS, ROOT, free_port, wait_until_serving
 
 README = (ROOT / "README.md").read_text()
 DEMO = "engines/smollm2-135m-instruct"
 # room for README's default lengths (chat's 256 new tokens) after a templated prompt
-LIMITS = BuildLimits(max_batch=2, max_seq_len=512, max_prompt_chunk=32)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 WITH_SUBCOMMANDS = ("export", "bench.llama_cpp_tools")
 
@@ -100,7 +97,7 @@ def home(engine_dir, tmp_path_factory) -> Path:
     """A folder holding README's demo engine path, a tiny engine copied there (the server names
     its model after the folder, as README's calls expect)."""
     folder = tmp_path_factory.mktemp("readme")
-    shutil.copytree(engine_dir(LIMITS, arch="llama"), folder / DEMO)
+    shutil.copytree(engine_dir(LONG_LIMITS, arch="qwen3"), folder / DEMO)
     return folder
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.decoding import adaptive
 from runtime.decoding.acceptance import Acceptance, Chain
@@ -15,13 +14,12 @@ from runtime.decoding.adaptive import BACKOFF, PROBE_EVERY, AdaptiveSchedule, St
 from runtime.decoding.batcher import Batcher
 from runtime.decoding.params import Params
 
-from conftest import hf_greedy
+from conftest import LIMITS, hf_greedy
 
 K = 4
 # a target call of 1.0 s, 0.15 s a verify row, 0.3 s the draft call, at every batch size (the demo
 # engine's, relative to its one-row step: docs/measurements.md)
 COSTS = StepCosts(target=(1.0,) * 4, row=(0.15,) * 4, draft=(0.3,) * 4)
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)   # test_batcher's engine
 PROMPT = [7, 9]
 MAX_NEW = 80
 WRONG = range(24, 56)   # the generated positions at which the oracle's drafts are all wrong

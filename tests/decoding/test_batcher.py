@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
@@ -17,9 +16,8 @@ from runtime.decoding.draft_schedule import LoadSchedule, measure
 from runtime.decoding.params import Params
 from runtime.decoding.request import Status
 
-from conftest import PROMPTS, hf_greedy
+from conftest import LIMITS, PROMPTS, hf_greedy
 
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
 MAX_NEW = 30
 # longer than a prefill chunk, and more of them than the pool has slots
 REQUESTS = [*PROMPTS, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], [7, 9], [44, 45, 46, 47, 48, 49]]

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from bench import decoding as bench
-from export.onnx_export import BuildLimits
+
+from conftest import CLI_LIMITS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_reports_and_plots(engine_dir, tmp_path, capsys):
-    engine = engine_dir(BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
+    engine = engine_dir(CLI_LIMITS, arch="llama")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in ("the cat", "two plus two", "hi")))
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -60,7 +61,7 @@ def test_a_llama_cpp_baseline_that_cannot_run_is_refused_first(engine_dir, tmp_p
     """Before any benchmark work, one line: a GGUF file missing, a draft without its target, or
     llama.cpp's tools not built for this CPU (an empty cache folder here)."""
 
-    engine = engine_dir(BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
+    engine = engine_dir(CLI_LIMITS, arch="llama")
     args = ["--engine", str(engine), "--prompts-file", str(_prompts(tmp_path)), "--out",
             str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
     present = tmp_path / "present.gguf"
@@ -98,7 +99,7 @@ def test_bench_runs_llama_cpp_beside_the_engine(engine_dir, tmp_path):
     if importlib.util.find_spec(demo_pair.TARGET_PACKAGE) is None:
         pytest.skip(f"{demo_pair.TARGET_PACKAGE} is not installed")
     gguf = demo_pair.target()
-    engine = engine_dir(BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama")
+    engine = engine_dir(CLI_LIMITS, arch="llama")
     out = tmp_path / "bench.json"
     bench.main(["--engine", str(engine), "--prompts-file", str(_prompts(tmp_path)), "--limit", "2",
                 "--max-new-tokens", "8", "--no-transformers", "--llama-cpp", str(gguf), "--threads", "1",
@@ -146,8 +147,7 @@ def test_prompts_a_draft_was_distilled_on_are_refused_unless_asked(engine_dir, t
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / TRAINING_RECORD).write_text(json.dumps(training_record([(prompts, 2)], "test")))
-    limits = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
-    engine = _engine_with_draft_source(engine_dir(limits, arch="llama"), tmp_path, {"path": str(draft)})
+    engine = _engine_with_draft_source(engine_dir(CLI_LIMITS, arch="llama"), tmp_path, {"path": str(draft)})
     with pytest.raises(SystemExit) as refused:
         _checked(engine, prompts, tmp_path, monkeypatch, "--skip", "1")
     assert str(refused.value) == (
@@ -191,7 +191,7 @@ def test_the_demo_drafts_training_prompts_are_recorded_and_refused(engine_dir, t
     assert record["draft_files"] == {name: draft_files[name] for name in ("config.json", "model.safetensors")}
 
     built_elsewhere = _engine_with_draft_source(
-        engine_dir(BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32), arch="llama"), tmp_path,
+        engine_dir(CLI_LIMITS, arch="llama"), tmp_path,
         {"path": str(tmp_path / "gone"), "files": record["draft_files"]})
     with pytest.raises(SystemExit, match=r"records 0-7 \(--skip 0, --limit 8\) are among records 0-179.*"
                                          r"pass --skip 180 for held-out ones"):

@@ -9,20 +9,18 @@ from transformers import AutoTokenizer
 
 import runtime.generate as cli
 from common.manifest import SCHEMA_VERSION
-from export.onnx_export import BuildLimits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
 
-from conftest import hf_greedy
+from conftest import CLI_LIMITS, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 PROMPTS = ["the cat sat", "once upon a time, there was", "why?"]
 
 
 @pytest.fixture(scope="module")
 def engine(engine_dir):
-    return engine_dir(LIMITS, arch="llama")
+    return engine_dir(CLI_LIMITS, arch="llama")
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,15 @@ plus TensorRT engines where TensorRT is importable, run from ``scripts/gpu_check
 import pytest
 import torch
 
-from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
 from runtime.decoding.batcher import Batcher
 from runtime.decoding.params import Params
 
-from conftest import ENGINE_CASES, PROMPTS
+from conftest import ENGINE_CASES, LIMITS, PROMPTS
 
 pytestmark = pytest.mark.gpu
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
 # hybrid targets too: their state banks are captured by address like the KV caches, and the MoE

@@ -6,15 +6,12 @@ import pytest
 import torch
 
 import export.__main__ as cli
-from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
 
-from conftest import MARKOV_TOP_K, PROMPTS, hf_greedy
-
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
+from conftest import LIMITS, MARKOV_TOP_K, PROMPTS, hf_greedy
 
 
 def _inputs(draft, batch: int = 3, seed: int = 0):

@@ -5,16 +5,14 @@ import pytest
 import torch
 
 from common.manifest import is_cache
-from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from runtime.backends.ort import OrtBackend
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
 
-from conftest import ENGINE_CASES, PROMPTS, hf_greedy
+from conftest import ENGINE_CASES, LIMITS, PROMPTS, hf_greedy
 
 # a prompt chunk of 8 rows makes the longest prompt (11 tokens) take two prefill calls
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)

@@ -16,19 +16,19 @@ import pytest
 
 import runtime.generate as generate
 from bench import decoding as bench
-from export.onnx_export import BuildLimits
 from runtime import Generator
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.batch import Decoding
 
+from conftest import CLI_LIMITS
+
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = BuildLimits(max_batch=2, max_seq_len=128, max_prompt_chunk=32)
 TOO_LONG = "word " * 200          # more tokens than the engine's 128 KV-cache rows
 
 
 @pytest.fixture(scope="module")
 def engine(engine_dir):
-    return engine_dir(LIMITS, arch="llama")
+    return engine_dir(CLI_LIMITS, arch="llama")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Speculative sampling reproduces the target's distribution, and a seed the target's own sample
 whatever is drafted and verified (fixed seeds: deterministic)."""
+import functools
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -39,8 +41,10 @@ def _chi_square_p(samples: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
+@functools.lru_cache
 def _exact_marginals(target, temperature, top_k=0):
-    """Exact distributions of generated tokens 2 and 3 under the target alone."""
+    """Exact distributions of generated tokens 2 and 3 under the target alone (the target's
+    next-token distribution after V + V^2 prefixes: computed once per target and setting)."""
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
         logits, _ = from_start(target, ids, torch.full((len(ids), 1), ids.shape[1] - 1))

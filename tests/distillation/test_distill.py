@@ -183,12 +183,11 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
     within float32 rounding. An engine of another target is refused in one line."""
     from common import manifest
     from distill import engine as engine_target
-    from export.onnx_export import BuildLimits
     from modeling.target import from_start, load_target
 
-    # chunks of 8: taps in several calls
-    limits = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)
-    engine = engine_dir(limits)
+    from conftest import CLI_LIMITS, LIMITS
+
+    engine = engine_dir(LIMITS)      # chunks of 8: taps in several calls
     target_dir, _ = tiny()
     out = tmp_path / "draft"
     _distill(target_dir, out, prompts_file, "--engine", str(engine), "--samples", "1", "--steps", "2",
@@ -207,14 +206,14 @@ def test_answers_and_taps_through_an_engine_are_the_targets(tiny, engine_dir, pr
     backend = engine_target.open_engine(engine, target_dir, None)
     backend.start(1)
     sequence = torch.tensor(prompts[0] + answers[0])
-    assert sequence.numel() > 2 * limits.max_prompt_chunk
+    assert sequence.numel() > 2 * LIMITS.max_prompt_chunk
     taps = engine_target.taps(backend, sequence)
     tapped = load_target(target_dir, taps=tuple(backend.manifest["draft"]["target_layer_ids"]))
     with torch.no_grad():
         expected = from_start(tapped, sequence[None], torch.zeros(1, 0, dtype=torch.long))[1][0]
     torch.testing.assert_close(taps, expected, rtol=1e-4, atol=1e-4)
 
-    other = engine_dir(limits, arch="llama")
+    other = engine_dir(CLI_LIMITS, arch="llama")
     with pytest.raises(SystemExit, match=f"--engine {other}: built from another target than --target"):
         _distill(target_dir, tmp_path / "other", prompts_file, "--engine", str(other))
     with pytest.raises(SystemExit, match=f"--engine {engine}: its draft reads target layers .*; "

@@ -1,4 +1,6 @@
 """``python -m export build`` / ``inspect`` from the command line, and polygraphy on the output."""
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -13,6 +15,8 @@ from export import build
 from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 
+from conftest import LIMITS
+
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
 
 
@@ -23,24 +27,29 @@ def _build(target, draft, out, *extra, quiet=True):
 
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
+    """An engine built from the command line with its progress shown: the folder, and what the
+    build printed to standard output and error."""
     target, draft = tiny()
     out = tmp_path_factory.mktemp("cli") / "engine"
-    _build(target, draft, out, "--k", "3", "--confidence-threshold", "0.25")
-    return out
+    printed, progress = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(progress):
+        _build(target, draft, out, "--confidence-threshold", "0.25", quiet=False)
+    return out, printed.getvalue(), progress.getvalue()
 
 
 @pytest.mark.slow
 def test_build_writes_the_engine_directory(built, capsys):
+    built, *_ = built
     assert {p.name for p in built.iterdir()} == {"manifest.json", "target.onnx", "target.onnx.data",
                                                  "draft.onnx", "draft.onnx.data", "tokenizer",
                                                  "generation_config.json"}   # the target has one
     manifest = json.loads((built / "manifest.json").read_text())
-    assert manifest["draft"]["k"] == 3 and manifest["limits"]["max_seq_len"] == 64
+    assert manifest["draft"]["k"] == 4 and manifest["limits"]["max_seq_len"] == 64
     assert manifest["draft"]["confidence_threshold"] == 0.25
     assert OrtBackend(built).limits.confidence_threshold == 0.25     # the runtime's default
     cli.main(["inspect", str(built)])
     text = capsys.readouterr().out
-    assert "k = 3 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
+    assert "k = 4 drafts per step (cut at confidence < 0.25)" in text and "KV capacity 64" in text
     assert "draft parts: fc float32, hidden_norm float32, rest float32" in text
     assert "D2T" not in text
     # the caches of every layer in one line per graph and direction, not one line each
@@ -50,11 +59,8 @@ def test_build_writes_the_engine_directory(built, capsys):
 
 
 @pytest.mark.slow
-def test_build_summary_lists_files_and_progress_names_each_step(tiny, tmp_path, capsys):
-    target, draft = tiny()
-    capsys.readouterr()   # what making the pair printed
-    _build(target, draft, tmp_path / "e", quiet=False)
-    out, err = capsys.readouterr()
+def test_build_summary_lists_files_and_progress_names_each_step(built):
+    _, out, err = built
     assert "target.onnx" in out and "draft.onnx" in out and "ONNX Runtime vs PyTorch" in out
     # the tiny draft's config says block_size 4 (anchor-first); no weight could contradict it
     assert "k = 4 drafts per step (from the draft's config.json: block_size 4, anchor-first)" in out
@@ -65,7 +71,11 @@ def test_build_summary_lists_files_and_progress_names_each_step(tiny, tmp_path, 
                   "[3/4] target: verify", "[4/4] write manifest"):
         assert any(line.startswith(f"{label}, 00:") and line.endswith(" in all)") for line in shown), label
     assert not any("%" in line or "<" in line or "?" in line for line in shown), shown
-    cli.main(["inspect", str(tmp_path / "e")])    # built with no confidence threshold
+
+
+@pytest.mark.slow
+def test_inspect_says_when_every_draft_is_verified(engine_dir, capsys):
+    cli.main(["inspect", str(engine_dir(LIMITS))])    # built with no confidence threshold
     described = capsys.readouterr().out
     assert "k = 4 drafts per step (no confidence cut: every draft is verified)" in described
     assert "cut at confidence" not in described
@@ -89,6 +99,7 @@ def test_progress_times_the_step_it_is_in():
 
 
 def test_non_empty_out_needs_force(built, tiny):
+    built, *_ = built
     target, draft = tiny()
     before = (built / "manifest.json").read_text()
     with pytest.raises(SystemExit, match="not empty; pass --force"):
@@ -244,6 +255,7 @@ def test_inspect_refuses_a_directory_without_manifest(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_polygraphy_inspects_and_runs_the_graphs(built):
+    built, *_ = built
     script = Path(sys.executable).parent / "polygraphy"
     if not script.is_file():
         pytest.skip("polygraphy is not installed")

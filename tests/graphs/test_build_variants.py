@@ -8,15 +8,12 @@ import pytest
 import torch
 
 from export.build import build
-from export.onnx_export import BuildLimits
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.batch import generate
 
-from conftest import PROMPTS, hf_greedy
+from conftest import LIMITS, PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
-
-LIMITS = BuildLimits(max_batch=3, max_seq_len=80, max_prompt_chunk=16)
 
 
 def _build(tiny, tmp_path, **options):
@@ -54,15 +51,15 @@ def test_bf16_builds_but_is_not_run_on_cpu(tiny, tmp_path):
         OrtBackend(tmp_path)
 
 
-def test_weights_live_in_external_data(tiny, tmp_path):
-    result = _build(tiny, tmp_path)
+def test_weights_live_in_external_data(tiny, engine_dir):
+    engine = engine_dir(LIMITS)     # tiny()'s pair
     for name in ("target", "draft"):
-        model = onnx.load(tmp_path / f"{name}.onnx", load_external_data=False)
+        model = onnx.load(engine / f"{name}.onnx", load_external_data=False)
         weights = [t for t in model.graph.initializer if t.dims and onnx.numpy_helper.to_array(
-            t, base_dir=str(tmp_path)).size >= 1024]
+            t, base_dir=str(engine)).size >= 1024]
         assert weights and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
-        assert result.files[f"{name}.onnx"] < result.files[f"{name}.onnx.data"]
-    backend = OrtBackend(tmp_path)
+        assert (engine / f"{name}.onnx").stat().st_size < (engine / f"{name}.onnx.data").stat().st_size
+    backend = OrtBackend(engine)
     result = generate(backend, PROMPTS, max_new_tokens=30, eos_token_ids=backend.limits.eos_token_ids)
     assert result.token_ids == hf_greedy(tiny()[0], PROMPTS, 30)
 

@@ -12,6 +12,8 @@ import pytest
 import export.__main__ as cli
 import export.build
 
+from conftest import LIMITS
+
 SMALL = ["--max-seq-len", "64", "--max-prompt-chunk", "16", "--max-batch", "2", "--quiet"]
 
 
@@ -37,11 +39,9 @@ def refused(argv: list[str], *words: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def built_once(tiny, tmp_path_factory):
-    target, draft = tiny()
-    out = tmp_path_factory.mktemp("built") / "engine"
-    cli.main(build_args(target, draft, out))
-    return out
+def built_once(engine_dir):
+    """An engine of ``tiny()``'s pair (read-only: tests copy it)."""
+    return engine_dir(LIMITS)
 
 
 @pytest.fixture

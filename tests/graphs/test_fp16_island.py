@@ -13,15 +13,13 @@ import pytest
 import torch
 from onnx.reference import ReferenceEvaluator
 
-from export.build import build
-from export.onnx_export import BuildLimits, draft_spec
+from export.onnx_export import draft_spec
 from modeling.pair import load_pair
 
-from conftest import ENGINE_CASES
+from conftest import ENGINE_CASES, LIMITS
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)  # test_onnx_export's: fp32 built once
 CASE = ENGINE_CASES["qwen3-native"]
 BATCH, ROWS = 3, 6
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -33,10 +31,8 @@ def drafts(tiny):
 
 
 @pytest.fixture(scope="module")
-def fp16_engine(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp16")
-    build(*map(str, tiny(**CASE)), out, limits=LIMITS, dtype="fp16", progress=False)
-    return out
+def fp16_engine(engine_dir):
+    return engine_dir(LIMITS, dtype="fp16", **CASE)
 
 
 def _inputs(draft) -> dict[str, torch.Tensor]:

@@ -15,12 +15,10 @@ import pytest
 
 import export.__main__ as export_cli
 from common import manifest
-from export.onnx_export import BuildLimits
 
-from conftest import ENGINE_CASES
+from conftest import ENGINE_CASES, LIMITS
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)  # test_onnx_export's: built once
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)

@@ -1,5 +1,6 @@
 """``python -m export build``: the graph contract, and ONNX Runtime against the PyTorch reference
 on the exact inputs the reference loop feeds its steps (prefill, verify, draft; ragged batch 3)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,15 +10,12 @@ import onnxruntime as ort
 import pytest
 
 from common.manifest import cache_output, is_cache
-from export.onnx_export import BuildLimits
 from modeling.pair import load_pair
 from plugins.onnx_domain import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
 
-from conftest import ENGINE_CASES, PROMPTS
-
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=32)
+from conftest import ENGINE_CASES, LIMITS, PROMPTS
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)
@@ -105,7 +103,7 @@ def test_manifest_makes_the_directory_self_contained(engine):
     directory, target_dir, draft_dir = engine
     manifest = _manifest(directory)
     assert manifest["schema_version"] == 3 and manifest["opset"] == 23
-    assert manifest["limits"] == {"max_batch": 4, "max_seq_len": 96, "max_prompt_chunk": 32}
+    assert manifest["limits"] == dataclasses.asdict(LIMITS)
     assert set(manifest["source"]["target"]["files"]) >= {"config.json", "model.safetensors"}
     assert all(h.startswith("sha256:") for h in manifest["source"]["draft"]["files"].values())
     assert (directory / manifest["tokenizer"] / "tokenizer.json").is_file()
@@ -145,7 +143,7 @@ class Recorder(TorchBackend):
 def test_onnx_runtime_matches_the_reference_on_every_loop_step(engine, temperature):
     directory, target_dir, draft_dir = engine
     target, draft = load_pair(target_dir, draft_dir)
-    recorder = Recorder(target, draft, capacity=LIMITS.max_seq_len)
+    recorder = Recorder(target, draft, capacity=LIMITS.max_seq_len, max_prompt_chunk=LIMITS.max_prompt_chunk)
     generate(recorder, PROMPTS, max_new_tokens=24, temperature=temperature, seed=3)
     for name, calls in recorder.calls.items():
         session = ort.InferenceSession(str(directory / f"{name}.onnx"))

@@ -14,29 +14,30 @@ from common import manifest
 from export import qdq, quantize
 from export.build import build
 from export.onnx_check import VerificationError
-from export.onnx_export import BuildLimits
 from plugins.cpu.build import library
 from plugins.qmatmul import ort_lowering as qmatmul_lowering
 from runtime.backends.ort import OrtBackend
 from runtime.decoding.batch import generate
 
-from conftest import PROMPTS
+from conftest import LIMITS, PROMPTS
 from oracles import OrtOracle
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = BuildLimits(max_batch=3, max_seq_len=96, max_prompt_chunk=16)
 # int4 quantizes the draft too; int8 leaves it as it is (the default)
 QUANTIZE_DRAFT = {"int4": True, "int8": False, "float": False}
 
 
 @pytest.fixture(scope="module")
-def engines(tiny, tmp_path_factory):
+def engines(tiny, engine_dir, tmp_path_factory):
     """``engines(weights) -> (engine dir, folder of the graphs as traced before quantization,
-    BuildResult)``, each built once."""
+    BuildResult)``, each built once; the float engine is ``engine_dir``'s (no traced graphs, no
+    result)."""
     built = {}
 
     def make(weights):
+        if weights == "float":
+            return engine_dir(LIMITS), None, None
         if weights not in built:
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
             rewrite = qdq.quantize_graph
@@ -303,7 +304,8 @@ def test_greedy_speculative_equals_target_only_at_every_batch_size(engines, weig
     out = engines(weights)[0]
     alone = [generate(OrtBackend(out), [p], max_new_tokens=40, speculative=False).token_ids[0]
              for p in PROMPTS]
-    for batch in range(1, LIMITS.max_batch + 1):
+    assert LIMITS.max_batch >= len(PROMPTS)
+    for batch in range(1, len(PROMPTS) + 1):
         prompts = PROMPTS[-batch:]     # the longest prompt with the shorter ones
         expected = alone[-batch:]
         assert generate(OrtBackend(out), prompts, max_new_tokens=40, speculative=False).token_ids == expected

@@ -2,6 +2,7 @@
 must be inside, for every dspark node of each graph. The only TensorRT evidence a machine without
 a GPU can give, so it is strict."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,33 +13,37 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx")
 
+from common import manifest as manifest_file  # noqa: E402
 from export import qdq, quantize, trt_build  # noqa: E402
-from export.build import build  # noqa: E402
-from export.onnx_export import BuildLimits  # noqa: E402
+from export.build import add_engines  # noqa: E402
 from export.trt_build import build_engines  # noqa: E402
 
-from conftest import ENGINE_CASES  # noqa: E402
+from conftest import ENGINE_CASES, LIMITS  # noqa: E402
 
 pytestmark = pytest.mark.slow   # builds engines: the real-model tier
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=16)
+RTX = dict(dtype="fp16", backend="trt-rtx", gpus=("sm89",))
 
 
 @pytest.fixture(scope="module", params=ENGINE_CASES)
-def engine(request, tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rtx")
-    build(*map(str, tiny(**ENGINE_CASES[request.param])), out, limits=LIMITS, dtype="fp16",
-          backend="trt-rtx", gpus=("sm89",), progress=False)
-    return out, json.loads((out / "manifest.json").read_text())
+def engine(request, engine_dir, tmp_path_factory):
+    """The case's fp16 engine (``engine_dir``'s, which other modules run on ONNX Runtime: a float
+    graph is the same whatever the backend), copied, with the TensorRT-RTX engines that
+    ``build --backend trt-rtx --gpu sm89`` adds."""
+    out = tmp_path_factory.mktemp("rtx") / "engine"
+    shutil.copytree(engine_dir(LIMITS, dtype="fp16", **ENGINE_CASES[request.param]), out)
+    manifest = manifest_file.read(out)
+    add_engines(out, manifest, RTX["backend"], RTX["gpus"])
+    manifest_file.write(out, manifest)
+    return out, manifest_file.read(out)
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny, tmp_path_factory):
-    """The first engine case's pair with int4 weights, the draft's too."""
-    out = tmp_path_factory.mktemp("rtx-int4")
-    build(*map(str, tiny(**ENGINE_CASES["qwen3-native"])), out, limits=LIMITS, dtype="fp16",
-          backend="trt-rtx", gpus=("sm89",), weights="int4", quantize_draft=True, progress=False)
+def quantized(engine_dir):
+    """The first engine case's pair with int4 weights, the draft's too, built for TensorRT-RTX
+    (whose graphs keep the embedding float)."""
+    out = engine_dir(LIMITS, weights="int4", quantize_draft=True, **RTX, **ENGINE_CASES["qwen3-native"])
     return out, json.loads((out / "manifest.json").read_text())
 
 
@@ -195,13 +200,15 @@ def test_profiles_follow_the_limits(engine):
     _, manifest = engine
     k = manifest["draft"]["k"]
     profiles = manifest["trt-rtx"]["profiles"]
-    assert profiles["target"]["prefill"]["input_ids"] == [[1, 1], [4, 16], [4, 16]]
-    assert profiles["target"]["decode"]["input_ids"] == [[1, 1], [4, k + 1], [4, k + 1]]
+    batch, chunk = LIMITS.max_batch, LIMITS.max_prompt_chunk
+    assert chunk != k + 1
+    assert profiles["target"]["prefill"]["input_ids"] == [[1, 1], [batch, chunk], [batch, chunk]]
+    assert profiles["target"]["decode"]["input_ids"] == [[1, 1], [batch, k + 1], [batch, k + 1]]
     # logits for one row per prompt in prefill, k + 1 rows when verifying
-    assert profiles["target"]["prefill"]["logit_rows"] == [[1, 1], [4, 1], [4, k + 1]]
-    assert profiles["target"]["decode"]["logit_rows"] == [[1, 1], [4, k + 1], [4, k + 1]]
+    assert profiles["target"]["prefill"]["logit_rows"] == [[1, 1], [batch, 1], [batch, k + 1]]
+    assert profiles["target"]["decode"]["logit_rows"] == [[1, 1], [batch, k + 1], [batch, k + 1]]
     assert profiles["draft"]["decode"]["ctx_aux"][2][1] == k + 1
-    assert profiles["draft"]["prefill"]["k_cache_0"][2][0] == 4
+    assert profiles["draft"]["prefill"]["k_cache_0"][2][0] == batch
 
 
 def test_a_namespace_mismatch_is_caught_not_inlined(engine, tmp_path):

@@ -8,17 +8,15 @@ import pytest
 import torch
 
 from common.manifest import is_cache
-from export.onnx_export import BuildLimits
 from plugins.block_attention import ort_contrib
 from plugins.cpu import build
 from plugins.d2t_gather import ort_cpu as markov
 from runtime.backends.ort import OrtBackend
 
-from conftest import ENGINE_CASES, MARKOV_TOP_K
+from conftest import ENGINE_CASES, LIMITS, MARKOV_TOP_K
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
-LIMITS = BuildLimits(max_batch=2, max_seq_len=64, max_prompt_chunk=8)
 CASES = {**ENGINE_CASES, "markov-top-k": MARKOV_TOP_K}
 
 

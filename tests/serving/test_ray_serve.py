@@ -19,23 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import BuildLimits
-
-from conftest import free_port
+from conftest import LONG_LIMITS, free_port
 
 pytestmark = pytest.mark.slow   # the real-model tier: builds engines or runs servers
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the ray extra)")
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS = BuildLimits(max_batch=4, max_seq_len=512, max_prompt_chunk=8)   # room for long requests
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz", "mn", "qrs tuv"]
 MAX_QUEUE = len(PROMPTS)   # the 8 requests a test sends at once never overflow the queue
 
 
 @pytest.fixture(scope="module")
 def cluster(engine_dir):
-    engine = engine_dir(LIMITS, arch="qwen3")
+    engine = engine_dir(LONG_LIMITS, arch="qwen3")
     port = free_port()
     k = json.loads((engine / "manifest.json").read_text())["draft"]["k"]
     process = subprocess.Popen([sys.executable, "-m", "runtime.ray_serve", "--engine", str(engine),
@@ -102,7 +99,7 @@ def test_beyond_the_slots_and_the_queue_ray_answers_503_and_serves_the_queue(clu
     ``MAX_QUEUE`` of them and refuses the last with 503 at once; when the streams go, the queued
     ones are served."""
     url, *_ = cluster
-    streams = _long_streams(url, 2 * LIMITS.max_batch)
+    streams = _long_streams(url, 2 * LONG_LIMITS.max_batch)
 
     def status(prompt) -> int:
         try:
@@ -167,7 +164,7 @@ def test_a_stop_ends_every_replicas_streams_well_formed_and_exits_0(cluster):
     a 503 error event and ``[DONE]`` (one that reached its end in the grace period as usual), and
     the command exits 0. Last in this file: the cluster is gone after it."""
     url, _, process, output = cluster
-    streams = _long_streams(url, 2 * LIMITS.max_batch)
+    streams = _long_streams(url, 2 * LONG_LIMITS.max_batch)
     assert len({stream.headers["x-replica"] for stream in streams}) == 2
     process.send_signal(signal.SIGTERM)
     aborted = 0

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SERVE_LIMITS, SERVE_MAX_QUEUE, free_port, wait_until_serving
+from conftest import LIMITS, SERVE_MAX_QUEUE, free_port, wait_until_serving
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMITS, MAX_QUEUE = SERVE_LIMITS, SERVE_MAX_QUEUE
+MAX_QUEUE = SERVE_MAX_QUEUE
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz", "a b c d e f g", "xyz"]
 
 

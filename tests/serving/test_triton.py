@@ -22,13 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from export.onnx_export import BuildLimits
-
-from conftest import free_port, wait_until_serving
+from conftest import LIMITS, free_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_PYTHON = ROOT / ".venv-triton" / "bin" / "python"
-LIMITS = BuildLimits(max_batch=4, max_seq_len=96, max_prompt_chunk=8)  # test_ort_backend's: built once
 PROMPTS = ["abc def", "hello", "the quick brown fox", "zz"]
 MAX_TOKENS = 24
 
