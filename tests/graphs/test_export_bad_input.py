@@ -11,6 +11,7 @@ import pytest
 
 import export.__main__ as cli
 import export.build
+from common import manifest
 
 from conftest import LIMITS
 
@@ -133,6 +134,7 @@ def test_force_build_replaces_the_engine_and_leaves_nothing_beside_it(tiny, prev
     cli.main(build_args(*tiny(), out, "--force", "--k", "2"))
     after = snapshot(out)
     assert "stale.txt" not in after and after["manifest.json"] != before["manifest.json"]
+    assert manifest.read(out)["draft"]["k"] == 2     # --k reaches the engine
     assert leftovers(out) == []
 
 
