@@ -88,17 +88,23 @@ def hf_location(path: Path) -> tuple[Path, dict]:
     return path, {}
 
 
+def file_stamp(path: Path) -> tuple[int, int]:
+    """``path``'s modification time and size: what a per-process cache of something read from the
+    file is keyed by beside the path, so that a rewritten file is read again."""
+    status = path.stat()
+    return status.st_mtime_ns, status.st_size
+
+
 def gguf_reader(path: Path):
     """``gguf``'s reader of the file at ``path``, made once per process and version of the file:
     it parses every metadata field (the vocabulary's strings one by one, seconds for a 49k-token
     file), and a build reads the file's header for its config, its matrices' types, its tokenizer,
     its blocks and a draft's shared embeddings. The tensors' data are views of the file, mapped."""
-    stat_ = path.stat()
-    return _gguf_reader(path.resolve(), stat_.st_mtime_ns, stat_.st_size)
+    return _gguf_reader(path.resolve(), file_stamp(path))
 
 
 @functools.lru_cache(maxsize=1)   # a build reads one GGUF file
-def _gguf_reader(path: Path, mtime_ns: int, size: int):
+def _gguf_reader(path: Path, stamp: tuple[int, int]):
     from gguf import GGUFReader
 
     return GGUFReader(path)

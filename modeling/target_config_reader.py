@@ -7,20 +7,23 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from modeling.checkpoint import CheckpointError, gguf_reader, hf_location, one_line, read_config, read_json
+from modeling.checkpoint import (
+    CheckpointError,
+    file_stamp,
+    gguf_reader,
+    hf_location,
+    one_line,
+    read_config,
+    read_json,
+)
 from modeling.decoder import CONFIG_ERRORS, check_fields, is_int
 from modeling.registry import ARCHITECTURES, Architecture, by_model_type
 from modeling.target_config import TargetConfig
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
-
-
 def gguf_config(path: Path):
     """A GGUF file's ``transformers`` config, as ``_read_gguf_config`` reads it; a copy."""
-    return copy.deepcopy(_read_gguf_config(path, _stamp(path)))
+    return copy.deepcopy(_read_gguf_config(path, file_stamp(path)))
 
 
 @functools.lru_cache(maxsize=4)
