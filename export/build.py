@@ -46,7 +46,8 @@ from modeling.checkpoint import CheckpointError, gguf_reader, hf_location, resol
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep, load_draft
 from modeling.draft_config import DraftConfig, load_draft_config
-from modeling.target import load_target
+from modeling.lazy_weights import GgufWeights, resident
+from modeling.target import load_target, load_target_lazily
 from modeling.target_config import TargetConfig
 from modeling.target_config_reader import load_target_config
 from plugins.block_attention.ort_contrib import target_rotary
@@ -196,7 +197,7 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     copy."""
     limits = sources.limits
     phase(f"{name}: load")
-    module = _load(name, sources, options)
+    module, lazy = _load(name, sources, options)
     weights = _round(name, module, sources, options, phase)
     keep_float = quantize.float_weights(module)
     spec = draft_spec(module, limits) if name == "draft" else target_spec(module, limits, slots=slots)
@@ -204,13 +205,16 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     trace, verify = example_inputs(spec, limits, sources.target_config.vocab_size,
                                    sources.draft_config.block_size, inputs)
     if name == "target":
-        verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256), limits.max_prompt_chunk)
+        with resident(module, lazy):
+            verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256),
+                                  limits.max_prompt_chunk)
     phase(f"{name}: export")
-    path = export_graph(module, spec, trace, limits, out, options.opset)
+    path = export_graph(module, spec, trace, limits, out, options.opset, weights=lazy)
     del trace
     phase(f"{name}: reference outputs")
-    expected = None if options.dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
-                                                              reference_outputs(module, verify)))
+    with resident(module, lazy):
+        expected = None if options.dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
+                                                                  reference_outputs(module, verify)))
     release_weights(module)
     del module
     release_freed_memory()
@@ -272,12 +276,18 @@ def _check_gguf_weights(target: str, target_dir: Path) -> None:
                          f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
 
 
-def _load(name: str, sources: Sources, options: Options) -> TargetStep | DraftStep:
+def _load(name: str, sources: Sources, options: Options) -> tuple[TargetStep | DraftStep, GgufWeights | None]:
+    """The module, and where it holds placeholders, the file its weights are read from
+    (``lazy_weights``: a GGUF target whose weights the graph keeps as the file's blocks or as
+    floats; rounding them again needs them all in the module)."""
     dtype = DTYPES[options.dtype]
     if name == "draft":
         return load_draft(sources.draft_dir, sources.target_dir, k=options.k, dtype=dtype,
-                          markov_top_k=options.markov_top_k)
-    return load_target(sources.target_dir, taps=sources.draft_config.target_layer_ids, dtype=dtype)
+                          markov_top_k=options.markov_top_k), None
+    taps = sources.draft_config.target_layer_ids
+    if options.formats["target"] in (quantize.GGUF, quantize.FLOAT):
+        return load_target_lazily(sources.target_dir, taps=taps, dtype=dtype)
+    return load_target(sources.target_dir, taps=taps, dtype=dtype), None
 
 
 def _round(name: str, module: TargetStep | DraftStep, sources: Sources, options: Options, phase) -> Weights:

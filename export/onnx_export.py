@@ -19,6 +19,7 @@ import torch
 from common.manifest import call_rows, is_cache
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep
+from modeling.lazy_weights import GgufWeights
 from plugins.block_attention import onnx_function as block_attention_onnx
 from plugins.cache_write import onnx_function as cache_write_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
@@ -132,10 +133,13 @@ def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
-                 limits: BuildLimits, directory: Path, opset: int) -> Path:
+                 limits: BuildLimits, directory: Path, opset: int,
+                 weights: GgufWeights | None = None) -> Path:
     """Trace ``module`` on ``example`` and write ``directory / spec.file``, its weights in
     ``spec.file + ".data"``: streamed there one tensor at a time (an in-memory protobuf would hold
-    about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy."""
+    about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy.
+    A module that holds ``lazy_weights`` placeholders is traced on them and its ``weights`` read
+    from the file as each initializer is written (before the optimizer, which folds constants)."""
     if opset not in OPSETS:
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
@@ -161,7 +165,10 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
             module, args=tuple(example.values()), dynamo=True, opset_version=opset,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
             dynamic_shapes=dynamic,
-            custom_translation_table=translations, verbose=False, optimize=True)
+            custom_translation_table=translations, verbose=False, optimize=weights is None)
+        if weights is not None:
+            _read_when_written(program, module, weights)
+            program.optimize()
     _attach_functions(program, opset)
     _cast_normalized_inputs(program)
     path = directory / spec.file
@@ -172,6 +179,30 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     for initializer in program.model.graph.initializers.values():
         initializer.const_value = None
     return path
+
+
+def _read_when_written(program, module: torch.nn.Module, weights: GgufWeights) -> None:
+    """Give each of ``program``'s initializers that is one of ``module``'s weights (placeholders,
+    all of them: see ``lazy_weights``) its values from the file, read each time its bytes are
+    asked for (``onnx_ir.LazyTensor``, not kept). A tied weight is read under its first name."""
+    import onnx_ir as ir
+
+    first = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    read = set()
+    for name, value in program.model.graph.initializers.items():
+        if name not in parameters:
+            continue
+        source, dtype = first[id(parameters[name])], parameters[name].dtype
+
+        def tensor(source=source, dtype=dtype, name=name):
+            return ir.Tensor(weights.load(source).to(dtype).numpy(), name=name)
+
+        value.const_value = ir.LazyTensor(tensor, dtype=value.const_value.dtype,
+                                          shape=value.const_value.shape, name=name)
+        read.add(id(parameters[name]))
+    if len(read) != len(first):   # a weight traced under another name would keep its placeholder
+        raise RuntimeError(f"the traced graph names {len(read)} of the module's {len(first)} weights")
 
 
 def _cast_normalized_inputs(program) -> None:

@@ -19,6 +19,7 @@ from modeling.checkpoint import (
 )
 from modeling.decoder import CachedStep
 from modeling.dense import TargetStep
+from modeling.lazy_weights import GgufWeights, hold_placeholders
 from modeling.moe import fuse_experts
 from modeling.registry import ARCHITECTURES
 from modeling.target_config import TargetConfig
@@ -32,28 +33,50 @@ IGNORED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.",
 def load_target(path: str | Path, taps: Sequence[int] = (), dtype: torch.dtype = torch.float32,
                 role: str = "target") -> CachedStep:
     """The family's step module (``registry.py``), which keeps ``dense.TargetStep``'s contract."""
+    return _load(path, taps, dtype, role, lazy=False)[0]
+
+
+def load_target_lazily(path: str | Path, taps: Sequence[int] = (),
+                       dtype: torch.dtype = torch.float32) -> tuple[CachedStep, GgufWeights | None]:
+    """``load_target``, but a GGUF target whose weights ``GgufWeights`` reads one at a time is
+    built holding ``lazy_weights.placeholder``s, its weights left in the file (``lazy_weights``:
+    what lets a build hold one layer de-quantized, not the model); None where it loaded whole."""
+    return _load(path, taps, dtype, "target", lazy=True)
+
+
+def _load(path: str | Path, taps: Sequence[int], dtype: torch.dtype, role: str,
+          lazy: bool) -> tuple[CachedStep, GgufWeights | None]:
     directory = resolve(path, role)
     config = load_target_config(directory)
-    tensors = _tensors(directory, config)
-    config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
     arch = ARCHITECTURES[config.architecture]
+    family = arch.family
+    weights = None
+    moe = config.moe is not None
+    if lazy and directory.suffix == ".gguf" and GgufWeights.supports(directory, family.step, moe):
+        weights = GgufWeights(directory, gguf_config(directory))
+    tensors = _tensors(directory, config, weights=weights)
+    config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
     nested = f"{arch.text_config}." if arch.text_config else ""
     fields = f"{config_file}: field '{nested}"
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
     if config.moe is not None:
         fuse_experts(tensors, config.moe)
-    family = arch.family
     if family.check_weights is not None:
         family.check_weights(tensors, config, fields)
     target = build_module(lambda: family.step(config, taps), tensors, directory, dtype)
     if family.check_unused is not None:   # build_module took what the module holds: the rest is unused
         family.check_unused(tensors, config, directory)
-    if torch.equal(target.lm_head.weight, target.embed_tokens.weight):
+    if weights is not None:
+        tied = "lm_head.weight" not in weights.shapes
+        hold_placeholders(target)
+    else:
+        tied = torch.equal(target.lm_head.weight, target.embed_tokens.weight)
+    if tied:
         # tied (lm_head.weight absent, or stored with the same values): one parameter, so that
         # torch.export lifts one tensor and the ONNX graph holds the embedding once (two parameters
         # over the same storage still become two initializers)
         target.lm_head.weight = target.embed_tokens.weight
-    return target
+    return target, weights
 
 
 SHARED = frozenset({"embed_tokens.weight", "lm_head.weight"})   # what a draft may take from its target
@@ -70,10 +93,14 @@ def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None):
+def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None,
+             weights: GgufWeights | None = None):
     """The checkpoint's tensors under the module's names (``model.`` prefix stripped, a tied
-    ``lm_head.weight`` filled in from the embedding, no RoPE tables)."""
-    if directory.suffix == ".gguf":
+    ``lm_head.weight`` filled in from the embedding, no RoPE tables); with ``weights``, tensors
+    of their shapes on the meta device, which hold nothing."""
+    if weights is not None:
+        tensors = {name: torch.empty(shape, device="meta") for name, shape in weights.shapes.items()}
+    elif directory.suffix == ".gguf":
         tensors = _gguf_embeddings(directory) if only == SHARED else _gguf_tensors(directory)
     else:
         # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
