@@ -168,7 +168,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
             custom_translation_table=translations, verbose=False, optimize=weights is None)
         if weights is not None:
             _read_when_written(program, module, weights)
-            program.optimize()
+            _optimize(program.model)
     _attach_functions(program, opset)
     _cast_normalized_inputs(program)
     path = directory / spec.file
@@ -203,6 +203,24 @@ def _read_when_written(program, module: torch.nn.Module, weights: GgufWeights) -
         read.add(id(parameters[name]))
     if len(read) != len(first):   # a weight traced under another name would keep its placeholder
         raise RuntimeError(f"the traced graph names {len(read)} of the module's {len(first)} weights")
+
+
+def _optimize(model) -> None:
+    """What ``ONNXProgram.optimize`` does, but a weight read from the file stays as the file
+    holds it: the optimizer folds every ``Transpose`` of a weight into a transposed copy, which
+    it keeps until the graph is written (the whole model, de-quantized), where ``MatMul(x,
+    Transpose(W))`` is a linear layer as well to the rewrites after it (``linear_weight``)."""
+    import onnx_ir as ir
+    import onnxscript
+
+    read = {value for value in model.graph.initializers.values()
+            if isinstance(value.const_value, ir.LazyTensor)}
+
+    def should_fold(node) -> bool | None:   # None: the optimizer's own rules
+        return False if node.op_type == "Transpose" and node.inputs[0] in read else None
+
+    onnxscript.optimizer.optimize_ir(model, should_fold=should_fold)
+    onnxscript.rewriter.onnx_fusions.fuse(model)
 
 
 def _cast_normalized_inputs(program) -> None:

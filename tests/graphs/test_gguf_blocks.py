@@ -23,19 +23,20 @@ TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16")
 K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def raw_blocks(rng, kind: str, rows: int, columns: int) -> np.ndarray:
-    """A ``[rows, columns]`` weight of type ``kind`` as the file holds it (uint8 blocks)."""
+def raw_blocks(rng, kind: str, rows: int, columns: int, random: bool = False) -> np.ndarray:
+    """A ``[rows, columns]`` weight of type ``kind`` as the file holds it (uint8 blocks): values
+    quantized by gguf-py, or with ``random`` (a K-quant's always) random bytes under small scales."""
     import gguf
     from gguf.quants import quantize as gguf_quantize
 
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind not in K_SCALES:
+    if kind not in K_SCALES and not random:
         # an offset per row, so that Q4_1's minimum is not Q4_0's -8 d
         return gguf_quantize((rng.standard_normal((rows, columns)) + rng.standard_normal((rows, 1)))
                              .astype(np.float32), qtype)
     values, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, columns // values, size), dtype=np.uint8)
-    for at in K_SCALES[kind]:
+    for at in K_SCALES.get(kind, (0,)):   # the others' d leads each block
         scale = rng.uniform(1e-3, 4e-3, (rows, columns // values)).astype(np.float16)
         raw[..., at:at + 2] = scale[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
@@ -286,16 +287,18 @@ def test_a_file_with_other_types_is_refused_before_any_model_is_loaded(tiny, tmp
     assert not (tmp_path / "e").exists()
 
 
-def _k_quant_pair(directory, kinds: dict[str, str]):
-    """A Qwen3 GGUF target 256 wide (K-quants' rows are super-blocks of 256) whose matrices are
-    random blocks of ``kinds[name]`` (llama.cpp's tensor names without ``blk.N.``; others Q8_0),
-    with the tiny pair's vocabulary, and a random draft for it: ``(target, draft)``."""
+def _k_quant_pair(directory, kinds: dict[str, str], layers: int = 3, hidden: int = 256, width: int = 512,
+                  others: str = "Q8_0", random: bool = False):
+    """A Qwen3 GGUF target ``hidden`` wide (a multiple of 256: K-quants' rows are super-blocks of
+    256) whose matrices are random blocks of ``kinds[name]`` (llama.cpp's tensor names without
+    ``blk.N.``; others ``others``; with ``random``, random bytes, quick to make, as a K-quant's
+    always are), with the tiny pair's vocabulary, and a random draft for it: ``(target, draft)``."""
     import gguf
 
     from modeling.fixtures.tiny import SPECIALS, TinySpec, _tokenizer, write_draft
 
     # transformers reads no head size from a qwen3 file: its default, 128
-    layers, hidden, width, heads, head_dim = 3, 256, 512, 2, 128
+    heads, head_dim = 2, 128
     tokens = list(_tokenizer().get_vocab())
     tokens.sort(key=_tokenizer().get_vocab().get)
     writer = gguf.GGUFWriter(directory / "target.gguf", "qwen3")
@@ -316,8 +319,9 @@ def _k_quant_pair(directory, kinds: dict[str, str]):
               "ffn_gate": (width, hidden), "ffn_up": (width, hidden), "ffn_down": (hidden, width)}
 
     def matrix(name: str, shape: tuple[int, int]) -> None:
-        kind = kinds.get(name.split(".")[-2], "Q8_0")
-        writer.add_tensor(name, raw_blocks(rng, kind, *shape), raw_dtype=gguf.GGMLQuantizationType[kind])
+        kind = kinds.get(name.split(".")[-2], others)
+        writer.add_tensor(name, raw_blocks(rng, kind, *shape, random=random),
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
 
     matrix("token_embd.weight", (len(tokens), hidden))   # tied: the output layer too
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -372,3 +376,59 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     assert sorted(types[name] for name in kquant) == [TensorProto.UINT8] * 12 + [TensorProto.INT8] * 7
     assert not [name for name in types if name.endswith("_offsets")]
     check_speculative_equals_target_only(engine)
+
+
+def test_a_gguf_targets_weights_are_read_from_the_file_a_few_at_a_time(tmp_path, monkeypatch):
+    """A build traces a GGUF target on placeholders and reads each weight from the file as the
+    graph is written or as its layer runs (``modeling/lazy_weights.py``): the weights are those
+    ``transformers`` loads, the reference is the module's own, and no step holds more than one
+    layer's weights de-quantized beside the rest (the optimizer kept a transposed copy of every
+    weight until the graph was written: the whole model, 32 GB for an 8B file)."""
+    import weakref
+    from collections import Counter
+
+    import torch
+
+    from export.onnx_export import BuildLimits, export_graph, target_spec
+    from export.verify_inputs import example_inputs, reference_outputs
+    from modeling.lazy_weights import resident
+    from modeling.target import load_target, load_target_lazily
+
+    target, _ = _k_quant_pair(tmp_path, {"ffn_up": "Q4_K", "attn_v": "Q6_K"})
+    module, weights = load_target_lazily(target, taps=(0, 1))
+    whole = load_target(target, taps=(0, 1))
+    assert weights is not None
+    assert all(p.stride() == (0,) * p.dim() for p in module.parameters())   # placeholders
+    for name, parameter in whole.named_parameters():
+        assert torch.equal(weights.load(name), parameter), name
+
+    read, held = weights.load, []   # how many weights read from the file are alive at each read
+    alive: list[weakref.ref] = []
+    reads = Counter()
+
+    def counted(name: str) -> torch.Tensor:
+        values = read(name).numpy().copy()
+        reads[name] += 1
+        alive.append(weakref.ref(values))
+        held.append(sum(ref() is not None for ref in alive))
+        return torch.from_numpy(values)
+
+    monkeypatch.setattr(weights, "load", counted)
+    limits = BuildLimits(2, 64, 8)
+    spec = target_spec(module, limits, slots=3)
+    trace, verify = example_inputs(spec, limits, module.config.vocab_size, 4,
+                                   torch.Generator().manual_seed(0))
+    export_graph(module, spec, trace, limits, tmp_path, 23, weights=weights)
+    # each matrix read once, as the graph is written (the optimizer's rewrites read the norms too)
+    assert {reads[name] for name, shape in weights.shapes.items() if len(shape) == 2} == {1}
+    assert max(held) <= 2, held
+
+    held.clear()
+    with resident(module, weights):
+        outputs = reference_outputs(module, verify)
+    layer = len(list(module.layers[0].parameters()))
+    rest = len(list(module.parameters())) - layer * len(module.layers)
+    assert max(held) <= rest + layer, held
+    assert all(p.stride() == (0,) * p.dim() for p in module.parameters())   # let go after
+    for got, expected in zip(outputs, reference_outputs(whole, verify)):
+        assert torch.equal(got, expected)
