@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from collections.abc import Set
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +78,7 @@ class _Rewrite:
     def __init__(self, graph, blocks_of: BlocksOf, file: str,
                  kquant_scales: bool):
         self.graph, self.blocks_of, self.file, self.kquant_scales = graph, blocks_of, file, kquant_scales
-        self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, blocks): a shared weight once
+        self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, Stored): a shared weight once
         self.readers: Counter[str] = Counter()       # products made so far that read each
         self.block_sums: dict[tuple[str, int], object] = {}   # (input, block) -> its block sums, once
 
@@ -144,18 +145,20 @@ class _Rewrite:
             if blocks is None:
                 return None
             fused = "_fused" if len(group) > 1 else ""
-            self.dequantized[key] = f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}", blocks
-        stem, blocks = self.dequantized[key]
+            self.dequantized[key] = (f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}",
+                                     Stored.of(blocks, self.kquant_scales))
+        stem, stored = self.dequantized[key]
         reader, self.readers[stem] = self.readers[stem], self.readers[stem] + 1
         stem += f"_{reader}" if reader else ""
-        if blocks.kquant is not None and self.kquant_scales:
-            scales, offsets = _kquant_scales(self.graph, stem, blocks.kquant, new_nodes)
+        if stored.kquant is not None:
+            scales, offsets = _kquant_scales(self.graph, stem, stored.kquant, new_nodes)
         else:
-            scales = _initializer(self.graph, f"{stem}_scales", blocks.scales)
-            offsets = None if blocks.offsets is None else _initializer(self.graph, f"{stem}_offsets",
-                                                                       blocks.offsets)
-        dq = ir.node("DequantizeLinear", [_initializer(self.graph, f"{stem}_q", _packed(blocks)), scales],
-                     attributes={"axis": 0, "block_size": blocks.block}, name=f"{stem}_dequantize")
+            scales = _initializer(self.graph, f"{stem}_scales", stored.scales)
+            offsets = None if stored.offsets is None else _initializer(self.graph, f"{stem}_offsets",
+                                                                       stored.offsets)
+        q = _registered(self.graph, stored.integers(f"{stem}_q"))
+        dq = ir.node("DequantizeLinear", [q, scales],
+                     attributes={"axis": 0, "block_size": stored.block}, name=f"{stem}_dequantize")
         new_nodes.append(dq)
         return dq.outputs[0], offsets
 
@@ -335,13 +338,47 @@ def _linear_groups(graph, keep: Set[str]) -> list[list[tuple]]:
 def _initializer(graph, name: str, array: np.ndarray):
     import onnx_ir as ir
 
-    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+    return _registered(graph, ir.Tensor(array, name=name))
+
+
+def _registered(graph, tensor):
+    """``tensor`` as an initializer of ``graph`` (its name the tensor's)."""
+    import onnx_ir as ir
+
+    value = ir.Value(name=tensor.name, const_value=tensor)
     graph.register_initializer(value)
     return value
 
 
-def _packed(blocks: Blocks) -> np.ndarray:
-    """The weight's integers in the ONNX type of their width."""
-    import ml_dtypes
+@dataclass(frozen=True)
+class Stored:
+    """What the graph stores of one weight's ``Blocks``, kept while the graph is rewritten (the
+    whole model's, until it is written): int4 values two to a byte, and a K-quant's scales as
+    the file's integers rather than float32 tables of them."""
+    q: np.ndarray                  # int8 [K, N], or int4 values two to a byte
+    shape: tuple[int, int]         # [K, N]
+    bits: int
+    block: int
+    scales: np.ndarray | None      # None where made from ``kquant``
+    offsets: np.ndarray | None
+    kquant: KQuantScales | None
 
-    return blocks.q.astype(ml_dtypes.int4) if blocks.bits == 4 else blocks.q
+    @staticmethod
+    def of(blocks: Blocks, kquant_scales: bool) -> Stored:
+        """``blocks`` as the graph stores them; with ``kquant_scales``, a K-quant's scales and
+        offsets are made in the graph (``_kquant_scales``)."""
+        q = blocks.q
+        if blocks.bits == 4:   # element 2i in the low nibble, as ONNX packs int4
+            nibbles = q.reshape(-1).view(np.uint8) & 0x0F
+            q = nibbles[0::2] | (nibbles[1::2] << 4)
+        if blocks.kquant is not None and kquant_scales:
+            return Stored(q, blocks.q.shape, blocks.bits, blocks.block, None, None, blocks.kquant)
+        return Stored(q, blocks.q.shape, blocks.bits, blocks.block, blocks.scales, blocks.offsets, None)
+
+    def integers(self, name: str):
+        """The values as a tensor of the ONNX type of their width."""
+        import onnx_ir as ir
+
+        if self.bits == 4:
+            return ir.PackedTensor(self.q, ir.DataType.INT4, shape=self.shape, name=name)
+        return ir.Tensor(self.q, name=name)
