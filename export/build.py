@@ -222,6 +222,7 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     if weights.blocks_of is not None:
         phase(f"{name}: {options.formats[name]} weights into the graph")
         quantized = _weights_into_graph(path, weights, keep_float, sources, options)
+        release_freed_memory()
     phase(f"{name}: verify")
     check_model(path)
     # the target is also checked as the ORT backend runs it (a sequence per call, lowered), with

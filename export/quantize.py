@@ -120,22 +120,30 @@ def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.
     weights += [] if embedding is None else [embedding.weight]
     replaced = 0
     with torch.no_grad():
-        for weight in weights:   # [N, K]; views both ways: a vocabulary-sized table is GBs
-            values = values_of(to_numpy(weight.T))
-            if values is not None:
-                weight.copy_(torch.from_numpy(values).T)
+        for weight in weights:   # [N, K], ``chunks`` of rows, views both ways: a vocabulary is GBs
+            parts = chunks(weight.shape[0])
+            for index, rows in enumerate(parts):
+                values = values_of(to_numpy(weight[rows].T))
+                if values is None and index:
+                    raise ValueError(f"a [{weight.shape[0]}, {weight.shape[1]}] weight's rows from "
+                                     f"{rows.start} have no values where those before them had")
+                if values is None:
+                    break
+                weight[rows] = torch.from_numpy(values).T
+            else:
                 replaced += 1
     return replaced
 
 
 def dequantized(weight: torch.Tensor, bits: int, block: int) -> torch.nn.Parameter:
     """``weight [..., N, K]`` (a linear layer's, or a stack of experts') rounded in blocks along
-    K, one matrix at a time."""
+    K, ``chunks`` of a matrix's rows at a time (a vocabulary-sized ``lm_head`` is GBs)."""
     matrices = weight.detach().reshape(-1, *weight.shape[-2:])
     values = torch.empty_like(matrices)
     for index, matrix in enumerate(matrices):
-        blocks = Blocks(*rtn(to_numpy(matrix.T), bits, block), bits)
-        values[index] = torch.from_numpy(blocks.values().astype(np.float32)).T.to(weight.dtype)
+        for rows in chunks(matrix.shape[0]):
+            blocks = Blocks(*rtn(to_numpy(matrix[rows].T), bits, block), bits)
+            values[index, rows] = torch.from_numpy(blocks.values()).T.to(weight.dtype)
     return torch.nn.Parameter(values.reshape(weight.shape), requires_grad=False)
 
 

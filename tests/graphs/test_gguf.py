@@ -13,7 +13,7 @@ import export.__main__ as cli
 from export import quality, quantize
 from modeling import demo_pair
 from modeling.pair import load_pair
-from modeling.target import every_row
+from modeling.target import every_row, load_target_lazily
 from runtime import Generator
 from runtime.backends.pytorch import TorchBackend
 from runtime.decoding.batch import generate
@@ -61,6 +61,17 @@ def test_gguf_target_matches_transformers(smollm2, demo):
         logits, *_ = target(prompt, torch.tensor([0]), every_row(prompt), *target.empty_cache(1, 64))
     assert (logits - reference).abs().max() < 1e-4
     assert "Paris" in tokenizer.decode(expected[0])
+
+
+def test_a_build_reads_the_demo_targets_weights_as_transformers_loads_them(demo):
+    """A build leaves a GGUF target's weights in the file and reads each when it is needed
+    (``modeling/lazy_weights.py``): a Llama file's q / k rows come back in the rotary layout, as
+    ``transformers`` gives them, and the tied output layer is the embeddings."""
+    target, _ = demo
+    lazy, weights = load_target_lazily(demo_pair.target())
+    assert lazy.lm_head.weight is lazy.embed_tokens.weight and "lm_head.weight" not in weights.shapes
+    for name, parameter in target.named_parameters():
+        assert torch.equal(weights.load(name), parameter), name
 
 
 def test_demo_pair_greedy_equals_transformers_and_drafts_are_accepted(smollm2, demo):
