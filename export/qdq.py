@@ -141,7 +141,9 @@ class _Rewrite:
         if key not in self.dequantized:
             matrices = [weight.const_value.numpy().T if transposed else weight.const_value.numpy()
                         for _, weight, transposed in group]
-            blocks = self.blocks_of(np.ascontiguousarray(np.concatenate(matrices, axis=1)))
+            # one weight as the view it is (of the mapped file): a vocabulary-sized lm_head's copy
+            # was the rewrite's largest allocation; blocks_of reads some columns at a time
+            blocks = self.blocks_of(matrices[0] if len(matrices) == 1 else np.concatenate(matrices, axis=1))
             if blocks is None:
                 return None
             fused = "_fused" if len(group) > 1 else ""
@@ -220,7 +222,7 @@ def _quantize_embeddings(graph, blocks_of: BlocksOf) -> None:
         if not table.is_initializer() or table.const_value is None or table.dtype != ir.DataType.FLOAT \
                 or len(table.shape) != 2 or ids.shape is None:
             continue
-        blocks = blocks_of(np.ascontiguousarray(table.const_value.numpy().T))   # its rows as columns
+        blocks = blocks_of(table.const_value.numpy().T)   # its rows as columns, a view
         if blocks is None:
             continue
         stem, kept = f"{table.name}_rows", [0] * len(ids.shape)   # Reshape's 0: the ids' own dimensions

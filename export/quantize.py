@@ -188,7 +188,8 @@ class Blocks:
                    for part in chunks(matrix.shape[1]))
 
 
-# a weight matrix [K, N] -> its blocks as a graph holds them, or None where it stays float
+# a weight matrix [K, N] (a view, perhaps of a mapped file: read it some columns at a time) -> its
+# blocks as a graph holds them, or None where it stays float
 BlocksOf = Callable[[np.ndarray], "Blocks | None"]
 
 
