@@ -53,8 +53,8 @@ class GgufWeights:
         from transformers import AutoModelForCausalLM
 
         reader = gguf_reader(path)
-        architecture = reader.fields["general.architecture"].contents()
-        self.processor = _processor(path)(config=hf_config.to_dict())
+        architecture = _architecture(path)
+        self.processor = _processor(architecture)(config=hf_config.to_dict())
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         # transformers' get_gguf_hf_weights_map, once: it makes gguf's name map again for each
@@ -79,7 +79,7 @@ class GgufWeights:
 
         from modeling.dense import TargetStep
 
-        plain = _processor(path) in (TensorProcessor, LlamaTensorProcessor)
+        plain = _processor(_architecture(path)) in (TensorProcessor, LlamaTensorProcessor)
         return family_step is TargetStep and not moe and plain
 
     def load(self, name: str) -> torch.Tensor:
@@ -93,11 +93,16 @@ class GgufWeights:
         return torch.from_numpy(values if values.flags.writeable else values.copy())   # F32: the file's map
 
 
-def _processor(path: Path) -> type:
-    """The class of ``transformers``' tensor processor for the GGUF file's architecture."""
+def _architecture(path: Path) -> str:
+    """The GGUF file's architecture, as llama.cpp names it (``general.architecture``)."""
+    return gguf_reader(path).fields["general.architecture"].contents()
+
+
+def _processor(architecture: str) -> type:
+    """The class of ``transformers``' tensor processor for a GGUF ``architecture``."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    return TENSOR_PROCESSORS.get(gguf_reader(path).fields["general.architecture"].contents(), TensorProcessor)
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)
 
 
 @contextmanager

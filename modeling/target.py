@@ -59,7 +59,7 @@ def _load(path: str | Path, taps: Sequence[int], dtype: torch.dtype, role: str,
     nested = f"{arch.text_config}." if arch.text_config else ""
     fields = f"{config_file}: field '{nested}"
     check_layer_count(tensors, config.decoder.num_layers, f"{fields}num_hidden_layers'")
-    if config.moe is not None:
+    if moe:
         fuse_experts(tensors, config.moe)
     if family.check_weights is not None:
         family.check_weights(tensors, config, fields)
