@@ -44,9 +44,9 @@ from export.quality import QUALITY_MAX_TOKENS, held_out_texts, quality_cost, tea
 from export.verify_inputs import example_inputs, reference_outputs, with_context
 from modeling.checkpoint import CheckpointError, gguf_reader, hf_location, resolve
 from modeling.dense import TargetStep
-from modeling.draft import DraftStep, load_draft
+from modeling.draft import DraftStep, load_draft, load_draft_lazily
 from modeling.draft_config import DraftConfig, load_draft_config
-from modeling.lazy_weights import GgufWeights, resident
+from modeling.lazy_weights import LazyWeights, resident
 from modeling.target import load_target, load_target_lazily
 from modeling.target_config import TargetConfig
 from modeling.target_config_reader import load_target_config
@@ -198,21 +198,21 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     limits = sources.limits
     phase(f"{name}: load")
     module, lazy = _load(name, sources, options)
-    weights = _round(name, module, sources, options, phase)
+    weights, lazy = _round(name, module, lazy, sources, options, phase)
     keep_float = quantize.float_weights(module)
     spec = draft_spec(module, limits) if name == "draft" else target_spec(module, limits, slots=slots)
     described = _describe(module, options.confidence_threshold)
     trace, verify = example_inputs(spec, limits, sources.target_config.vocab_size,
                                    sources.draft_config.block_size, inputs)
     if name == "target":
-        with resident(module, lazy):
+        with _resident(module, lazy):
             verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256),
                                   limits.max_prompt_chunk)
     phase(f"{name}: export")
     path = export_graph(module, spec, trace, limits, out, options.opset, weights=lazy)
     del trace
     phase(f"{name}: reference outputs")
-    with resident(module, lazy):
+    with _resident(module, lazy):
         expected = None if options.dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
                                                                   reference_outputs(module, verify)))
     release_weights(module)
@@ -277,24 +277,37 @@ def _check_gguf_weights(target: str, target_dir: Path) -> None:
                          f"{' / '.join(SUPPORTED)}); use --weights int4 or int8")
 
 
-def _load(name: str, sources: Sources, options: Options) -> tuple[TargetStep | DraftStep, GgufWeights | None]:
-    """The module, and where it holds placeholders, the file its weights are read from
-    (``lazy_weights``: a GGUF target whose weights the graph keeps as the file's blocks or as
-    floats; rounding them again needs them all in the module)."""
+def _load(name: str, sources: Sources, options: Options) -> tuple[TargetStep | DraftStep, LazyWeights | None]:
+    """The module, and where it holds placeholders, the weights that read its own from the files
+    (``lazy_weights``): a GGUF target whose weights the graph keeps as the file's blocks or as
+    floats (rounding them again needs them all in the module), a draft rounded to blocks (a float
+    draft's graph holds its weights transposed, which the optimizer makes from the module's)."""
     dtype = DTYPES[options.dtype]
     if name == "draft":
-        return load_draft(sources.draft_dir, sources.target_dir, k=options.k, dtype=dtype,
-                          markov_top_k=options.markov_top_k), None
+        paths, given = (sources.draft_dir, sources.target_dir), dict(k=options.k, dtype=dtype,
+                                                                     markov_top_k=options.markov_top_k)
+        if options.formats["draft"] == quantize.FLOAT:
+            return load_draft(*paths, **given), None
+        return load_draft_lazily(*paths, **given)
     taps = sources.draft_config.target_layer_ids
     if options.formats["target"] in (quantize.GGUF, quantize.FLOAT):
         return load_target_lazily(sources.target_dir, taps=taps, dtype=dtype)
     return load_target(sources.target_dir, taps=taps, dtype=dtype), None
 
 
-def _round(name: str, module: TargetStep | DraftStep, sources: Sources, options: Options, phase) -> Weights:
+def _resident(module: TargetStep | DraftStep, weights: LazyWeights | None):
+    """``lazy_weights.resident``: a target's decoder layers one at a time, a draft's linear layers
+    and embeddings (``DraftStep.weight_units``: its context rows call the layers' projections,
+    not the layers)."""
+    return resident(module, weights, module.weight_units() if isinstance(module, DraftStep) else None)
+
+
+def _round(name: str, module: TargetStep | DraftStep, lazy: LazyWeights | None, sources: Sources,
+           options: Options, phase) -> tuple[Weights, LazyWeights | None]:
     """``module``'s weights rounded as its graph will hold them: to int4 / int8 blocks (the
-    module's values replaced by the rounded ones), or a GGUF file's own blocks (Q6_K experts, which
-    the engine rounds again, rounded first), or left float."""
+    module's values replaced by the rounded ones, or the ``lazy`` weights rounding them as they
+    are read), or a GGUF file's own blocks (Q6_K experts, which the engine rounds again, rounded
+    first), or left float; and the module's lazy weights after."""
     weight_format = options.formats[name]
     bits = quantize.BITS.get(weight_format)
     if bits:
@@ -302,10 +315,14 @@ def _round(name: str, module: TargetStep | DraftStep, sources: Sources, options:
         # int8 embedding rows on ONNX engines: TensorRT-RTX's builder fails on their gather (a
         # CUDA runtime call on a machine without a GPU driver)
         rows = options.backend == "onnx"
-        count, quality = _quantize(module, bits, options.weights_block, rows,
-                                   sources.tokenizer if name == "target" else None)
+        if lazy is not None:   # a draft: no quality to measure
+            count, lazy = quantize.rounded_as_read(module, lazy, bits, options.weights_block, rows)
+            quality = None
+        else:
+            count, quality = _quantize(module, bits, options.weights_block, rows,
+                                       sources.tokenizer if name == "target" else None)
         return Weights(count, quantize.rtn_blocks(bits, options.weights_block),
-                       quantize.rounded_embedding_blocks if rows else None, quality=quality)
+                       quantize.rounded_embedding_blocks if rows else None, quality=quality), lazy
     if weight_format == quantize.GGUF:   # every linear layer, from the file
         phase(f"{name}: read GGUF blocks")
         linears, stacks = quantize.quantizable(module)
@@ -313,8 +330,8 @@ def _round(name: str, module: TargetStep | DraftStep, sources: Sources, options:
         if gguf.rounds:   # the module computes with what the engine will
             phase(f"{name}: round Q6_K experts")
             quantize.round_weights(module, gguf.engine_values)
-        return Weights(len(linears) + 2 * len(stacks), gguf.lookup, gguf.lookup, gguf)
-    return Weights()
+        return Weights(len(linears) + 2 * len(stacks), gguf.lookup, gguf.lookup, gguf), lazy
+    return Weights(), lazy
 
 
 def _weights_into_graph(path: Path, weights: Weights, keep_float, sources: Sources, options: Options) -> int:

@@ -19,7 +19,7 @@ import torch
 from common.manifest import call_rows, is_cache
 from modeling.dense import TargetStep
 from modeling.draft import DraftStep
-from modeling.lazy_weights import GgufWeights
+from modeling.lazy_weights import LazyWeights
 from plugins.block_attention import onnx_function as block_attention_onnx
 from plugins.cache_write import onnx_function as cache_write_onnx
 from plugins.d2t_gather import onnx_function as d2t_gather_onnx
@@ -134,7 +134,7 @@ def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
                  limits: BuildLimits, directory: Path, opset: int,
-                 weights: GgufWeights | None = None) -> Path:
+                 weights: LazyWeights | None = None) -> Path:
     """Trace ``module`` on ``example`` and write ``directory / spec.file``, its weights in
     ``spec.file + ".data"``: streamed there one tensor at a time (an in-memory protobuf would hold
     about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy.
@@ -181,7 +181,7 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     return path
 
 
-def _read_when_written(program, module: torch.nn.Module, weights: GgufWeights) -> None:
+def _read_when_written(program, module: torch.nn.Module, weights: LazyWeights) -> None:
     """Give each of ``program``'s initializers that is one of ``module``'s weights (placeholders,
     all of them: see ``lazy_weights``) its values from the file, read each time its bytes are
     asked for (``onnx_ir.LazyTensor``, not kept). A tied weight is read under its first name."""

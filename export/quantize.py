@@ -26,6 +26,7 @@ import torch
 # the weight formats live where the command line checks them without loading anything
 from export.build_checks import BITS, FLOAT, GGUF, GGUF_DRAFT  # noqa: F401
 from export.onnx_check import to_numpy
+from modeling.lazy_weights import DeferredWeights, placeholder
 from plugins.qmatmul.layout import KQuantScales
 
 # columns (a GGUF file's rows) rounded, de-quantized or looked up at a time: a vocabulary-sized
@@ -83,26 +84,53 @@ def quantize_linears(module: torch.nn.Module, bits: int, block: int, embeddings:
     the token embeddings their int8 rows' values too (``round_embeddings``). Returns how many
     matrices were replaced, the embeddings not counted; none is refused, so no engine is labelled
     quantized that is not."""
+    rounded = _rounded_matrices(module, block)
+    for owner, attribute in rounded:
+        setattr(owner, attribute, dequantized(getattr(owner, attribute), bits, block))
+    if embeddings:
+        round_embeddings(module)
+    return len(rounded)
+
+
+def rounded_as_read(module: torch.nn.Module, weights: DeferredWeights, bits: int, block: int,
+                    embeddings: bool = False) -> tuple[int, DeferredWeights]:
+    """``quantize_linears`` for a module that holds ``lazy_weights`` placeholders: each matrix it
+    rounds gets a placeholder of its own (a tied ``lm_head`` leaves the embedding as it was), and
+    the weights returned round it (and with ``embeddings`` the token embeddings' rows) as it is
+    read, in the module's dtype. Returns them and how many matrices they round."""
+    rounded = _rounded_matrices(module, block)
+    names = {id(owner): name for name, owner in module.named_modules()}
+    for owner, attribute in rounded:
+        weight = getattr(owner, attribute)
+        setattr(owner, attribute,
+                torch.nn.Parameter(placeholder(weight.shape, weight.dtype), requires_grad=False))
+    matrices = {f"{names[id(owner)]}.{attribute}" for owner, attribute in rounded}
+    embedding = "embed_tokens.weight" if embeddings and hasattr(module, "embed_tokens") else None
+    dtypes = {name: parameter.dtype for name, parameter in module.named_parameters(remove_duplicate=False)}
+
+    def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in matrices:
+            return dequantized(tensor.to(dtypes[name]), bits, block).data
+        if name == embedding:
+            tensor = tensor.to(dtypes[name], copy=True)
+            _round_rows(tensor, _embedding_values)
+        return tensor
+    return len(rounded), weights.then(prepare)
+
+
+def _rounded_matrices(module: torch.nn.Module, block: int) -> list[tuple[torch.nn.Module, str]]:
+    """``(owner, attribute)`` of each matrix ``quantize_linears`` rounds: ``quantizable``'s whose
+    input size is a multiple of ``block``; none is an error."""
     linears, stacks = quantizable(module)
-    replaced = 0
-    for linear in linears:
-        if linear.in_features % block:
-            continue
-        linear.weight = dequantized(linear.weight, bits, block)
-        replaced += 1
-    for experts in stacks:
-        if experts.gate_up_proj.shape[-1] % block or experts.down_proj.shape[-1] % block:
-            continue
-        experts.gate_up_proj = dequantized(experts.gate_up_proj, bits, block)
-        experts.down_proj = dequantized(experts.down_proj, bits, block)
-        replaced += 2
-    if not replaced:
+    rounded = [(linear, "weight") for linear in linears if not linear.in_features % block]
+    rounded += [(experts, attribute) for experts in stacks
+                if not (experts.gate_up_proj.shape[-1] % block or experts.down_proj.shape[-1] % block)
+                for attribute in ("gate_up_proj", "down_proj")]
+    if not rounded:
         sizes = sorted({m.in_features for m in linears})
         raise ValueError(f"--weights-block {block}: no linear layer's input size ({sizes}) is a "
                          f"multiple of it; choose a smaller block")
-    if embeddings:
-        round_embeddings(module)
-    return replaced
+    return rounded
 
 
 def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.ndarray | None],
@@ -118,21 +146,23 @@ def round_weights(module: torch.nn.Module, values_of: Callable[[np.ndarray], np.
                                                        (s.gate_up_proj, s.down_proj) for m in pair]
     embedding = getattr(module, "embed_tokens", None)
     weights += [] if embedding is None else [embedding.weight]
-    replaced = 0
     with torch.no_grad():
-        for weight in weights:   # [N, K], ``chunks`` of rows, views both ways: a vocabulary is GBs
-            parts = chunks(weight.shape[0])
-            for index, rows in enumerate(parts):
-                values = values_of(to_numpy(weight[rows].T))
-                if values is None and index:
-                    raise ValueError(f"a [{weight.shape[0]}, {weight.shape[1]}] weight's rows from "
-                                     f"{rows.start} have no values where those before them had")
-                if values is None:
-                    break
-                weight[rows] = torch.from_numpy(values).T
-            else:
-                replaced += 1
-    return replaced
+        return sum(_round_rows(weight, values_of) for weight in weights)
+
+
+def _round_rows(weight: torch.Tensor, values_of: Callable[[np.ndarray], np.ndarray | None]) -> bool:
+    """``round_weights`` of one weight ``[N, K]``, ``chunks`` of rows at a time, views both ways
+    (a vocabulary is GBs): whether ``values_of`` gave values."""
+    parts = chunks(weight.shape[0])
+    for index, rows in enumerate(parts):
+        values = values_of(to_numpy(weight[rows].T))
+        if values is None and index:
+            raise ValueError(f"a [{weight.shape[0]}, {weight.shape[1]}] weight's rows from "
+                             f"{rows.start} have no values where those before them had")
+        if values is None:
+            return False
+        weight[rows] = torch.from_numpy(values).T
+    return True
 
 
 def dequantized(weight: torch.Tensor, bits: int, block: int) -> torch.nn.Parameter:
@@ -201,12 +231,13 @@ EMBEDDING_BITS, EMBEDDING_BLOCK = 8, 32
 
 def round_embeddings(module: torch.nn.Module) -> int:
     """Give ``module``'s token embeddings their int8 rows' values (``EMBEDDING_BITS``), in place."""
-    blocks_of = rtn_blocks(EMBEDDING_BITS, EMBEDDING_BLOCK)
+    return round_weights(module, _embedding_values, matrices=False)
 
-    def values_of(matrix: np.ndarray) -> np.ndarray | None:
-        blocks = blocks_of(matrix)
-        return None if blocks is None else blocks.values().astype(np.float32, copy=False)
-    return round_weights(module, values_of, matrices=False)
+
+def _embedding_values(matrix: np.ndarray) -> np.ndarray | None:
+    """``round_weights``' values of an embedding table's int8 rows."""
+    blocks = rtn_blocks(EMBEDDING_BITS, EMBEDDING_BLOCK)(matrix)
+    return None if blocks is None else blocks.values().astype(np.float32, copy=False)
 
 
 def rounded_embedding_blocks(table: np.ndarray) -> Blocks | None:

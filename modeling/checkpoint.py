@@ -157,23 +157,47 @@ def load_tensors(directory: Path, strip_prefix: str = "", only: frozenset[str] |
     ``safe_open`` maps the file, and the mapped pages it reads count as this process's memory until
     it is closed: it is reopened for each tensor, so a checkpoint is held once (as tensors), not
     twice."""
-    tensors: dict[str, torch.Tensor] = {}
+    return {key: read_tensor(*where) for key, where in
+            stored_tensors(directory, strip_prefix, only, skip).items()}
+
+
+def stored_tensors(directory: Path, strip_prefix: str = "", only: frozenset[str] | None = None,
+                   skip: tuple[str, ...] = ()) -> dict[str, tuple[Path, str]]:
+    """Where ``load_tensors`` reads each tensor: its name (as ``load_tensors`` gives it) -> (file,
+    name in the file). Only the files' headers are read."""
+    stored = {}
     for file in safetensors_files(directory):
         try:
             with safe_open(file, framework="pt") as f:
                 names = list(f.keys())
-            for name in names:
-                if name.startswith(skip):
-                    continue
-                key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
-                if only is not None and key not in only:
-                    continue
-                with safe_open(file, framework="pt") as f:
-                    tensors[key] = f.get_tensor(name)
         except SafetensorError as err:
-            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged "
-                                  f"({one_line(err)})") from None
-    return tensors
+            raise _unreadable(file, err) from None
+        for name in names:
+            if name.startswith(skip):
+                continue
+            key = name[len(strip_prefix):] if name.startswith(strip_prefix) else name
+            if only is None or key in only:
+                stored[key] = (file, name)
+    return stored
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the safetensors ``file``, read now (the file mapped only meanwhile)."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(name)
+    except SafetensorError as err:
+        raise _unreadable(file, err) from None
+
+
+def stored_shape(file: Path, name: str) -> list[int]:
+    """Tensor ``name``'s shape as the safetensors ``file``'s header gives it."""
+    with safe_open(file, framework="pt") as f:
+        return f.get_slice(name).get_shape()
+
+
+def _unreadable(file: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged ({one_line(err)})")
 
 
 def check_layer_count(tensors: dict[str, torch.Tensor], num_layers: int, where: str) -> None:

@@ -6,17 +6,27 @@ Semantics: ``docs/dspark.md`` (the block backbone, the Markov head, the reduced 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from modeling.checkpoint import CheckpointError, build_module, check_layer_count, load_tensors, resolve
+from modeling.checkpoint import (
+    CheckpointError,
+    build_module,
+    check_layer_count,
+    read_tensor,
+    resolve,
+    stored_shape,
+    stored_tensors,
+)
 from modeling.decoder import CachedStep, Rotary, softcap
 from modeling.dense import TargetStep
 from modeling.draft_config import DraftConfig, load_draft_config, resolve_k
+from modeling.lazy_weights import DeferredWeights, hold_placeholders
 from modeling.registry import DRAFTS
-from modeling.target import load_embeddings
+from modeling.target import embeddings_read_lazily, load_embeddings
 from modeling.target_config import TargetConfig
 from modeling.target_config_reader import load_target_config
 from plugins.cache_write import cache_write
@@ -104,6 +114,13 @@ class DraftStep(CachedStep, nn.Module):
         """Which parts compute in which dtype, for the manifest."""
         return {"fc": self.fc.weight.dtype, "hidden_norm": self.hidden_norm.weight.dtype,
                 "rest": self.lm_head.weight.dtype}
+
+    def weight_units(self) -> list[nn.Module]:
+        """The submodules that read their weights only when called: every linear layer and
+        embedding but the Markov head's (``sample`` reads those as tensors). A build whose draft
+        weights stay in the files gives each its own while it runs (``lazy_weights.resident``)."""
+        markov = set(self.markov_head.modules())
+        return [m for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and m not in markov]
 
     def block_logits(self, anchor, anchor_pos, *caches):
         """Base logits ``[B, block_size, V_d]`` of the block ``[anchor, MASK, ...]`` at positions
@@ -203,27 +220,51 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
 
     ``target`` is a loaded ``TargetStep``, or the target's checkpoint: then only its config is read,
     and its embeddings only if the draft shares them (``build`` exports one model at a time)."""
+    return _load(path, target, k, dtype, markov_top_k, lazy=False)[0]
+
+
+def load_draft_lazily(path: str | Path, target: str | Path, k: int | None = None,
+                      dtype: torch.dtype = torch.float32,
+                      markov_top_k: int = 0) -> tuple[DraftStep, DeferredWeights]:
+    """``load_draft`` from the target's checkpoint, the module built holding
+    ``lazy_weights.placeholder``s and its weights left in the files: the weights that read each
+    (through what ``load_draft`` does to it) when asked. ``d2t`` is read now."""
+    return _load(path, target, k, dtype, markov_top_k, lazy=True)
+
+
+IGNORED = ("confidence_head.", "t2d")   # not used for proposals (``load_draft``)
+VOCABULARY_ROWS = ("lm_head.weight", "markov_head.markov_w2.weight", "d2t")   # a row per draft id
+
+
+def _load(path: str | Path, target: TargetStep | str | Path, k: int | None, dtype: torch.dtype,
+          markov_top_k: int, lazy: bool) -> tuple[DraftStep, DeferredWeights | None]:
     directory = resolve(path, "draft")
     if isinstance(target, torch.nn.Module):
         tc: TargetConfig = target.config
 
-        def shared() -> dict[str, torch.Tensor]:
+        def shared() -> tuple[dict[str, torch.Tensor], DeferredWeights | None]:
             return {"embed_tokens.weight": target.embed_tokens.weight.detach(),
-                    "lm_head.weight": target.lm_head.weight.detach()}
+                    "lm_head.weight": target.lm_head.weight.detach()}, None
     else:
         target_dir = resolve(target, "target")
         tc = load_target_config(target_dir)
 
-        def shared() -> dict[str, torch.Tensor]:
-            return load_embeddings(target_dir)
+        def shared() -> tuple[dict[str, torch.Tensor], DeferredWeights | None]:
+            return embeddings_read_lazily(target_dir) if lazy else (load_embeddings(target_dir), None)
     config = load_draft_config(directory, tc.decoder.num_layers, tc.decoder.hidden_size)
     k = resolve_k(config, k)
     ids = min(config.draft_vocab_size, tc.vocab_size)   # a padded draft vocabulary is cut to the target's
     if not 0 <= markov_top_k <= ids:
         raise ValueError(f"--markov-top-k {markov_top_k}: expected 0 (every draft id) .. the draft "
                          f"vocabulary's {ids} ids")
-    tensors = {name: t for name, t in load_tensors(directory).items()
-               if not name.startswith("confidence_head.") and name != "t2d"}
+    stored = stored_tensors(directory, skip=IGNORED)
+    readers = {name: partial(read_tensor, *where) for name, where in stored.items()}
+    if lazy:   # meta tensors of the stored shapes; d2t's values, which the module keeps, now
+        tensors = {name: torch.empty(stored_shape(*where), device="meta") for name, where in stored.items()}
+        if "d2t" in stored:
+            tensors["d2t"] = readers["d2t"]()
+    else:
+        tensors = {name: read() for name, read in readers.items()}
     where = f"{directory}/config.json"
     check_layer_count(tensors, config.decoder.num_layers, f"{where}: field 'num_hidden_layers'")
 
@@ -256,24 +297,44 @@ def load_draft(path: str | Path, target: TargetStep | str | Path, k: int | None 
                               f"target_layer_ids / aux_hidden_state_layer_ids)")
 
     if not owns_embeddings:
-        for name, tensor in shared().items():
-            tensors.setdefault(name, tensor)
+        embeddings, their_weights = shared()
+        for name, tensor in embeddings.items():
+            if name not in tensors:
+                tensors[name] = tensor
+                if lazy:
+                    readers[name] = partial(their_weights.load, name)
     if "d2t" in tensors:
         _check_d2t(tensors["d2t"], config.draft_vocab_size, tc.vocab_size, directory)
         tensors["d2t"] = tensors["d2t"].long()
     else:
         tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
-    if config.draft_vocab_size > tc.vocab_size:
-        # A padded draft vocabulary: ids past the target's can never be verified, so drop them.
-        config = replace(config, draft_vocab_size=tc.vocab_size)
-        for name in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
-            tensors[name] = tensors[name][:tc.vocab_size]
-    if config.logit_scale != 1.0:   # as vLLM's logits processor: the base logits and the Markov bias
-        for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
-            tensors[name] = tensors[name].float() * config.logit_scale   # a new tensor: lm_head may be shared
+    # A padded draft vocabulary: ids past the target's can never be verified, so drop them.
+    rows = tc.vocab_size if config.draft_vocab_size > tc.vocab_size else None
+    config = replace(config, draft_vocab_size=min(config.draft_vocab_size, tc.vocab_size))
+    scale = config.logit_scale
+
+    def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What the module holds of the stored ``tensor`` ``name``."""
+        if rows is not None and name in VOCABULARY_ROWS:
+            tensor = tensor[:rows]
+        if scale != 1.0 and name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+            # as vLLM's logits processor: the base logits and the Markov bias; a new tensor (lm_head
+            # may be shared)
+            tensor = tensor.float() * scale
+        return tensor
+
+    tensors = {name: prepare(name, tensor) for name, tensor in tensors.items()}
     island = {name: tensors[name] for name in FP32_ISLAND}  # build_module consumes ``tensors``
     draft = build_module(lambda: DraftStep(config, tc.vocab_size, k, markov_top_k), tensors, directory, dtype)
-    return keep_context_input_fp32(draft, island)
+    draft = keep_context_input_fp32(draft, island)
+    if not lazy:
+        return draft, None
+    hold_placeholders(draft)
+    buffers = {name: prepare(name, readers.pop(name)()).to(buffer.dtype)   # small tables (a layer's
+               for name, buffer in draft.named_buffers() if buffer.is_meta}    # scalar): read now
+    draft.load_state_dict(buffers, strict=False, assign=True)
+    readers.pop("d2t", None)
+    return draft, DeferredWeights(readers, prepare)
 
 
 # The draft's context input, kept in fp32 whatever the model dtype: Qwen3's tap activations reach

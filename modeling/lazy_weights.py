@@ -1,24 +1,30 @@
-"""A GGUF target's weights left in the file until a computation needs them.
+"""A model's weights left in their files until a computation needs them.
 
 ``transformers`` loads a GGUF target whole, de-quantized to float32: 8x a Q4 file's bytes, so an
-8B file (32 GB in float32) cannot build on a 24 GB machine. A build needs the values three times
-(the graph's initializers, the verify inputs' context, the reference outputs) and never all at
-once, so the target's module holds ``placeholder``s (zero-stride views of one zero: no memory, and
-``torch.export`` traces them as the weights they stand for), the traced graph's initializers read
-the file one tensor at a time as they are written (``export.onnx_export.export_graph``), and
-``resident(module, weights)`` gives the module its real weights while it computes: a decoder
-layer's while that layer runs, the rest (embeddings, final norm, ``lm_head``) for the whole call.
+8B file (32 GB in float32) cannot build on a 24 GB machine; a release's 8B draft is 3.6 GB of bf16,
+7 GB in float32. A build needs the values three times (the graph's initializers, the verify
+inputs' context, the reference outputs) and never all at once, so the module holds
+``placeholder``s (zero-stride views of one zero: no memory, and ``torch.export`` traces them as the
+weights they stand for), the traced graph's initializers read the files one tensor at a time as
+they are written (``export.onnx_export.export_graph``), and ``resident(module, weights)`` gives
+the module its real weights while it computes: a decoder layer's (or a linear layer's) while it
+runs, the rest for the whole call.
 
-Each tensor is de-quantized as ``transformers`` de-quantizes it (``gguf``'s ``dequantize``, then
-its tensor processor: Llama's q / k rows back in the rotary layout), under the names its model
-gives it, so the module computes what ``transformers``' own load would give it
-(``tests/graphs/test_gguf.py``). Families whose processor does more than rename and permute (MoE
-expert stacks, Gemma's norms) load whole, as before (``supports``).
+A GGUF target's tensors (``GgufWeights``) are each de-quantized as ``transformers`` de-quantizes
+them (``gguf``'s ``dequantize``, then its tensor processor: Llama's q / k rows back in the rotary
+layout), under the names its model gives them, so the module computes what ``transformers``' own
+load would give it (``tests/graphs/test_gguf.py``). Families whose processor does more than rename
+and permute (MoE expert stacks, Gemma's norms) load whole, as before (``supports``). A draft's
+(``DeferredWeights``: ``modeling.draft.load_draft_lazily``) are read from its checkpoint and the
+target's (shared embeddings), each through what its loader does to them (a vocabulary cut to the
+target's, a logit scale) and what its build does (``export.quantize.rounded_as_read``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,6 +47,30 @@ def hold_placeholders(module: torch.nn.Module) -> None:
         for name, parameter in owner.named_parameters(recurse=False):
             setattr(owner, name, torch.nn.Parameter(placeholder(parameter.shape, parameter.dtype),
                                                     requires_grad=False))
+
+
+class LazyWeights(Protocol):
+    """A module's weights by its parameters' names, each read from its files when asked (a new
+    tensor each time, the caller's to keep or let go)."""
+
+    def load(self, name: str) -> torch.Tensor: ...
+
+
+class DeferredWeights:
+    """Weights by name, each read by its own function when asked (``readers``: a safetensors
+    file's tensor, a GGUF file's, ...), then through ``prepare(name, tensor)``: what a loader or a
+    build does to a module's weights, done to each as it is needed."""
+
+    def __init__(self, readers: Mapping[str, Callable[[], torch.Tensor]],
+                 prepare: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor):
+        self.readers, self.prepare = dict(readers), prepare
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.prepare(name, self.readers[name]())
+
+    def then(self, prepare: Callable[[str, torch.Tensor], torch.Tensor]) -> DeferredWeights:
+        """These weights, each then through ``prepare`` too."""
+        return DeferredWeights(self.readers, lambda name, tensor: prepare(name, self.prepare(name, tensor)))
 
 
 class GgufWeights:
@@ -106,15 +136,20 @@ def _processor(architecture: str) -> type:
 
 
 @contextmanager
-def resident(module: torch.nn.Module, weights: GgufWeights | None):
+def resident(module: torch.nn.Module, weights: LazyWeights | None,
+             units: Iterable[torch.nn.Module] | None = None):
     """Within the block ``module`` computes with its real weights (a no-op where ``weights`` is
-    None: the module holds them): each of ``module.layers`` reads its own as it is called and
-    lets them go after, the others are read for the whole block."""
+    None: the module holds them): each of ``units`` (``module.layers`` unless given: submodules
+    that read their weights only when called) reads its own as it is called and lets them go
+    after, the others are read for the whole block."""
     if weights is None:
         yield
         return
-    layered = {id(p) for layer in module.layers for p in layer.parameters()}
-    rest = [(name, p) for name, p in module.named_parameters() if id(p) not in layered]
+    units = list(module.layers if units is None else units)
+    prefix = {id(m): name for name, m in module.named_modules()}
+    owned = [list(unit.named_parameters(prefix=prefix[id(unit)])) for unit in units]
+    in_units = {id(p) for parameters in owned for _, p in parameters}
+    rest = [(name, p) for name, p in module.named_parameters() if id(p) not in in_units]
 
     def fill(parameters) -> None:
         for name, parameter in parameters:
@@ -125,10 +160,9 @@ def resident(module: torch.nn.Module, weights: GgufWeights | None):
             parameter.data = placeholder(parameter.shape, parameter.dtype)
 
     hooks = []
-    for index, layer in enumerate(module.layers):
-        own = list(layer.named_parameters(prefix=f"layers.{index}"))
-        hooks += [layer.register_forward_pre_hook(lambda *_, own=own: fill(own)),
-                  layer.register_forward_hook(lambda *_, own=own: empty(own))]
+    for unit, own in zip(units, owned):
+        hooks += [unit.register_forward_pre_hook(lambda *_, own=own: fill(own)),
+                  unit.register_forward_hook(lambda *_, own=own: empty(own))]
     fill(rest)
     try:
         yield
@@ -136,5 +170,5 @@ def resident(module: torch.nn.Module, weights: GgufWeights | None):
         for hook in hooks:
             hook.remove()
         empty(rest)
-        for layer in module.layers:
-            empty(layer.named_parameters())
+        for own in owned:
+            empty(own)

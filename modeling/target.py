@@ -3,8 +3,9 @@
 and ``from_start``, a teacher-forced pass over fresh caches."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -15,11 +16,14 @@ from modeling.checkpoint import (
     gguf_reader,
     hf_location,
     load_tensors,
+    read_tensor,
     resolve,
+    stored_shape,
+    stored_tensors,
 )
 from modeling.decoder import CachedStep
 from modeling.dense import TargetStep
-from modeling.lazy_weights import GgufWeights, hold_placeholders
+from modeling.lazy_weights import DeferredWeights, GgufWeights, hold_placeholders
 from modeling.moe import fuse_experts
 from modeling.registry import ARCHITECTURES
 from modeling.target_config import TargetConfig
@@ -54,7 +58,7 @@ def _load(path: str | Path, taps: Sequence[int], dtype: torch.dtype, role: str,
     moe = config.moe is not None
     if lazy and directory.suffix == ".gguf" and GgufWeights.supports(directory, family.step, moe):
         weights = GgufWeights(directory, gguf_config(directory))
-    tensors = _tensors(directory, config, weights=weights)
+    tensors = _tensors(directory, config, shapes=None if weights is None else weights.shapes)
     config_file = directory if directory.suffix == ".gguf" else directory / "config.json"
     nested = f"{arch.text_config}." if arch.text_config else ""
     fields = f"{config_file}: field '{nested}"
@@ -93,19 +97,40 @@ def load_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def embeddings_read_lazily(path: str | Path) -> tuple[dict[str, torch.Tensor], DeferredWeights]:
+    """``load_embeddings``' tensors as meta tensors of their shapes (a tied ``lm_head.weight`` the
+    embedding's), and the weights that read each from the checkpoint when asked."""
+    directory = resolve(path, "target")
+    config = load_target_config(directory)
+    if directory.suffix == ".gguf":
+        stored = {GGUF_SHARED[t.name]: t for t in gguf_reader(directory).tensors if t.name in GGUF_SHARED}
+        readers = {name: partial(_dequantized, t) for name, t in stored.items()}
+        shapes = {name: list(reversed(t.shape.tolist())) for name, t in stored.items()}   # fastest axis first
+    else:
+        where = stored_tensors(directory, strip_prefix=_prefix(config), only=SHARED, skip=IGNORED)
+        readers = {name: partial(read_tensor, *place) for name, place in where.items()}
+        shapes = {name: stored_shape(*place) for name, place in where.items()}
+    tensors = _tensors(directory, config, only=SHARED, shapes=shapes)
+    missing = SHARED - tensors.keys()
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {', '.join(sorted(missing))}")
+    readers.setdefault("lm_head.weight", readers["embed_tokens.weight"])   # tied
+    return tensors, DeferredWeights(readers)
+
+
 def _tensors(directory: Path, config: TargetConfig, only: frozenset[str] | None = None,
-             weights: GgufWeights | None = None):
+             shapes: Mapping[str, Sequence[int]] | None = None):
     """The checkpoint's tensors under the module's names (``model.`` prefix stripped, a tied
-    ``lm_head.weight`` filled in from the embedding, no RoPE tables); with ``weights``, tensors
-    of their shapes on the meta device, which hold nothing."""
-    if weights is not None:
-        tensors = {name: torch.empty(shape, device="meta") for name, shape in weights.shapes.items()}
+    ``lm_head.weight`` filled in from the embedding, no RoPE tables); with ``shapes`` (the
+    tensors' by those names), tensors of those shapes on the meta device, which hold nothing."""
+    if shapes is not None:
+        tensors = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     elif directory.suffix == ".gguf":
         tensors = _gguf_embeddings(directory) if only == SHARED else _gguf_tensors(directory)
     else:
         # the embedding is read with whatever is asked for: a tied lm_head.weight is made from it
         wanted = None if only is None else only | {"embed_tokens.weight"}
-        prefix = ARCHITECTURES[config.architecture].weight_prefix
+        prefix = _prefix(config)
         tensors = load_tensors(directory, strip_prefix=prefix, only=wanted, skip=IGNORED)
         if prefix != "model." and not any(name.startswith("layers.") or name == "embed_tokens.weight"
                                           for name in tensors):
@@ -143,11 +168,22 @@ GGUF_SHARED = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_
 def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
     """A GGUF target's ``SHARED`` tensors alone, de-quantized as ``transformers`` de-quantizes
     them (with ``gguf``'s own code; no other tensor is read): a fifth of the time of all of them."""
+    return {GGUF_SHARED[t.name]: _dequantized(t) for t in gguf_reader(path).tensors if t.name in GGUF_SHARED}
+
+
+def _dequantized(tensor) -> torch.Tensor:
+    """A GGUF file's tensor de-quantized to float32 (``gguf``'s code, which ``transformers``
+    uses): a new array, not the file's map."""
     import numpy as np
     from gguf.quants import dequantize
 
-    return {GGUF_SHARED[t.name]: torch.from_numpy(np.copy(dequantize(t.data, t.tensor_type))).float()
-            for t in gguf_reader(path).tensors if t.name in GGUF_SHARED}
+    return torch.from_numpy(np.copy(dequantize(tensor.data, tensor.tensor_type))).float()
+
+
+def _prefix(config: TargetConfig) -> str:
+    """The prefix of the text model's tensors in a checkpoint folder (``model.``, or the
+    multimodal classes')."""
+    return ARCHITECTURES[config.architecture].weight_prefix
 
 
 def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:

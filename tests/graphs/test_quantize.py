@@ -353,3 +353,62 @@ def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
         assert layers and sum(node.op_type == "QMatMul" for node in model.graph) == layers
         assert not any(node.op_type in ("DequantizeLinear", "MatMulNBits") for node in model.graph)
     assert OrtBackend(out).batched and OrtBackend(engines("float")[0]).batched
+
+
+@pytest.mark.parametrize("fields", [{}, {"arch": "llama"}, {"draft_vocab": 40},
+                                    {"draft_format": "speculators"}, {"arch": "gemma4"}],
+                         ids=["shared-untied", "shared-tied", "reduced-vocabulary", "speculators", "gemma4"])
+def test_a_rounded_drafts_weights_are_read_from_its_files_a_few_at_a_time(tiny, tmp_path, monkeypatch, fields):
+    """A build of an int4 draft traces it on placeholders and reads each weight from the draft's
+    files (or the target's, for shared embeddings) as the graph is written or as its layer runs,
+    rounded as it is read (``quantize.rounded_as_read``): the weights and the reference are those
+    of ``load_draft`` rounded by ``quantize_linears``, and no step holds more than a linear layer's
+    weights beside the small ones (it held the draft in float32, rounded: 7 GB and more for a
+    release's 8B draft)."""
+    import weakref
+
+    from export.onnx_export import BuildLimits, draft_spec, export_graph
+    from export.verify_inputs import example_inputs, reference_outputs
+    from modeling.draft import load_draft, load_draft_lazily
+    from modeling.lazy_weights import resident
+
+    target, draft = tiny(**fields)
+    whole = load_draft(draft, target, markov_top_k=4)
+    count = quantize.quantize_linears(whole, 4, 16, embeddings=True)
+    module, weights = load_draft_lazily(draft, target, markov_top_k=4)
+    assert quantize.rounded_as_read(module, weights, 4, 16, embeddings=True)[0] == count
+    module, weights = load_draft_lazily(draft, target, markov_top_k=4)
+    rounded, weights = quantize.rounded_as_read(module, weights, 4, 16, embeddings=True)
+    assert all(p.stride() == (0,) * p.dim() for p in module.parameters())   # placeholders
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    assert parameters.keys() == dict(whole.named_parameters(remove_duplicate=False)).keys()
+    for name, parameter in whole.named_parameters(remove_duplicate=False):
+        assert torch.equal(weights.load(name), parameter), name
+        assert parameters[name].dtype == parameter.dtype, name
+    assert torch.equal(module.d2t, whole.d2t)
+
+    read, held, alive = weights.load, [], []   # how many weights read are alive at each read
+
+    def counted(name: str) -> torch.Tensor:
+        values = read(name).numpy().copy()
+        alive.append(weakref.ref(values))
+        held.append(sum(ref() is not None for ref in alive))
+        return torch.from_numpy(values)
+
+    monkeypatch.setattr(weights, "load", counted)
+    limits = BuildLimits(2, 64, 8)
+    spec = draft_spec(module, limits)
+    trace, verify = example_inputs(spec, limits, whole.target_vocab_size, whole.config.block_size,
+                                   torch.Generator().manual_seed(0))
+    export_graph(module, spec, trace, limits, tmp_path, 23, weights=weights)
+    assert max(held) <= 2, held
+
+    held.clear()
+    with resident(module, weights, module.weight_units()):
+        outputs = reference_outputs(module, verify)
+    units = {id(p) for unit in module.weight_units() for p in unit.parameters()}
+    rest = sum(id(p) not in units for p in module.parameters())
+    assert max(held) <= rest + 1, (held, rest)
+    assert all(p.stride() == (0,) * p.dim() for p in module.parameters())   # let go after
+    for got, expected in zip(outputs, reference_outputs(whole, verify)):
+        assert torch.equal(got, expected)
