@@ -205,14 +205,14 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     trace, verify = example_inputs(spec, limits, sources.target_config.vocab_size,
                                    sources.draft_config.block_size, inputs)
     if name == "target":
-        with _resident(module, lazy):
+        with resident(module, lazy):
             verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256),
                                   limits.max_prompt_chunk)
     phase(f"{name}: export")
     path = export_graph(module, spec, trace, limits, out, options.opset, weights=lazy)
     del trace
     phase(f"{name}: reference outputs")
-    with _resident(module, lazy):
+    with resident(module, lazy):
         expected = None if options.dtype == "bf16" else dict(zip([t.name for t in spec.outputs],
                                                                   reference_outputs(module, verify)))
     release_weights(module)
@@ -293,13 +293,6 @@ def _load(name: str, sources: Sources, options: Options) -> tuple[TargetStep | D
     if options.formats["target"] in (quantize.GGUF, quantize.FLOAT):
         return load_target_lazily(sources.target_dir, taps=taps, dtype=dtype)
     return load_target(sources.target_dir, taps=taps, dtype=dtype), None
-
-
-def _resident(module: TargetStep | DraftStep, weights: LazyWeights | None):
-    """``lazy_weights.resident``: a target's decoder layers one at a time, a draft's linear layers
-    and embeddings (``DraftStep.weight_units``: its context rows call the layers' projections,
-    not the layers)."""
-    return resident(module, weights, module.weight_units() if isinstance(module, DraftStep) else None)
 
 
 def _round(name: str, module: TargetStep | DraftStep, lazy: LazyWeights | None, sources: Sources,

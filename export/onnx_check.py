@@ -47,21 +47,23 @@ def compare_with_reference(path: Path, inputs: dict[str, torch.Tensor],
 
     The session maps the weights from the file and keeps them as they are (basic graph
     optimizations, no pre-packing), and frees what each op allocates (no arena or memory pattern,
-    which would keep the largest transients). The CPU has no fp16 matrix kernels, so ONNX Runtime
-    casts each fp16 weight to fp32 before its op; in its default order those casts, having no
-    inputs, all run first and every weight is held in fp32 at once (3x an fp16 graph's weights).
-    Priority-based order runs each cast just before its consumer: verifying a graph costs its
-    weights plus the largest one in fp32."""
+    which would keep the largest transients). A quantized weight is de-quantized just before its
+    product in ONNX Runtime's default order, the graph's weight-only nodes being first
+    (``qdq._weights_first``). The CPU has no fp16 matrix kernels, so ONNX Runtime casts each fp16
+    weight to fp32 before its op; in its default order those casts, which it adds, all run first
+    and every weight is held in fp32 at once (3x an fp16 graph's weights). Priority-based order
+    runs each cast just before its consumer, so an fp16 graph is run in that order: verifying a
+    graph costs its weights plus the largest one in fp32."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), _options(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), _options(dtype), providers=["CPUExecutionProvider"])
     feeds = {name: to_numpy(tensor) for name, tensor in inputs.items()}
     got = dict(zip(expected, session.run(list(expected), feeds)))
     expected = {name: t.float().numpy() if t.is_floating_point() else t.numpy()
                 for name, t in expected.items()}
     worst = _compare(path, got, expected, dtype, drafts)
     del session   # one session's weights at a time
-    lowered = lowered_session(path, _options(), rotary, library() if dtype == "float16" else None)
+    lowered = lowered_session(path, _options(dtype), rotary, library() if dtype == "float16" else None)
     if lowered is not None:   # the outputs but the caches, whose rows past the new ones are scratch
         names = [name for name in expected if not is_cache(name)]
         first = dict(zip(names, lowered.run(names, {name: value[:1] for name, value in feeds.items()})))
@@ -107,13 +109,17 @@ def _relative_difference(actual: np.ndarray, reference: np.ndarray) -> float:
     return float(np.abs(actual.astype(np.float32) - reference).max()) / scale
 
 
-def _options():
-    """ONNX Runtime settings of a verification run (``compare_with_reference`` says why)."""
+def _options(dtype: str):
+    """ONNX Runtime settings of a verification run of a ``dtype`` graph (``compare_with_reference``
+    says why)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    # priority-based order runs the quantized weights' de-quantization first (it reaches nodes
+    # with no activations among their inputs early), the default one an fp16 weight's cast
+    options.execution_order = (ort.ExecutionOrder.PRIORITY_BASED if dtype == "float16"
+                               else ort.ExecutionOrder.DEFAULT)
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.enable_cpu_mem_arena = False
     options.enable_mem_pattern = False

@@ -49,7 +49,8 @@ def quantize_graph(path: Path, blocks_of: BlocksOf,
     import onnx_ir as ir
 
     model = ir.load(path)
-    rewrite = _Rewrite(model.graph, blocks_of, path.name, kquant_scales)
+    scratch = path.parent / f".{path.name}.blocks"
+    rewrite = _Rewrite(model.graph, blocks_of, path.name, kquant_scales, _Spill(scratch))
     pending, replaced = _linear_groups(model.graph, keep), 0
     while pending:
         group = pending.pop(0)
@@ -60,6 +61,7 @@ def quantize_graph(path: Path, blocks_of: BlocksOf,
     replaced += 2 * _quantize_experts(model, blocks_of)
     if embeddings is not None:
         _quantize_embeddings(model.graph, embeddings)
+    _weights_first(model.graph)
     staging = path.parent / f".{path.name}.quantized"
     staging.mkdir()
     try:
@@ -69,15 +71,16 @@ def quantize_graph(path: Path, blocks_of: BlocksOf,
             (staging / name).replace(path.parent / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        scratch.unlink(missing_ok=True)
     return replaced
 
 
 class _Rewrite:
     """``quantize_graph``'s edits of one graph: a group of linear layers at a time."""
 
-    def __init__(self, graph, blocks_of: BlocksOf, file: str,
-                 kquant_scales: bool):
+    def __init__(self, graph, blocks_of: BlocksOf, file: str, kquant_scales: bool, spill: _Spill):
         self.graph, self.blocks_of, self.file, self.kquant_scales = graph, blocks_of, file, kquant_scales
+        self.spill = spill
         self.dequantized: dict[tuple, tuple] = {}   # weights -> (name, Stored): a shared weight once
         self.readers: Counter[str] = Counter()       # products made so far that read each
         self.block_sums: dict[tuple[str, int], object] = {}   # (input, block) -> its block sums, once
@@ -148,7 +151,7 @@ class _Rewrite:
                 return None
             fused = "_fused" if len(group) > 1 else ""
             self.dequantized[key] = (f"{key[0][0]}{'_t' if key[0][1] else ''}{fused}_int{blocks.bits}",
-                                     Stored.of(blocks, self.kquant_scales))
+                                     Stored.of(blocks, self.kquant_scales, self.spill))
         stem, stored = self.dequantized[key]
         reader, self.readers[stem] = self.readers[stem], self.readers[stem] + 1
         stem += f"_{reader}" if reader else ""
@@ -180,6 +183,25 @@ class _Rewrite:
             new_nodes += [reshape, reduce]
             self.block_sums[(x.name, block)] = reduce.outputs[0]
         return self.block_sums[(x.name, block)]
+
+
+def _weights_first(graph) -> None:
+    """Move the nodes that compute from weights alone (each weight's ``DequantizeLinear``, a
+    K-quant's scales) to the front of the graph. ONNX Runtime's default order is a depth-first
+    walk up from the outputs that takes a node's highest-indexed producer first: a weight's chain
+    placed after the activations' producers ran before them, at the very start, and every weight
+    so reached was held de-quantized to the end (at 8B, the Q6_K ``lm_head`` and half the
+    ``down_proj``s: 6.4 GB in float32). Placed first, each chain runs just before its product."""
+    computed = set(graph.initializers.values())
+    first = []
+    for node in graph:
+        if all(value is None or value in computed for value in node.inputs):
+            first.append(node)
+            computed.update(node.outputs)
+    rest = [node for node in graph if node not in set(first)]
+    if first and rest:
+        graph.remove(first)
+        graph.insert_before(rest[0], first)
 
 
 def _kquant_scales(graph, stem: str, kquant: KQuantScales, new_nodes: list) -> tuple:
@@ -354,9 +376,9 @@ def _registered(graph, tensor):
 
 @dataclass(frozen=True)
 class Stored:
-    """What the graph stores of one weight's ``Blocks``, kept while the graph is rewritten (the
-    whole model's, until it is written): int4 values two to a byte, and a K-quant's scales as
-    the file's integers rather than float32 tables of them."""
+    """What the graph stores of one weight's ``Blocks``, kept until the graph is written: the
+    values (int4 two to a byte) in the rewrite's scratch file (``_Spill``), and a K-quant's scales
+    as the file's integers rather than float32 tables of them."""
     q: np.ndarray                  # int8 [K, N], or int4 values two to a byte
     shape: tuple[int, int]         # [K, N]
     bits: int
@@ -366,13 +388,14 @@ class Stored:
     kquant: KQuantScales | None
 
     @staticmethod
-    def of(blocks: Blocks, kquant_scales: bool) -> Stored:
-        """``blocks`` as the graph stores them; with ``kquant_scales``, a K-quant's scales and
-        offsets are made in the graph (``_kquant_scales``)."""
+    def of(blocks: Blocks, kquant_scales: bool, spill: _Spill) -> Stored:
+        """``blocks`` as the graph stores them, the values ``spill``ed; with ``kquant_scales``, a
+        K-quant's scales and offsets are made in the graph (``_kquant_scales``)."""
         q = blocks.q
         if blocks.bits == 4:   # element 2i in the low nibble, as ONNX packs int4
             nibbles = q.reshape(-1).view(np.uint8) & 0x0F
             q = nibbles[0::2] | (nibbles[1::2] << 4)
+        q = spill(q)
         if blocks.kquant is not None and kquant_scales:
             return Stored(q, blocks.q.shape, blocks.bits, blocks.block, None, None, blocks.kquant)
         return Stored(q, blocks.q.shape, blocks.bits, blocks.block, blocks.scales, blocks.offsets, None)
@@ -384,3 +407,20 @@ class Stored:
         if self.bits == 4:
             return ir.PackedTensor(self.q, ir.DataType.INT4, shape=self.shape, name=name)
         return ir.Tensor(self.q, name=name)
+
+
+class _Spill:
+    """The rewrite's weight values, written to a scratch file as each is made and mapped back
+    until the graph is written: in memory they were the whole model's blocks at once (5 GB of an
+    8B Q4_K_M target), where mapped pages are the system's to reclaim."""
+
+    def __init__(self, path: Path):
+        self.path, self.size = path, 0
+        path.write_bytes(b"")
+
+    def __call__(self, array: np.ndarray) -> np.ndarray:
+        with self.path.open("ab") as file:
+            np.ascontiguousarray(array).tofile(file)
+        mapped = np.memmap(self.path, array.dtype, "r", self.size, array.shape)
+        self.size += array.nbytes
+        return mapped

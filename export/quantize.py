@@ -110,7 +110,7 @@ def rounded_as_read(module: torch.nn.Module, weights: DeferredWeights, bits: int
 
     def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in matrices:
-            return dequantized(tensor.to(dtypes[name]), bits, block).data
+            return dequantized(tensor, bits, block, dtypes[name]).data
         if name == embedding:
             tensor = tensor.to(dtypes[name], copy=True)
             _round_rows(tensor, _embedding_values)
@@ -165,15 +165,18 @@ def _round_rows(weight: torch.Tensor, values_of: Callable[[np.ndarray], np.ndarr
     return True
 
 
-def dequantized(weight: torch.Tensor, bits: int, block: int) -> torch.nn.Parameter:
-    """``weight [..., N, K]`` (a linear layer's, or a stack of experts') rounded in blocks along
-    K, ``chunks`` of a matrix's rows at a time (a vocabulary-sized ``lm_head`` is GBs)."""
+def dequantized(weight: torch.Tensor, bits: int, block: int,
+                dtype: torch.dtype | None = None) -> torch.nn.Parameter:
+    """``weight [..., N, K]`` (a linear layer's, or a stack of experts') in ``dtype`` (its own
+    unless given), rounded in blocks along K, ``chunks`` of a matrix's rows at a time (a
+    vocabulary-sized ``lm_head`` is GBs, and a bf16 one is not copied whole in float32)."""
+    dtype = dtype or weight.dtype
     matrices = weight.detach().reshape(-1, *weight.shape[-2:])
-    values = torch.empty_like(matrices)
+    values = torch.empty(matrices.shape, dtype=dtype)
     for index, matrix in enumerate(matrices):
         for rows in chunks(matrix.shape[0]):
-            blocks = Blocks(*rtn(to_numpy(matrix[rows].T), bits, block), bits)
-            values[index, rows] = torch.from_numpy(blocks.values()).T.to(weight.dtype)
+            blocks = Blocks(*rtn(to_numpy(matrix[rows].T.to(dtype)), bits, block), bits)
+            values[index, rows] = torch.from_numpy(blocks.values()).T.to(dtype)
     return torch.nn.Parameter(values.reshape(weight.shape), requires_grad=False)
 
 

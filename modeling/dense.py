@@ -62,6 +62,14 @@ class TargetStep(CachedStep, nn.Module):
         self.lm_head = nn.Linear(d.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(d)
 
+    def weight_units(self) -> list[nn.Module]:
+        """The submodules that read their weights only when called: the decoder layers, and the
+        embedding unless ``lm_head`` shares it (``forward`` reads ``lm_head.weight`` as a tensor).
+        A build whose target weights stay in the file gives each its own while it runs
+        (``lazy_weights.resident``)."""
+        tied = self.embed_tokens.weight is self.lm_head.weight
+        return [*self.layers, *([] if tied else [self.embed_tokens])]
+
     def forward(self, input_ids, start, logit_rows, *caches):
         h, cos, sin, aux = embedded(self, input_ids, start)
         new_caches = []

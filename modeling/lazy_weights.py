@@ -21,7 +21,7 @@ target's, a logit scale) and what its build does (``export.quantize.rounded_as_r
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -136,16 +136,15 @@ def _processor(architecture: str) -> type:
 
 
 @contextmanager
-def resident(module: torch.nn.Module, weights: LazyWeights | None,
-             units: Iterable[torch.nn.Module] | None = None):
+def resident(module: torch.nn.Module, weights: LazyWeights | None):
     """Within the block ``module`` computes with its real weights (a no-op where ``weights`` is
-    None: the module holds them): each of ``units`` (``module.layers`` unless given: submodules
-    that read their weights only when called) reads its own as it is called and lets them go
-    after, the others are read for the whole block."""
+    None: the module holds them): each of ``module.weight_units()`` (submodules that read their
+    weights only when called: a decoder layer, a linear layer) reads its own as it is called and
+    lets them go after, the others are read for the whole block."""
     if weights is None:
         yield
         return
-    units = list(module.layers if units is None else units)
+    units = module.weight_units()
     prefix = {id(m): name for name, m in module.named_modules()}
     owned = [list(unit.named_parameters(prefix=prefix[id(unit)])) for unit in units]
     in_units = {id(p) for parameters in owned for _, p in parameters}

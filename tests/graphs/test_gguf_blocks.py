@@ -4,6 +4,7 @@
 runs as ``MatMulNBits`` computing with exactly the file's weights; a row's result does not depend on
 how many rows share the call. The demo build with these weights: ``tests/graphs/test_gguf.py``."""
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -375,7 +376,39 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     assert len(kquant) == 6 * 3 + 1
     assert sorted(types[name] for name in kquant) == [TensorProto.UINT8] * 12 + [TensorProto.INT8] * 7
     assert not [name for name in types if name.endswith("_offsets")]
+    assert max(_dequantized_ahead(engine / "target.onnx", tmp_path).values()) <= 8
     check_speculative_equals_target_only(engine)
+
+
+def _dequantized_ahead(path, tmp_path) -> dict[str, int]:
+    """How many nodes before its last reader each ``DequantizeLinear`` of the graph at ``path``
+    runs, in ONNX Runtime's order of a verification run (``onnx_check``), on zero inputs: a weight
+    de-quantized far ahead of its product is held in float32 meanwhile (at 8B, 6.4 GB of them)."""
+    import json
+
+    import onnxruntime as ort
+
+    from export.onnx_check import _options
+
+    options = _options("float32")
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for given in session.get_inputs():
+        shape = [1 if isinstance(size, str) else size for size in given.shape]
+        feeds[given.name] = np.zeros(shape, np.int64 if "int64" in given.type else np.float32)
+    session.run(None, feeds)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    order = [e["name"].removesuffix("_kernel_time") for e in events
+             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    at = {name: index for index, name in enumerate(order)}
+    readers = {}
+    graph = onnx.load(path, load_external_data=False).graph
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
+    return {node.name: max(at[reader] for reader in readers[node.output[0]]) - at[node.name]
+            for node in graph.node if node.op_type == "DequantizeLinear" and node.name in at}
 
 
 def test_a_gguf_targets_weights_are_read_from_the_file_a_few_at_a_time(tmp_path, monkeypatch):

@@ -355,10 +355,9 @@ def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
     assert OrtBackend(out).batched and OrtBackend(engines("float")[0]).batched
 
 
-@pytest.mark.parametrize("fields", [{}, {"arch": "llama"}, {"draft_vocab": 40},
-                                    {"draft_format": "speculators"}, {"arch": "gemma4"}],
-                         ids=["shared-untied", "shared-tied", "reduced-vocabulary", "speculators", "gemma4"])
-def test_a_rounded_drafts_weights_are_read_from_its_files_a_few_at_a_time(tiny, tmp_path, monkeypatch, fields):
+@pytest.mark.parametrize("fields", [{}, {"arch": "llama"}, {"draft_vocab": 40}, {"arch": "gemma4"}],
+                         ids=["shared-untied", "shared-tied", "reduced-vocabulary", "gemma4"])
+def test_a_rounded_drafts_weights_are_read_a_few_at_a_time(tiny, tmp_path, monkeypatch, fields):
     """A build of an int4 draft traces it on placeholders and reads each weight from the draft's
     files (or the target's, for shared embeddings) as the graph is written or as its layer runs,
     rounded as it is read (``quantize.rounded_as_read``): the weights and the reference are those
@@ -404,7 +403,7 @@ def test_a_rounded_drafts_weights_are_read_from_its_files_a_few_at_a_time(tiny, 
     assert max(held) <= 2, held
 
     held.clear()
-    with resident(module, weights, module.weight_units()):
+    with resident(module, weights):
         outputs = reference_outputs(module, verify)
     units = {id(p) for unit in module.weight_units() for p in unit.parameters()}
     rest = sum(id(p) not in units for p in module.parameters())
