@@ -316,7 +316,7 @@ class DraftBackbone(NamedTuple):
 
 
 def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.Tensor, norm: nn.Module,
-                   lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A target step's outputs from the last hidden rows ``h [B, S, hidden]`` and the tapped ones:
     ``logits [B, L, V]`` of the ``logit_rows`` only (picked before the norm and ``lm_head``, so a
     prefill chunk computes one row of a 152k vocabulary, not 512), and ``aux [B, S, T * hidden]``."""
@@ -325,7 +325,7 @@ def logits_and_aux(h: torch.Tensor, taps: list[torch.Tensor], logit_rows: torch.
     # 2-D: exports as one Gemm(transB=1) that reads the weight as it is stored; a 3-D linear
     # exports as MatMul(x, Transpose(W)), which the optimizer folds into a transposed copy of W, a
     # second copy of a tied embedding
-    logits = F.linear(norm(picked).flatten(0, 1), lm_head)
+    logits = lm_head(norm(picked).flatten(0, 1))
     return logits.unflatten(0, logit_rows.shape), aux
 
 

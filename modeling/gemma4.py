@@ -315,7 +315,7 @@ class Gemma4TargetStep(CachedStep, nn.Module):
                 per_layer_input=None if per_layer is None else per_layer[:, :, index])
             if index in self.taps:
                 aux.append(h)
-        logits, aux = logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight)
+        logits, aux = logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head)
         return softcap(logits, g.final_logit_softcapping), aux, *caches
 
     def _per_layer_inputs(self, input_ids, h):

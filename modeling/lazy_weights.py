@@ -145,8 +145,9 @@ def resident(module: torch.nn.Module, weights: LazyWeights | None):
         yield
         return
     units = module.weight_units()
-    prefix = {id(m): name for name, m in module.named_modules()}
-    owned = [list(unit.named_parameters(prefix=prefix[id(unit)])) for unit in units]
+    # a tied weight is read under its first name (the module's other names for it are not read)
+    first = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    owned = [[(first[id(p)], p) for p in unit.parameters()] for unit in units]
     in_units = {id(p) for parameters in owned for _, p in parameters}
     rest = [(name, p) for name, p in module.named_parameters() if id(p) not in in_units]
 

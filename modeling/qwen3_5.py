@@ -218,7 +218,7 @@ class HybridTargetStep(CachedStep, nn.Module):
             new_caches += [first, second]
             if index in self.taps:
                 aux.append(h)
-        return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head.weight), *new_caches
+        return *logits_and_aux(h, aux, logit_rows, self.norm, self.lm_head), *new_caches
 
     takes_states = True
 
