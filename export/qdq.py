@@ -198,7 +198,8 @@ def _weights_first(graph) -> None:
         if all(value is None or value in computed for value in node.inputs):
             first.append(node)
             computed.update(node.outputs)
-    rest = [node for node in graph if node not in set(first)]
+    moved = set(first)
+    rest = [node for node in graph if node not in moved]
     if first and rest:
         graph.remove(first)
         graph.insert_before(rest[0], first)

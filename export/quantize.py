@@ -111,8 +111,8 @@ def rounded_as_read(module: torch.nn.Module, weights: DeferredWeights, bits: int
     def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in matrices:
             return dequantized(tensor, bits, block, dtypes[name]).data
-        if name == embedding:
-            tensor = tensor.to(dtypes[name], copy=True)
+        if name == embedding:   # in place: a lazy weight is read anew each time (``LazyWeights``)
+            tensor = tensor.to(dtypes[name])
             _round_rows(tensor, _embedding_values)
         return tensor
     return len(rounded), weights.then(prepare)

@@ -1,8 +1,8 @@
 """A model's weights left in their files until a computation needs them.
 
 ``transformers`` loads a GGUF target whole, de-quantized to float32: 8x a Q4 file's bytes, so an
-8B file (32 GB in float32) cannot build on a 24 GB machine; a release's 8B draft is 3.6 GB of bf16,
-7 GB in float32. A build needs the values three times (the graph's initializers, the verify
+8B file (32 GB in float32) cannot build on a 24 GB machine; the ``qwen3-8b`` preset's draft is 4.7 GB
+of bf16, 9.5 GB in float32. A build needs the values three times (the graph's initializers, the verify
 inputs' context, the reference outputs) and never all at once, so the module holds
 ``placeholder``s (zero-stride views of one zero: no memory, and ``torch.export`` traces them as the
 weights they stand for), the traced graph's initializers read the files one tensor at a time as

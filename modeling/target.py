@@ -103,7 +103,7 @@ def embeddings_read_lazily(path: str | Path) -> tuple[dict[str, torch.Tensor], D
     directory = resolve(path, "target")
     config = load_target_config(directory)
     if directory.suffix == ".gguf":
-        stored = {GGUF_SHARED[t.name]: t for t in gguf_reader(directory).tensors if t.name in GGUF_SHARED}
+        stored = _gguf_shared(directory)
         readers = {name: partial(_dequantized, t) for name, t in stored.items()}
         shapes = {name: list(reversed(t.shape.tolist())) for name, t in stored.items()}   # fastest axis first
     else:
@@ -168,7 +168,12 @@ GGUF_SHARED = {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_
 def _gguf_embeddings(path: Path) -> dict[str, torch.Tensor]:
     """A GGUF target's ``SHARED`` tensors alone, de-quantized as ``transformers`` de-quantizes
     them (with ``gguf``'s own code; no other tensor is read): a fifth of the time of all of them."""
-    return {GGUF_SHARED[t.name]: _dequantized(t) for t in gguf_reader(path).tensors if t.name in GGUF_SHARED}
+    return {name: _dequantized(tensor) for name, tensor in _gguf_shared(path).items()}
+
+
+def _gguf_shared(path: Path) -> dict:
+    """The GGUF file's ``SHARED`` tensors (``gguf``'s, not read yet) under the module's names."""
+    return {GGUF_SHARED[t.name]: t for t in gguf_reader(path).tensors if t.name in GGUF_SHARED}
 
 
 def _dequantized(tensor) -> torch.Tensor:
