@@ -25,7 +25,7 @@ side by side per ``k``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -89,14 +89,47 @@ def supported(q: np.ndarray, block: int, bits: int) -> bool:
             and (bits == 4 or int(q.min()) >= -127))
 
 
+PACKED_AT_ONCE = 1 << 24   # values of a weight packed in one piece: 2 bytes each while packed
+
+
 def pack(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
          offsets: np.ndarray | None = None) -> Packed:
     """``q [K, N]`` (int8 values), ``scales`` and ``offsets`` ``[K / 32, N]`` (or a K-quant's
-    scales, which make both) -> the kernel's layout. ``bits`` 6 packs Q6_K's."""
+    scales, which make both) -> the kernel's layout. ``bits`` 6 packs Q6_K's. Packed some tiles
+    of columns at a time, each into its place: a vocabulary-sized weight's working copies (16-bit
+    values, the shifted bytes) would be several times its packed size at once."""
+    k, n = q.shape
+    step = max(TILE, PACKED_AT_ONCE // k // TILE * TILE)
+    if n <= step:
+        return _pack_columns(q, scales, bits, offsets)
+    tiles = -(-n // TILE)
+    whole = None
+    for start in range(0, n, step):
+        which = slice(start, start + step)
+        part = _pack_columns(q[:, which], scales.columns(which) if isinstance(scales, KQuantScales)
+                             else scales[:, which], bits, None if offsets is None else offsets[:, which])
+        if whole is None:
+            whole = replace(part, n=n, **{field: np.empty((tiles, *array.shape[1:]), array.dtype)
+                                          for field, array in _arrays(part) if array.size})
+        for field, array in _arrays(part):
+            if array.size:
+                getattr(whole, field)[start // TILE:start // TILE + len(array)] = array
+    return whole
+
+
+def _arrays(packed: Packed) -> list[tuple[str, np.ndarray]]:
+    return [(field, getattr(packed, field)) for field in ("q", "scales", "offsets", "sums", "sub", "super")]
+
+
+def _pack_columns(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
+                  offsets: np.ndarray | None) -> Packed:
+    """``pack`` in one piece."""
     k, n = q.shape
     pad = -n % TILE
     tiles, blocks = (n + pad) // TILE, k // BLOCK
-    q = np.pad(q, ((0, 0), (0, pad))).astype(np.int16)
+    # the values' bytes: q + 8 (q + 32) is the same byte in uint8 arithmetic, without a wider copy
+    q = np.pad(q, ((0, 0), (0, pad))) if pad else q
+    q = q.astype(np.int8, copy=False).view(np.uint8)
 
     def per_tile(per_block: np.ndarray, dtype) -> np.ndarray:   # [rows, N] -> [tiles, rows, 16]
         padded = np.pad(per_block.astype(dtype), ((0, 0), (0, pad)))
@@ -104,7 +137,7 @@ def pack(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
 
     if bits in (4, 6):
         # k = 32 b + 16 h + 4 g + i -> [blocks, h, g, i, tiles, j]
-        u = (q + (8 if bits == 4 else 32)).astype(np.uint8).reshape(blocks, 2, 4, 4, tiles, TILE)
+        u = (q + np.uint8(8 if bits == 4 else 32)).reshape(blocks, 2, 4, 4, tiles, TILE)
         nibbles = (u[:, 0] & 15) | ((u[:, 1] & 15) << 4)             # [blocks, g, i, tiles, j]
         packed = nibbles.transpose(3, 0, 1, 4, 2).reshape(tiles, blocks, 4 * 64)
         if bits == 6:   # the high two bits of k = 16 h + 4 c + i, at bits 2c: [blocks, h, i, tiles, j]
@@ -114,9 +147,9 @@ def pack(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
         sums = np.zeros(0, np.int32)
     else:
         # k = 32 b + 4 g + i -> [blocks, g, i, tiles, j]
-        values = q.astype(np.int8).view(np.uint8).reshape(blocks, 8, 4, tiles, TILE)
-        packed = values.transpose(3, 0, 1, 4, 2).reshape(tiles, blocks, 8 * 64)
-        sums = per_tile(q.reshape(blocks, BLOCK, -1).sum(axis=1)[:, :n], np.int32)
+        packed = q.reshape(blocks, 8, 4, tiles, TILE).transpose(3, 0, 1, 4, 2).reshape(tiles, blocks, 8 * 64)
+        block_sums = q.view(np.int8).reshape(blocks, BLOCK, -1).sum(axis=1, dtype=np.int32)
+        sums = per_tile(block_sums[:, :n], np.int32)
     if bits == 6:
         halves = [per_tile(scales.sc[half::2], np.int8) for half in (0, 1)]
         return Packed(6, n, np.ascontiguousarray(packed), np.zeros(0, np.float32), np.zeros(0, np.float32),

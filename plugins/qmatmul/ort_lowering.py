@@ -36,7 +36,7 @@ def lower(model, location: str) -> dict[str, np.ndarray]:
         if found is None:
             continue
         dq, q, scales, bits, block = found
-        weights = q.const_value.numpy().astype(np.int8)
+        weights = _int8_values(q)
         offsets, last = _offsets(node)
         made = _scales(scales, offsets)
         if made is None or not supported(weights, block, bits):
@@ -160,6 +160,26 @@ def _quantized_product(node):
             or "block_size" not in attributes):
         return None
     return dq, q, scales, bits, attributes["block_size"]
+
+
+def _int8_values(value) -> np.ndarray:
+    """A quantized weight's values as int8, read from its file without ``onnx_ir``'s copy: it
+    keeps the array it reads for as long as the tensor lives (an int4 weight unpacked through
+    ``ml_dtypes``, a slow cast, to a byte a value), and a replaced node's tensors live until the
+    collector reaches the graph's cycles. An int8 weight stays the file's mapped pages."""
+    import onnx_ir as ir
+
+    tensor = value.const_value
+    if not isinstance(tensor, ir.ExternalTensor):
+        return tensor.numpy().astype(np.int8)
+    stored = np.memmap(tensor.path, np.uint8, "r", tensor.offset or 0, (tensor.nbytes,))
+    shape = tensor.shape.numpy()
+    if tensor.dtype == ir.DataType.INT8:
+        return stored.view(np.int8).reshape(shape)
+    values = np.empty(2 * len(stored), np.int8)   # int4: two to a byte, the first in the low nibble
+    values[0::2] = (stored << 4).view(np.int8) >> 4
+    values[1::2] = stored.view(np.int8) >> 4
+    return values[:tensor.size].reshape(shape)
 
 
 def _constant(value, dtype: str, rank: int) -> np.ndarray | None:

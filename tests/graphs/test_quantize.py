@@ -411,3 +411,37 @@ def test_a_rounded_drafts_weights_are_read_a_few_at_a_time(tiny, tmp_path, monke
     assert all(p.stride() == (0,) * p.dim() for p in module.parameters())   # let go after
     for got, expected in zip(outputs, reference_outputs(whole, verify)):
         assert torch.equal(got, expected)
+
+
+def test_a_graph_is_lowered_one_weight_at_a_time(engines, monkeypatch):
+    """Lowering a quantized graph holds, as it packs each weight, the weights packed before it and
+    that weight's values: none stays behind (``onnx_ir`` keeps the array it reads for as long as
+    the tensor lives, the replaced nodes' too: at 8B the target's load peaked at 13.6 GB for
+    4.5 GB packed)."""
+    import tracemalloc
+
+    import onnx_ir as ir
+
+    from plugins.qmatmul import layout
+
+    model = ir.load(engines("int4")[0] / "target.onnx")
+    arrays = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+    seen, packed_bytes, pack = [], [0], layout.pack
+
+    def packing(q, *args):
+        alive = sum(t.size for t in tracemalloc.take_snapshot().filter_traces([arrays]).traces)
+        packed = pack(q, *args)
+        seen.append((alive - packed_bytes[0], q.size))
+        packed_bytes[0] += sum(a.nbytes for a in (packed.q, packed.scales, packed.offsets, packed.sums,
+                                                  packed.sub, packed.super))
+        return packed
+
+    monkeypatch.setattr(qmatmul_lowering, "pack", packing)
+    tracemalloc.start()
+    try:
+        qmatmul_lowering.lower(model, "target.onnx")
+    finally:
+        tracemalloc.stop()
+    largest, values = max(size for _, size in seen), sum(size for _, size in seen)
+    assert len(seen) > 4 and values > 4 * largest
+    assert max(extra for extra, _ in seen) < 2 * largest, seen

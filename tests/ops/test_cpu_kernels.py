@@ -158,6 +158,31 @@ def test_a_q6_k_weight_is_six_bits_with_a_scale_per_half_block(k, n):
     assert np.array_equal(_run(lib, x[2:9], packed, splits=(1, 2)), y[2:9])
 
 
+@pytest.mark.parametrize("form", ["int4", "int8-offsets", "q4_k", "q6_k"])
+def test_a_weight_packed_some_columns_at_a_time_is_the_same_bytes(monkeypatch, form):
+    """``pack`` makes a wide weight (a vocabulary's ``lm_head``) a few tiles of columns at a time,
+    each into its place: the same arrays as in one piece, the last tile's padding included."""
+    rng = np.random.default_rng(7)
+    k, n = 512, 16 * 9 + 5
+    if form == "q4_k":
+        q, scales = _k_quant(rng, 4, k, n)
+        args = (q, scales, 4)
+    elif form == "q6_k":
+        q, scales = _q6_k(rng, k, n)
+        args = (q, scales, 6)
+    else:
+        bits = 4 if form == "int4" else 8
+        q, scales, offsets = _weight(rng, bits, form.endswith("offsets"), k, n)
+        args = (q, scales, bits, offsets)
+    whole = layout.pack(*args)
+    monkeypatch.setattr(layout, "PACKED_AT_ONCE", 2 * 16 * k)   # 2 tiles a piece: 5 pieces
+    pieces = layout.pack(*args)
+    for field in ("q", "scales", "offsets", "sums", "sub", "super"):
+        a, b = getattr(whole, field), getattr(pieces, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
+    assert (whole.n, whole.bits, whole.middle) == (pieces.n, pieces.bits, pieces.middle)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("k, n", [(576, 960), (63, 17)])
