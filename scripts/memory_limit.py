@@ -80,7 +80,7 @@ def main() -> None:
         report = {"generate": " ".join(flags), "completed": run.returncode == 0, "wall_s": round(wall),
                   "engine_weights_gb": round(weights / 1e9, 2), "limit_gb": round(limit / 1e9, 2),
                   "cgroup_peak_gb": round(peak / 1e9, 2), "times_at_limit": hits,
-                  "output": run.stdout[-300:]}
+                  "output": run.stdout[-300:], "stats": run.stderr[-600:]}
     else:
         target, draft, out = Path(given["--target"]), Path(given["--draft"]), Path(given["--out"])
         width = BYTES[given.get("--dtype", "fp16")]
