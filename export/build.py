@@ -111,6 +111,27 @@ class Weights:
 
 
 @dataclass
+class BlocksIntoGraph:
+    """``weights``' blocks into a graph (``qdq``): as ``export_graph`` writes it (``rewrite``), for
+    a module of placeholders, whose weights then never reach the disk as floats (an 8B GGUF
+    target's were 32.8 GB of float32, written to be read back once); or into the graph written.
+    ``count``: the matrices the graph holds so, once done."""
+    weights: Weights
+    keep: set[str]
+    kquant_scales: bool
+    count: int | None = None
+
+    def __call__(self, model, path: Path) -> None:
+        self.count = qdq.quantize_model(model, path, *self._given())
+
+    def into_written(self, path: Path) -> None:
+        self.count = qdq.quantize_graph(path, *self._given())
+
+    def _given(self) -> tuple:
+        return self.weights.blocks_of, self.keep, self.weights.embeddings, self.kquant_scales
+
+
+@dataclass
 class Graph:
     """One model's graph, written and verified: what the manifest and the result say of it."""
     described: dict
@@ -209,7 +230,9 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
             verify = with_context(module, verify, held_out_texts(sources.tokenizer, 256),
                                   limits.max_prompt_chunk)
     phase(f"{name}: export")
-    path = export_graph(module, spec, trace, limits, out, options.opset, weights=lazy)
+    blocks = BlocksIntoGraph(weights, keep_float, options.backend == "onnx") if weights.blocks_of else None
+    path = export_graph(module, spec, trace, limits, out, options.opset, weights=lazy,
+                        rewrite=blocks if lazy is not None else None)   # never written as floats
     del trace
     phase(f"{name}: reference outputs")
     with resident(module, lazy):
@@ -219,10 +242,12 @@ def make_graph(name: str, sources: Sources, options: Options, out: Path, phase, 
     del module
     release_freed_memory()
     quantized = weights.count
-    if weights.blocks_of is not None:
-        phase(f"{name}: {options.formats[name]} weights into the graph")
-        quantized = _weights_into_graph(path, weights, keep_float, sources, options)
-        release_freed_memory()
+    if blocks is not None:
+        if blocks.count is None:
+            phase(f"{name}: {options.formats[name]} weights into the graph")
+            blocks.into_written(path)
+            release_freed_memory()
+        quantized = _counted(blocks.count, path, weights, sources)
     phase(f"{name}: verify")
     check_model(path)
     # the target is also checked as the ORT backend runs it (a sequence per call, lowered), with
@@ -327,12 +352,10 @@ def _round(name: str, module: TargetStep | DraftStep, lazy: LazyWeights | None, 
     return Weights(), lazy
 
 
-def _weights_into_graph(path: Path, weights: Weights, keep_float, sources: Sources, options: Options) -> int:
-    """Rewrite the written graph to hold ``weights``' blocks; the count of matrices it now holds
-    so. A layer the tracer shares may be written twice (the draft's K/V projections), so the graph
-    may hold more; fewer means a layer was traced in a form left unquantized."""
-    in_graph = qdq.quantize_graph(path, weights.blocks_of, keep_float, embeddings=weights.embeddings,
-                                  kquant_scales=options.backend == "onnx")
+def _counted(in_graph: int, path: Path, weights: Weights, sources: Sources) -> int:
+    """``in_graph``, the matrices the graph holds as ``weights``' blocks, checked against the
+    module's count. A layer the tracer shares may be written twice (the draft's K/V projections),
+    so the graph may hold more; fewer means a layer was traced in a form left unquantized."""
     if in_graph < weights.count and weights.gguf is not None:
         raise ValueError(f"{sources.target_dir}: {weights.count - in_graph} of the target's "
                          f"{weights.count} weight matrices (linear layers, experts) are not "

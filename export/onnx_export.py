@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,12 +136,16 @@ def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, torch.Tensor],
                  limits: BuildLimits, directory: Path, opset: int,
-                 weights: LazyWeights | None = None) -> Path:
+                 weights: LazyWeights | None = None,
+                 rewrite: Callable[[Any, Path], object] | None = None) -> Path:
     """Trace ``module`` on ``example`` and write ``directory / spec.file``, its weights in
     ``spec.file + ".data"``: streamed there one tensor at a time (an in-memory protobuf would hold
     about three copies of them), and what ONNX Runtime and TensorRT map or read without a copy.
     A module that holds ``lazy_weights`` placeholders is traced on them and its ``weights`` read
-    from the file as each initializer is written (before the optimizer, which folds constants)."""
+    from the file as each initializer is written (before the optimizer, which folds constants).
+    ``rewrite(model, path)`` edits the traced graph (``onnx_ir``) before it is written: a lazy
+    module's weights into their blocks (``qdq.quantize_model``), which then never reach the disk as
+    floats (an 8B GGUF target's were 32.8 GB of float32, written to be read back once)."""
     if opset not in OPSETS:
         raise ValueError(f"--opset {opset}: expected one of {OPSETS}")
     bounds = {"batch": limits.max_batch, "rows": limits.max_prompt_chunk,
@@ -172,6 +178,8 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, example: dict[str, to
     _attach_functions(program, opset)
     _cast_normalized_inputs(program)
     path = directory / spec.file
+    if rewrite is not None:
+        rewrite(program.model, path)
     program.save(path, external_data=True)
     # onnxscript's rewrite rules keep the last graph they matched (module-level pattern matchers),
     # which would keep the tensors the optimizer made (folded transposes and casts of weights) alive

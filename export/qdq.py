@@ -14,7 +14,10 @@ those (``plugins/moe/onnx_function.py``).
 """
 from __future__ import annotations
 
+import mmap
+import os
 import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass
@@ -31,26 +34,45 @@ def quantize_graph(path: Path, blocks_of: BlocksOf,
                    keep: Set[str] = frozenset(),
                    embeddings: BlocksOf | None = None,
                    kquant_scales: bool = True) -> int:
-    """Rewrite ``path`` (and its ``.data`` file) with every linear layer of the main graph for
-    which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named in ``keep``, as
-    ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the input's per-block sums
-    times the offsets); returns how many.
+    """``quantize_model`` of the graph written at ``path`` (and its ``.data`` file); returns how
+    many layers it rewrote. The weights are read mapped from the old file while the new one is
+    written beside it, then the new one takes its place."""
+    import onnx_ir as ir
+
+    model = ir.load(path)
+    replaced = quantize_model(model, path, blocks_of, keep, embeddings, kquant_scales)
+    staging = path.parent / f".{path.name}.quantized"
+    staging.mkdir()
+    try:
+        ir.save(model, staging / path.name, external_data=f"{path.name}.data")
+        del model
+        for name in (path.name, f"{path.name}.data"):
+            (staging / name).replace(path.parent / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return replaced
+
+
+def quantize_model(model, path: Path, blocks_of: BlocksOf,
+                   keep: Set[str] = frozenset(),
+                   embeddings: BlocksOf | None = None,
+                   kquant_scales: bool = True) -> int:
+    """Rewrite ``model`` (``onnx_ir``, to be written at ``path``) with every linear layer of the
+    main graph for which ``blocks_of(weight [K, N])`` gives blocks, and whose weight is not named
+    in ``keep``, as ``DequantizeLinear -> MatMul`` (plus, where the blocks have offsets, the
+    input's per-block sums times the offsets); returns how many.
     A linear layer is a ``MatMul`` with a constant 2-D weight, or a ``Gemm(transB=1)`` (the weight
     stored ``[N, K]``). Layers that read the same input (q / k / v, gate / up) become one product
     with their weights side by side, split after it: one kernel call instead of two or three
-    (docs/measurements.md). The weights are read mapped from the old file while
-    the new one is written beside it, then the new one takes its place.
+    (docs/measurements.md). The blocks' values wait in a scratch file beside ``path`` until the
+    graph is written (``_Spill``).
     With ``embeddings`` (the blocks of a table ``[K, V]``, which must give the values the table
     holds: a file's own, or a rounding the module was given first), a ``Gather`` of a float
     table's rows is rewritten too (``_quantize_embeddings``); it is not counted.
     A GGUF K-quant's scales and offsets are made in the graph from the file's integers
     (``_kquant_scales``: the kernel reads those, a Q4_K weight's bytes 0.77x) unless
     ``kquant_scales`` is False (TensorRT engines, whose weight-only layers take constant scales)."""
-    import onnx_ir as ir
-
-    model = ir.load(path)
-    scratch = path.parent / f".{path.name}.blocks"
-    rewrite = _Rewrite(model.graph, blocks_of, path.name, kquant_scales, _Spill(scratch))
+    rewrite = _Rewrite(model.graph, blocks_of, path.name, kquant_scales, _Spill(path.parent))
     pending, replaced = _linear_groups(model.graph, keep), 0
     while pending:
         group = pending.pop(0)
@@ -62,16 +84,6 @@ def quantize_graph(path: Path, blocks_of: BlocksOf,
     if embeddings is not None:
         _quantize_embeddings(model.graph, embeddings)
     _weights_first(model.graph)
-    staging = path.parent / f".{path.name}.quantized"
-    staging.mkdir()
-    try:
-        ir.save(model, staging / path.name, external_data=f"{path.name}.data")
-        del model, rewrite
-        for name in (path.name, f"{path.name}.data"):
-            (staging / name).replace(path.parent / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        scratch.unlink(missing_ok=True)
     return replaced
 
 
@@ -413,15 +425,21 @@ class Stored:
 class _Spill:
     """The rewrite's weight values, written to a scratch file as each is made and mapped back
     until the graph is written: in memory they were the whole model's blocks at once (5 GB of an
-    8B Q4_K_M target), where mapped pages are the system's to reclaim."""
+    8B Q4_K_M target), where mapped pages are the system's to reclaim. The file is in the graph's
+    folder (the system's temporary folder may be memory) and has no name: it goes with its last
+    mapping, however the build ends."""
 
-    def __init__(self, path: Path):
-        self.path, self.size = path, 0
-        path.write_bytes(b"")
+    def __init__(self, folder: Path):
+        self.file = tempfile.TemporaryFile(dir=folder)
 
     def __call__(self, array: np.ndarray) -> np.ndarray:
-        with self.path.open("ab") as file:
-            np.ascontiguousarray(array).tofile(file)
-        mapped = np.memmap(self.path, array.dtype, "r", self.size, array.shape)
-        self.size += array.nbytes
-        return mapped
+        if not array.nbytes:
+            return array
+        array = np.ascontiguousarray(array)
+        # a mapping starts at a multiple of the system's granularity
+        start = -(-self.file.seek(0, os.SEEK_END) // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        self.file.seek(start)
+        self.file.write(array.reshape(-1).view(np.uint8).data)
+        self.file.flush()
+        mapped = mmap.mmap(self.file.fileno(), array.nbytes, access=mmap.ACCESS_READ, offset=start)
+        return np.frombuffer(mapped, array.dtype).reshape(array.shape)

@@ -344,14 +344,26 @@ def _k_quant_pair(directory, kinds: dict[str, str], layers: int = 3, hidden: int
     return directory / "target.gguf", directory / "draft"
 
 
-def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
+def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path, monkeypatch):
     """A target as llama-quantize's Q4_K_M writes one (Q4_K matrices, Q6_K for the tied embedding /
     output, v and down projections; Q5_K in place of some) builds with ``--weights gguf`` by
     default: verified against the file's own model, every matrix int4 / int8 blocks with the file's
-    integer scales, and speculative output equal to target-only output."""
+    integer scales, and speculative output equal to target-only output. Each graph is written
+    once, as the engine holds it: its weights never reach the disk as floats (an 8B target's were
+    32.8 GB of float32, written to be read back once)."""
     import json
 
+    import export.build
     from export import __main__ as cli
+
+    written, export_graph = {}, export.build.export_graph
+
+    def noting_the_size(*args, **options):
+        path = export_graph(*args, **options)
+        written[path.name] = (path.parent / f"{path.name}.data").stat().st_size
+        return path
+
+    monkeypatch.setattr(export.build, "export_graph", noting_the_size)
 
     from oracles import check_speculative_equals_target_only
 
@@ -377,6 +389,8 @@ def test_a_q4_k_m_style_target_builds_keeping_its_blocks(tmp_path):
     assert sorted(types[name] for name in kquant) == [TensorProto.UINT8] * 12 + [TensorProto.INT8] * 7
     assert not [name for name in types if name.endswith("_offsets")]
     assert max(_dequantized_ahead(engine / "target.onnx", tmp_path).values()) <= 8
+    assert written == {name: (engine / f"{name}.data").stat().st_size
+                       for name in ("draft.onnx", "target.onnx")}
     check_speculative_equals_target_only(engine)
 
 

@@ -1,10 +1,9 @@
 """Weight-only int4 / int8 engines (``build --weights``): the graph form, what the build verifies
 and records, a row's logits independent of how many rows share the call, and the greedy invariant
 on quantized engines."""
-import shutil
-
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -40,15 +39,14 @@ def engines(tiny, engine_dir, tmp_path_factory):
             return engine_dir(LIMITS), None, None
         if weights not in built:
             out, traced = tmp_path_factory.mktemp(weights), tmp_path_factory.mktemp("traced")
-            rewrite = qdq.quantize_graph
+            rewrite = qdq.quantize_model
 
-            def keeping_the_traced_graph(path, blocks_of, keep, **options):
-                for name in (path.name, f"{path.name}.data"):
-                    shutil.copy(path.parent / name, traced / name)
-                return rewrite(path, blocks_of, keep, **options)
+            def keeping_the_traced_graph(model, path, *args, **options):
+                ir.save(model, traced / path.name, external_data=f"{path.name}.data")
+                return rewrite(model, path, *args, **options)
 
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(qdq, "quantize_graph", keeping_the_traced_graph)
+                patch.setattr(qdq, "quantize_model", keeping_the_traced_graph)
                 result = build(*map(str, tiny()), out, limits=LIMITS, weights=weights,
                                quantize_draft=QUANTIZE_DRAFT[weights], progress=False)
             built[weights] = out, traced, result
@@ -125,7 +123,6 @@ def test_the_token_embeddings_are_int8_rows_the_module_was_given(engines, weight
 
 def test_the_rounding_is_onnx_runtimes():
     """``rtn`` gives the integers and scales of ONNX Runtime's own int4 quantizer."""
-    import onnx_ir as ir
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -242,18 +239,18 @@ def test_the_manifest_records_the_weights_and_their_quality_cost(engines, capsys
 def test_the_build_refuses_a_corrupted_quantized_weight(tiny, tmp_path, monkeypatch):
     """The graph is verified against a reference with the weights it should hold: one block of
     one layer with its scales' sign flipped fails the build (the draft's, the first graph built)."""
-    rewrite = qdq.quantize_graph
+    rewrite = qdq.quantize_model
 
-    def corrupted(path, blocks_of, keep, **options):
+    def corrupted(model, path, blocks_of, *args, **options):
         def flipped(matrix):
             blocks = blocks_of(matrix)
             if blocks is not None:
                 blocks.scales[0] = -blocks.scales[0]
             return blocks
 
-        return rewrite(path, flipped, keep, **options)
+        return rewrite(model, path, flipped, *args, **options)
 
-    monkeypatch.setattr(qdq, "quantize_graph", corrupted)
+    monkeypatch.setattr(qdq, "quantize_model", corrupted)
     with pytest.raises(VerificationError, match=r"draft.onnx: .* PyTorch reference"):
         build(*map(str, tiny()), tmp_path, limits=LIMITS, weights="int4", quantize_draft=True,
               progress=False)
@@ -343,7 +340,6 @@ def test_every_quantized_layer_runs_on_the_compiled_kernel(engines, weights):
     MatMul`` becomes the kernel's ``QMatMul`` (none is left to ONNX Runtime's ``MatMulNBits``),
     and the target runs a batch of sequences in one call (``plugins/cpu``), a float engine's too
     (its products on ``FMatMul``)."""
-    import onnx_ir as ir
 
     out = engines(weights)[0]
     for graph in _graphs(weights):
@@ -419,8 +415,6 @@ def test_a_graph_is_lowered_one_weight_at_a_time(engines, monkeypatch):
     the tensor lives, the replaced nodes' too: at 8B the target's load peaked at 13.6 GB for
     4.5 GB packed)."""
     import tracemalloc
-
-    import onnx_ir as ir
 
     from plugins.qmatmul import layout
 
