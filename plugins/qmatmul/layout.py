@@ -89,15 +89,15 @@ def supported(q: np.ndarray, block: int, bits: int) -> bool:
             and (bits == 4 or int(q.min()) >= -127))
 
 
-PACKED_AT_ONCE = 1 << 24   # values of a weight packed in one piece: 2 bytes each while packed
+PACKED_AT_ONCE = 1 << 24   # values of a weight packed in one piece (a few working bytes each)
 
 
 def pack(q: np.ndarray, scales: np.ndarray | KQuantScales, bits: int,
          offsets: np.ndarray | None = None) -> Packed:
     """``q [K, N]`` (int8 values), ``scales`` and ``offsets`` ``[K / 32, N]`` (or a K-quant's
     scales, which make both) -> the kernel's layout. ``bits`` 6 packs Q6_K's. Packed some tiles
-    of columns at a time, each into its place: a vocabulary-sized weight's working copies (16-bit
-    values, the shifted bytes) would be several times its packed size at once."""
+    of columns at a time, each into its place: a vocabulary-sized weight's working copies (the
+    shifted bytes, the nibbles, their transposes) would be several times its packed size at once."""
     k, n = q.shape
     step = max(TILE, PACKED_AT_ONCE // k // TILE * TILE)
     if n <= step:
